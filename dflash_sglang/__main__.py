@@ -1,0 +1,3 @@
+from dflash_sglang.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,223 @@
+"""`dflash-sglang` command line: inspect | generate | train | demo.
+
+Errors in user input (bad checkpoints, bad flags, prompts that do not fit) print one line naming the
+file/field/flag and exit with status 2, before any decoding starts.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+
+EXIT_USAGE = 2
+# Subcommands implemented elsewhere: (module, help). Each module exposes add_arguments(p) and run(args) -> int.
+EXTERNAL = {
+    "train": ("dflash_sglang.train.cli", "train a DFlash drafter for a target (z-lab checkpoint out)"),
+    "demo": ("dflash_sglang.testbed.demo", "set up the SmolLM2 testbed and decode a few eval prompts"),
+}
+
+
+class UsageError(ValueError):
+    """Bad input at the command line boundary; printed as one line, exit status 2."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (UsageError, ValueError, FileNotFoundError) as e:  # CheckpointError is a ValueError
+        print(f"dflash-sglang {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash-sglang", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("inspect", help="validate a draft checkpoint (and its fit to a target); JSON summary")
+    p.add_argument("draft", type=Path, help="draft checkpoint directory (config.json + model.safetensors)")
+    p.add_argument("--target", type=Path, help="target model directory (its config.json is checked)")
+    p.set_defaults(run=run_inspect)
+
+    p = sub.add_parser("generate", help="speculative decoding with the reference decoder")
+    p.add_argument("--target", type=Path, help="HF target directory (default: the embedded SmolLM2 testbed)")
+    p.add_argument("--draft", type=Path, help="draft directory (default: the embedded SmolLM2 drafter)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt text")
+    src.add_argument("--prompts-file", type=Path, help='JSONL: {"prompt": str} or {"messages": [...]} per line')
+    p.add_argument("--max-new-tokens", type=int, required=True)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--block-size", type=int, help="default: the checkpoint's block size")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-chat-template", action="store_true", help="tokenize prompts as raw text")
+    p.add_argument("--check-lossless", action="store_true", help="also decode without speculation and compare")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    p.set_defaults(run=run_generate)
+
+    for name, (module, help_text) in EXTERNAL.items():
+        p = sub.add_parser(name, help=help_text)
+        p.set_defaults(run=_external(module), _external_module=module)
+        mod = _try_import(module)
+        if mod is not None:
+            mod.add_arguments(p)
+    return parser
+
+
+def _try_import(module: str):
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name and module.startswith(e.name):
+            return None  # subcommand not shipped in this build
+        raise
+
+
+def _external(module: str):
+    def run(args: argparse.Namespace) -> int:
+        mod = _try_import(module)
+        if mod is None:
+            raise UsageError(f"'{args.command}' is not available in this installation ({module} missing)")
+        return mod.run(args)
+
+    return run
+
+
+# ---------------------------------------------------------------------------- inspect
+def run_inspect(args: argparse.Namespace) -> int:
+    from dflash_sglang.core.checkpoint import check_fit, load_drafter
+
+    drafter = load_drafter(args.draft)
+    cfg = drafter.cfg
+    params = sum(p.numel() for p in drafter.parameters())
+    summary = {
+        "draft": str(args.draft),
+        "format": cfg.source_format,
+        "config": cfg.summary(),
+        "tensors": len(drafter.state_dict()),
+        "parameters": params,
+        "dtype": str(drafter.fc.weight.dtype).removeprefix("torch."),
+        "bytes": params * drafter.fc.weight.element_size(),
+    }
+    if args.target is not None:
+        tcfg = args.target / "config.json"
+        if not tcfg.is_file():
+            raise UsageError(f"{tcfg}: missing (--target must be an HF model directory)")
+        summary["target"] = {"path": str(args.target), **check_fit(cfg, json.loads(tcfg.read_text()),
+                                                                    str(args.draft / "config.json"))}
+        summary["fits_target"] = True
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+# ---------------------------------------------------------------------------- generate
+def read_prompts(args: argparse.Namespace) -> list:
+    """Prompt texts or chat message lists, validated line by line."""
+    if args.prompt is not None:
+        return [args.prompt]
+    if not args.prompts_file.is_file():
+        raise UsageError(f"--prompts-file {args.prompts_file}: no such file")
+    prompts = []
+    for n, line in enumerate(args.prompts_file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{args.prompts_file}:{n}: not valid JSON ({e})") from None
+        item = obj.get("messages", obj.get("prompt")) if isinstance(obj, dict) else None
+        if not isinstance(item, (str, list)) or not item:
+            raise UsageError(f"{args.prompts_file}:{n}: needs a non-empty 'prompt' string or 'messages' list")
+        prompts.append(item)
+    if not prompts:
+        raise UsageError(f"{args.prompts_file}: no prompts")
+    return prompts
+
+
+def encode(tokenizer, prompt, chat: bool) -> list[int]:
+    if isinstance(prompt, list) or (chat and getattr(tokenizer, "chat_template", None)):
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+
+def load_pair(target_dir: Path, draft_dir: Path, device: str):
+    """HF target (safetensors only, no remote code), tokenizer and strictly-loaded drafter."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_sglang.core.checkpoint import check_fit, load_drafter
+    from dflash_sglang.core.config import DraftConfig
+
+    if not (target_dir / "config.json").is_file():
+        raise UsageError(f"--target {target_dir}: not an HF model directory (no config.json)")
+    cfg = DraftConfig.load(draft_dir)
+    check_fit(cfg, json.loads((target_dir / "config.json").read_text()), str(draft_dir / "config.json"))
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, use_safetensors=True).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    drafter = load_drafter(draft_dir, device=device, dtype=dtype)
+    return target, tokenizer, drafter
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from dflash_sglang.core.reference import ReferenceDecoder
+
+    if args.max_new_tokens < 1:
+        raise UsageError("--max-new-tokens must be >= 1")
+    if args.check_lossless and args.temperature != 0:
+        raise UsageError("--check-lossless compares token identity, which needs --temperature 0")
+    if (args.target is None) != (args.draft is None):
+        raise UsageError("give both --target and --draft, or neither (embedded default pair)")
+    if args.target is None:
+        from dflash_sglang.testbed import default_pair
+
+        args.target, args.draft = default_pair()
+    prompts = read_prompts(args)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target, tokenizer, drafter = load_pair(args.target, args.draft, device)
+    ids = [encode(tokenizer, p, chat=not args.no_chat_template) for p in prompts]
+    dec = ReferenceDecoder(target, drafter)
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                    eos_token_id=tokenizer.eos_token_id)
+    for start in range(0, len(ids), args.batch_size):
+        chunk = ids[start:start + args.batch_size]
+        t0 = time.perf_counter()
+        outs = dec.generate(chunk, args.max_new_tokens, block_size=args.block_size, **sampling)
+        elapsed = time.perf_counter() - t0
+        plain = dec.plain_generate(chunk, args.max_new_tokens, **sampling) if args.check_lossless else None
+        for i, out in enumerate(outs):
+            record = {
+                "index": start + i,
+                "text": tokenizer.decode(out.tokens, skip_special_tokens=True),
+                "tokens": out.tokens,
+                "accept_lengths": out.accept_lengths,
+                "mean_accept_length": round(out.mean_accept_length, 4),
+                "batch_seconds": round(elapsed, 3),
+            }
+            if plain is not None:
+                mismatch = next((j for j, (a, b) in enumerate(zip(out.tokens, plain[i])) if a != b), None)
+                if mismatch is None and len(out.tokens) != len(plain[i]):
+                    mismatch = min(len(out.tokens), len(plain[i]))
+                record["lossless"] = mismatch is None
+                record["first_mismatch"] = mismatch
+            if args.json:
+                print(json.dumps(record), flush=True)
+            else:
+                extra = f"  lossless={record['lossless']}" if plain is not None else ""
+                print(f"[{record['index']}] tau={record['mean_accept_length']:.2f}{extra}\n{record['text']}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

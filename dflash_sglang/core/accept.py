@@ -1,0 +1,141 @@
+"""Chain acceptance: greedy (longest matching prefix + bonus) and lossless rejection sampling.
+
+Conventions shared with the tree version (core/tree.py) and the CUDA kernels, so they compare bit-exactly:
+- `accept_len [bs]` counts accepted DRAFT tokens (0..B-1); the step commits accept_len + 1 tokens
+  (tau counts the bonus token).
+- `out_tokens [bs, B]`: accepted drafts, then the bonus token at index accept_len, then -1.
+- Randomness is passed in as uniforms (`coins`, `resample_u`), never drawn inside.
+- Draft k is accepted iff `coins[k] * q_k(d_k) < p_k(d_k)`; with the default point-mass (argmax) proposal
+  q_k(d_k) = 1, so the test is `coins[k] < p_k(d_k)`. On the first rejection j the bonus is drawn from the
+  residual max(p_j - q_j, 0) (point mass: p_j with d_j zeroed); if every draft is accepted, from p_{B-1}.
+  This is Leviathan et al.'s rule: the emitted tokens are distributed exactly as the target's samples.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings; a batch may mix greedy and sampled requests.
+
+    temperature [bs] float32 (0 = greedy), top_k [bs] int64 (0 = off), top_p [bs] float32 (1 = off).
+    """
+
+    temperature: Tensor
+    top_k: Tensor
+    top_p: Tensor
+
+    @classmethod
+    def full(cls, bs: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, device=None) -> SamplingParams:
+        if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"invalid sampling params: temperature={temperature} top_k={top_k} top_p={top_p}")
+        return cls(
+            torch.full((bs,), float(temperature), device=device),
+            torch.full((bs,), int(top_k), dtype=torch.int64, device=device),
+            torch.full((bs,), float(top_p), device=device),
+        )
+
+    @property
+    def greedy(self) -> Tensor:
+        return self.temperature == 0
+
+    def select(self, rows: Tensor) -> SamplingParams:
+        return SamplingParams(self.temperature[rows], self.top_k[rows], self.top_p[rows])
+
+
+@dataclass(frozen=True)
+class AcceptResult:
+    accept_len: Tensor  # [bs] int64, accepted draft tokens
+    out_tokens: Tensor  # [bs, B] int64, accepted drafts, bonus at accept_len, then -1
+    bonus: Tensor  # [bs] int64
+
+
+def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
+    """logits [bs, n, V] -> probabilities [bs, n, V] float32 after temperature, top-k, then top-p.
+
+    Greedy rows become one-hot at the argmax, so rejection sampling on them reduces to greedy acceptance.
+    """
+    logits = logits.float()
+    bs, n, vocab = logits.shape
+    temp = params.temperature.clamp_min(1e-6)[:, None, None]
+    scaled = logits / temp
+    sorted_l, order = scaled.sort(dim=-1, descending=True)
+    k = torch.where(params.top_k > 0, params.top_k.clamp_max(vocab), vocab)[:, None, None]
+    kth = sorted_l.gather(-1, (k - 1).expand(bs, n, 1))
+    keep_sorted = sorted_l >= kth  # ties with the k-th logit are kept
+    probs_sorted = torch.softmax(sorted_l.masked_fill(~keep_sorted, float("-inf")), dim=-1)
+    # top-p keeps the smallest prefix whose mass reaches p: drop a token when the mass before it already does.
+    before = probs_sorted.cumsum(-1) - probs_sorted
+    keep_sorted &= before < params.top_p[:, None, None]
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    probs = torch.softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)
+    onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(params.greedy[:, None, None], onehot, probs)
+
+
+def sample_from(weights: Tensor, u: Tensor) -> Tensor:
+    """Inverse-CDF sample: weights [..., V] >= 0 (unnormalised), u [...] in [0, 1) -> index [...] int64.
+
+    The first index whose float32 running sum exceeds u * total; clamped to the last index with weight > 0
+    so rounding can never pick a zero-probability token.
+    """
+    w = weights.float()
+    c = w.cumsum(-1)
+    idx = (c <= (u.float() * c[..., -1])[..., None]).sum(-1)
+    last_nz = w.shape[-1] - 1 - (w > 0).flip(-1).int().argmax(-1)
+    return torch.minimum(idx, last_nz)
+
+
+def _finish(draft: Tensor, accept_len: Tensor, bonus: Tensor) -> AcceptResult:
+    bs, n_draft = draft.shape
+    j = torch.arange(n_draft + 1, device=draft.device)[None]
+    padded = torch.cat([draft, draft.new_full((bs, 1), -1)], dim=1)
+    out = torch.where(j < accept_len[:, None], padded, -1)
+    out = torch.where(j == accept_len[:, None], bonus[:, None], out)
+    return AcceptResult(accept_len, out, bonus)
+
+
+def greedy_accept(draft: Tensor, target_argmax: Tensor) -> AcceptResult:
+    """draft [bs, B-1] int64, target_argmax [bs, B] int64 (target choice after each block position)."""
+    match = (draft == target_argmax[:, :-1]).long()
+    accept_len = match.cumprod(dim=1).sum(dim=1)
+    bonus = target_argmax.gather(1, accept_len[:, None]).squeeze(1)
+    return _finish(draft, accept_len, bonus)
+
+
+def rejection_accept(
+    draft: Tensor, target_p: Tensor, coins: Tensor, resample_u: Tensor, draft_q: Tensor | None = None
+) -> AcceptResult:
+    """Lossless speculative sampling along a chain.
+
+    draft [bs, B-1] int64, target_p [bs, B, V] float32 (already temperature/top-k/top-p processed),
+    coins [bs, B-1] float32 uniforms, resample_u [bs] float32 uniform,
+    draft_q [bs, B-1, V] float32 or None for point-mass (argmax) proposals.
+    """
+    bs, n_draft = draft.shape
+    p_d = target_p[:, :-1].gather(-1, draft[..., None]).squeeze(-1)
+    q_d = torch.ones_like(p_d) if draft_q is None else draft_q.gather(-1, draft[..., None]).squeeze(-1)
+    accepted = (coins * q_d < p_d).long()
+    accept_len = accepted.cumprod(dim=1).sum(dim=1)
+    rows = torch.arange(bs, device=draft.device)
+    p_j = target_p[rows, accept_len]  # [bs, V]: target dist at the first rejection (or after the last draft)
+    rejected = accept_len < n_draft
+    d_j = draft.gather(1, accept_len.clamp_max(n_draft - 1)[:, None])  # [bs, 1]
+    if draft_q is None:
+        residual = p_j.scatter(-1, d_j, 0.0)
+    else:
+        residual = (p_j - draft_q[rows, accept_len.clamp_max(n_draft - 1)]).clamp_min(0.0)
+    # A residual with no mass can only come from rounding (p == q); the target distribution itself is exact then.
+    residual = torch.where(rejected[:, None] & (residual.sum(-1, keepdim=True) > 0), residual, p_j)
+    bonus = sample_from(residual, resample_u)
+    return _finish(draft, accept_len, bonus)
+
+
+def draw_uniforms(bs: int, n: int, generator: torch.Generator | None, device) -> tuple[Tensor, Tensor]:
+    """coins [bs, n] and resample_u [bs], from one generator so runs are reproducible by seed."""
+    u = torch.rand(bs, n + 1, generator=generator, device=device)
+    return u[:, :n], u[:, n]

@@ -1,0 +1,325 @@
+"""Draft checkpoint configuration: z-lab DFlash and speculators DFlash formats -> one frozen `DraftConfig`.
+
+Layer-id rule (dflash_spec.md 1.2): id i means the output of target decoder layer i, which is
+HF `hidden_states[i + 1]` (index 0 is the embedding output). When a checkpoint gives no ids, they are
+spread uniformly from layer 1 to layer L-3, so the last two layers (and HF's final-norm replacement of
+the last hidden state) are never used.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+CONFIG_FILE = "config.json"
+ZLAB_ARCHITECTURES = ("DFlashDraftModel",)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class CheckpointError(ValueError):
+    """A draft checkpoint is malformed or does not fit its target. The message names file and field."""
+
+
+def build_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
+    """Default target layer ids: n ids spread uniformly over [1, L-3] (one id: the middle layer)."""
+    if n < 1:
+        raise ValueError(f"need at least one target layer, got n={n}")
+    if n == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    # round-half-even (Python round) is what the published rule uses; keep it for bit-compatibility.
+    return tuple(int(round(1 + i * span / (n - 1))) for i in range(n))
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """Everything the drafter and the decoders need from a draft checkpoint's config.json."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    block_size: int = 16
+    num_target_layers: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 40960
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    # None: sliding layers causal, full layers bidirectional (z-lab rule); True/False forces all layers.
+    is_causal: bool | None = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float | None = None
+    final_logit_softcapping: float | None = None
+    source_format: str = "zlab"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full_attention",) * self.num_hidden_layers)
+        assert len(self.layer_types) == self.num_hidden_layers, "validated in from_dict"
+
+    @property
+    def n_features(self) -> int:
+        """Number of target layers whose outputs are fused (fc input is n_features * hidden_size)."""
+        return len(self.target_layer_ids)
+
+    def layer_is_causal(self, i: int) -> bool:
+        if self.is_causal is not None:
+            return self.is_causal
+        return self.layer_types[i] == "sliding_attention"
+
+    def layer_window(self, i: int) -> int | None:
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    def with_block_size(self, block_size: int) -> DraftConfig:
+        if block_size < 2:
+            raise ValueError(f"block size must be >= 2 (one anchor + at least one draft), got {block_size}")
+        return replace(self, block_size=block_size)
+
+    # ---------------------------------------------------------------- parsing
+    @classmethod
+    def load(cls, draft_dir: str | Path) -> DraftConfig:
+        path = Path(draft_dir) / CONFIG_FILE
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing (a DFlash draft directory needs {CONFIG_FILE})")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(data, source=str(path))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = CONFIG_FILE) -> DraftConfig:
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{source}: top level must be a JSON object")
+        if d.get("speculators_model_type") == "dflash" or "transformer_layer_config" in d:
+            return _from_speculators(d, source)
+        return _from_zlab(d, source)
+
+    def to_dict(self) -> dict[str, Any]:
+        """z-lab config.json (what SGLang's builtin DFLASH and the z-lab code read)."""
+        out: dict[str, Any] = {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "layer_types": list(self.layer_types),
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": self.sliding_window is not None,
+            "attention_bias": False,
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+                "block_size": self.block_size,
+            },
+            "dtype": "bfloat16",
+        }
+        if self.is_causal is not None:
+            out["is_causal"] = self.is_causal
+        dc = out["dflash_config"]
+        if self.input_embedding_scale != 1.0:
+            dc["input_embedding_scale"] = self.input_embedding_scale
+        if self.output_multiplier is not None:
+            dc["output_multiplier"] = self.output_multiplier
+        if self.final_logit_softcapping is not None:
+            dc["final_logit_softcapping"] = self.final_logit_softcapping
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("extra")
+        d["n_features"] = self.n_features
+        return d
+
+
+# -------------------------------------------------------------------- field readers
+def _req(d: dict, key: str, typ: type, source: str, prefix: str = "") -> Any:
+    if key not in d or d[key] is None:
+        raise CheckpointError(f"{source}: missing field '{prefix}{key}'")
+    return _typed(d[key], key, typ, source, prefix)
+
+
+def _opt(d: dict, key: str, typ: type, source: str, default: Any, prefix: str = "") -> Any:
+    if d.get(key) is None:
+        return default
+    return _typed(d[key], key, typ, source, prefix)
+
+
+def _typed(v: Any, key: str, typ: type, source: str, prefix: str) -> Any:
+    if typ is float and isinstance(v, int) and not isinstance(v, bool):
+        v = float(v)
+    if not isinstance(v, typ) or isinstance(v, bool) and typ is not bool:
+        raise CheckpointError(f"{source}: field '{prefix}{key}' must be {typ.__name__}, got {v!r}")
+    if typ is int and v < 0:
+        raise CheckpointError(f"{source}: field '{prefix}{key}' must be >= 0, got {v}")
+    return v
+
+
+def _layer_ids(v: Any, source: str, field_name: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or not v or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+        raise CheckpointError(f"{source}: field '{field_name}' must be a non-empty list of ints, got {v!r}")
+    if any(i < 0 for i in v):
+        raise CheckpointError(f"{source}: field '{field_name}' has a negative layer id: {v}")
+    return tuple(v)
+
+
+def _rope(d: dict, source: str, prefix: str = "") -> tuple[float, dict | None]:
+    # Newer configs nest rope settings in rope_parameters {rope_theta, rope_type, ...}.
+    params = d.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = _opt(params, "rope_theta", float, source, 1_000_000.0, prefix + "rope_parameters.")
+        kind = params.get("rope_type", "default")
+        scaling = None if kind in (None, "default") else dict(params)
+        return theta, scaling
+    theta = _opt(d, "rope_theta", float, source, 1_000_000.0, prefix)
+    scaling = d.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise CheckpointError(f"{source}: field '{prefix}rope_scaling' must be an object or null")
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        scaling = None
+    return theta, scaling
+
+
+def _common(d: dict, source: str, prefix: str = "") -> dict[str, Any]:
+    """Fields shared by both formats (the transformer-layer part of the config)."""
+    n_layers = _req(d, "num_hidden_layers", int, source, prefix)
+    if n_layers < 1:
+        raise CheckpointError(f"{source}: field '{prefix}num_hidden_layers' must be >= 1")
+    hidden = _req(d, "hidden_size", int, source, prefix)
+    heads = _req(d, "num_attention_heads", int, source, prefix)
+    kv_heads = _opt(d, "num_key_value_heads", int, source, heads, prefix)
+    if heads == 0 or kv_heads == 0 or heads % kv_heads:
+        raise CheckpointError(
+            f"{source}: field '{prefix}num_key_value_heads'={kv_heads} must divide num_attention_heads={heads}"
+        )
+    head_dim = _opt(d, "head_dim", int, source, hidden // heads if heads else 0, prefix)
+    if head_dim % 2:
+        raise CheckpointError(f"{source}: field '{prefix}head_dim'={head_dim} must be even (RoPE)")
+    theta, scaling = _rope(d, source, prefix)
+    layer_types = tuple(d.get("layer_types") or ())
+    if layer_types and (len(layer_types) != n_layers or any(t not in LAYER_TYPES for t in layer_types)):
+        raise CheckpointError(
+            f"{source}: field '{prefix}layer_types' must list {n_layers} of {LAYER_TYPES}, got {list(layer_types)}"
+        )
+    window = _opt(d, "sliding_window", int, source, None, prefix)
+    if "sliding_attention" in layer_types and not window:
+        raise CheckpointError(f"{source}: field '{prefix}sliding_window' is required by sliding_attention layers")
+    is_causal = d.get("is_causal")
+    if is_causal is not None and not isinstance(is_causal, bool):
+        raise CheckpointError(f"{source}: field '{prefix}is_causal' must be a bool")
+    if d.get("attention_bias"):
+        raise CheckpointError(f"{source}: field '{prefix}attention_bias' must be false (DFlash has no biases)")
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"{source}: field '{prefix}hidden_act' must be 'silu', got {act!r}")
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=_req(d, "intermediate_size", int, source, prefix),
+        num_hidden_layers=n_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=_req(d, "vocab_size", int, source, prefix),
+        rms_norm_eps=_opt(d, "rms_norm_eps", float, source, 1e-6, prefix),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=_opt(d, "max_position_embeddings", int, source, 40960, prefix),
+        layer_types=layer_types,
+        sliding_window=window,
+        is_causal=is_causal,
+    )
+
+
+def _finish(kw: dict[str, Any], source: str, ids_field: str) -> DraftConfig:
+    if kw["mask_token_id"] >= kw["vocab_size"]:
+        raise CheckpointError(
+            f"{source}: field 'mask_token_id'={kw['mask_token_id']} is outside the vocabulary "
+            f"(vocab_size={kw['vocab_size']})"
+        )
+    if kw["block_size"] < 2:
+        raise CheckpointError(f"{source}: field 'block_size' must be >= 2, got {kw['block_size']}")
+    ntl = kw.get("num_target_layers")
+    if ntl is not None and any(i >= ntl for i in kw["target_layer_ids"]):
+        raise CheckpointError(
+            f"{source}: field '{ids_field}'={list(kw['target_layer_ids'])} has ids out of range for "
+            f"num_target_layers={ntl}"
+        )
+    return DraftConfig(**kw)
+
+
+def _from_zlab(d: dict, source: str) -> DraftConfig:
+    arch = d.get("architectures")
+    if arch is not None and (not isinstance(arch, list) or not set(arch) & set(ZLAB_ARCHITECTURES)):
+        raise CheckpointError(
+            f"{source}: field 'architectures'={arch!r} is not a DFlash v1 draft (expected {list(ZLAB_ARCHITECTURES)})"
+        )
+    dc = d.get("dflash_config")
+    if not isinstance(dc, dict):
+        raise CheckpointError(f"{source}: missing field 'dflash_config' (object with mask_token_id, target_layer_ids)")
+    kw = _common(d, source)
+    kw["mask_token_id"] = _req(dc, "mask_token_id", int, source, "dflash_config.")
+    kw["block_size"] = _opt(dc, "block_size", int, source, _opt(d, "block_size", int, source, 16))
+    kw["num_target_layers"] = _opt(d, "num_target_layers", int, source, None)
+    if dc.get("target_layer_ids") is not None:
+        kw["target_layer_ids"] = _layer_ids(dc["target_layer_ids"], source, "dflash_config.target_layer_ids")
+    elif kw["num_target_layers"] is not None:
+        # The z-lab code derives one id per draft layer when the list is absent.
+        kw["target_layer_ids"] = build_target_layer_ids(kw["num_target_layers"], kw["num_hidden_layers"])
+    else:
+        raise CheckpointError(
+            f"{source}: missing field 'dflash_config.target_layer_ids' (and no 'num_target_layers' to derive it)"
+        )
+    kw["input_embedding_scale"] = _opt(dc, "input_embedding_scale", float, source, 1.0, "dflash_config.")
+    kw["output_multiplier"] = _opt(dc, "output_multiplier", float, source, None, "dflash_config.")
+    kw["final_logit_softcapping"] = _opt(dc, "final_logit_softcapping", float, source, None, "dflash_config.")
+    kw["source_format"] = "zlab"
+    return _finish(kw, source, "dflash_config.target_layer_ids")
+
+
+def _from_speculators(d: dict, source: str) -> DraftConfig:
+    tl = d.get("transformer_layer_config")
+    if not isinstance(tl, dict):
+        raise CheckpointError(f"{source}: missing field 'transformer_layer_config' (speculators DFlash format)")
+    kw = _common(tl, source, "transformer_layer_config.")
+    # The outer num_hidden_layers is authoritative for the draft depth in speculators configs.
+    if d.get("num_hidden_layers") is not None and d["num_hidden_layers"] != kw["num_hidden_layers"]:
+        raise CheckpointError(
+            f"{source}: field 'num_hidden_layers'={d['num_hidden_layers']} disagrees with "
+            f"'transformer_layer_config.num_hidden_layers'={kw['num_hidden_layers']}"
+        )
+    dvs = d.get("draft_vocab_size")
+    if dvs is not None and dvs != kw["vocab_size"]:
+        raise CheckpointError(
+            f"{source}: field 'draft_vocab_size'={dvs} differs from the target vocabulary "
+            f"({kw['vocab_size']}); reduced draft vocabularies are not supported"
+        )
+    kw["mask_token_id"] = _req(d, "mask_token_id", int, source)
+    kw["block_size"] = _opt(d, "block_size", int, source, 16)
+    kw["num_target_layers"] = _opt(d, "num_target_layers", int, source, None)
+    ids = d.get("aux_hidden_state_layer_ids") or d.get("target_layer_ids")
+    if ids is None:
+        raise CheckpointError(f"{source}: missing field 'aux_hidden_state_layer_ids' (speculators DFlash format)")
+    kw["target_layer_ids"] = _layer_ids(ids, source, "aux_hidden_state_layer_ids")
+    kw["source_format"] = "speculators"
+    return _finish(kw, source, "aux_hidden_state_layer_ids")

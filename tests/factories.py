@@ -1,0 +1,85 @@
+"""Tiny random targets and drafters for CPU tests (built from configs; no hub access)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dflash_sglang.core.checkpoint import save_drafter
+from dflash_sglang.core.config import DraftConfig, build_target_layer_ids
+from dflash_sglang.core.drafter import DFlashDrafter
+
+
+def tiny_target(arch: str = "llama", vocab: int = 96, hidden: int = 32, layers: int = 6, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+    )
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0))
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=hidden // 4, rope_theta=10000.0))
+    else:
+        raise ValueError(arch)
+    # Larger-than-default weights give peaked, tie-free distributions, so greedy comparisons are meaningful.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    model.config._attn_implementation = "sdpa"
+    return model.eval()
+
+
+def draft_config_for(target, n_layers: int = 2, n_features: int = 3, block_size: int = 8, **kw) -> DraftConfig:
+    tc = target.config
+    return DraftConfig(
+        hidden_size=tc.hidden_size, intermediate_size=2 * tc.hidden_size, num_hidden_layers=n_layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=tc.hidden_size // 4, vocab_size=tc.vocab_size,
+        mask_token_id=tc.vocab_size - 1, block_size=block_size, num_target_layers=tc.num_hidden_layers,
+        target_layer_ids=build_target_layer_ids(tc.num_hidden_layers, n_features), rope_theta=10000.0, **kw,
+    )
+
+
+def tiny_drafter(cfg: DraftConfig, seed: int = 1) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    model = DFlashDrafter(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    return model.eval()
+
+
+def write_draft(tmp: Path, drafter: DFlashDrafter, dtype=torch.float32) -> Path:
+    return save_drafter(drafter, tmp, dtype=dtype)
+
+
+def mixed_prompts(vocab: int, lengths=(3, 9, 1, 14, 6), seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab - 1, (n,), generator=g).tolist() for n in lengths]
+
+
+def char_tokenizer(vocab: int):
+    """A character-level fast tokenizer over `vocab - 1` printable characters (the last id is free for MASK)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)][: vocab - 2]
+    table = {"<eos>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab=table, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
+
+
+def save_tiny_pair(root: Path, arch: str = "llama", vocab: int = 96, seed: int = 2) -> tuple[Path, Path]:
+    """A tiny HF target directory (safetensors + tokenizer) and a matching z-lab draft directory."""
+    target = tiny_target(arch, vocab=vocab, seed=seed)
+    target.config.eos_token_id = 0
+    target_dir, draft_dir = root / "target", root / "draft"
+    target.save_pretrained(target_dir, safe_serialization=True)
+    char_tokenizer(vocab).save_pretrained(target_dir)
+    write_draft(draft_dir, tiny_drafter(draft_config_for(target), seed=seed))
+    return target_dir, draft_dir

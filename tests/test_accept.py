@@ -1,0 +1,83 @@
+import pytest
+import torch
+
+from dflash_sglang.core.accept import (
+    SamplingParams, greedy_accept, rejection_accept, sample_from, target_probs,
+)
+
+
+def test_greedy_accept_cases():
+    draft = torch.tensor([[5, 6, 7], [5, 6, 7], [1, 2, 3], [9, 6, 7]])
+    target = torch.tensor([[5, 6, 7, 8], [5, 0, 7, 8], [4, 2, 3, 1], [9, 6, 7, 2]])
+    r = greedy_accept(draft, target)
+    assert r.accept_len.tolist() == [3, 1, 0, 3]
+    assert r.bonus.tolist() == [8, 0, 4, 2]
+    assert r.out_tokens.tolist() == [[5, 6, 7, 8], [5, 0, -1, -1], [4, -1, -1, -1], [9, 6, 7, 2]]
+
+
+def test_greedy_rows_of_rejection_sampling_equal_greedy():
+    torch.manual_seed(0)
+    bs, B, V = 99, 6, 111
+    logits = torch.randn(bs, B, V)
+    argmax = logits.argmax(-1)
+    draft = torch.where(torch.rand(bs, B - 1) < 0.7, argmax[:, :-1], torch.randint(0, V, (bs, B - 1)))
+    p = target_probs(logits, SamplingParams.full(bs, temperature=0.0))
+    r = rejection_accept(draft, p, torch.rand(bs, B - 1), torch.rand(bs))
+    g = greedy_accept(draft, argmax)
+    assert torch.equal(r.out_tokens, g.out_tokens) and torch.equal(r.accept_len, g.accept_len)
+    assert int(g.accept_len.max()) == B - 1 and int(g.accept_len.min()) == 0  # both edge cases covered
+
+
+def test_target_probs_filters():
+    logits = torch.tensor([[[4.0, 3.0, 2.0, 1.0, 0.0]]])
+    p = lambda **kw: target_probs(logits, SamplingParams.full(1, **kw))[0, 0]
+    assert (p(temperature=1.0, top_k=2)[2:] == 0).all() and p(temperature=1.0, top_k=2)[:2].sum() == pytest.approx(1)
+    full = torch.softmax(logits[0, 0], -1)
+    kept = p(temperature=1.0, top_p=float(full[0]) + 1e-3)  # needs the second token to reach p
+    assert (kept[:2] > 0).all() and (kept[2:] == 0).all()
+    assert p(temperature=1.0, top_p=0.01).tolist() == [1.0, 0, 0, 0, 0]
+    torch.testing.assert_close(p(temperature=2.0), torch.softmax(logits[0, 0] / 2, -1))
+    assert p(temperature=0.0).tolist() == [1.0, 0, 0, 0, 0]
+    mixed = SamplingParams(torch.tensor([0.0, 1.0]), torch.tensor([0, 0]), torch.tensor([1.0, 1.0]))
+    out = target_probs(logits.expand(2, 1, 5), mixed)
+    assert out[0, 0].tolist() == [1.0, 0, 0, 0, 0] and torch.allclose(out[1, 0], full)
+    with pytest.raises(ValueError, match="top_p=0"):
+        SamplingParams.full(1, temperature=1.0, top_p=0.0)
+
+
+def test_sample_from_never_picks_zero_mass():
+    w = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]]).expand(5, 5)
+    u = torch.tensor([0.0, 0.49, 0.5, 0.99, 0.9999999])
+    assert sample_from(w, u).tolist() == [1, 1, 3, 3, 3]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_point_mass_rejection_is_exact(seed):
+    """With a one-hot draft, P(first emitted token = x) equals p(x): integrate coins/resample on a grid."""
+    g = torch.Generator().manual_seed(seed)
+    V, n = 5, 400
+    p = torch.softmax(torch.randn(V, generator=g) * 2, -1)
+    d = int(torch.randint(0, V, (1,), generator=g))
+    grid = (torch.arange(n) + 0.5) / n
+    coins, u = torch.meshgrid(grid, grid, indexing="ij")
+    bs = coins.numel()
+    target_p = p.expand(bs, 2, V).contiguous()
+    r = rejection_accept(torch.full((bs, 1), d), target_p, coins.reshape(bs, 1), u.reshape(bs))
+    first = r.out_tokens[:, 0]
+    freq = torch.bincount(first, minlength=V).float() / bs
+    torch.testing.assert_close(freq, p, atol=3.0 / n, rtol=0)
+
+
+def test_sampled_draft_q_rejection_is_exact():
+    """Non-degenerate q: emitted distribution is p (Monte Carlo with q-sampled drafts, chi-square)."""
+    from scipy.stats import chisquare
+
+    g = torch.Generator().manual_seed(3)
+    V, bs = 6, 60000
+    p = torch.softmax(torch.randn(V, generator=g), -1)
+    q = torch.softmax(torch.randn(V, generator=g), -1)
+    draft = torch.multinomial(q, bs, replacement=True, generator=g)[:, None]
+    r = rejection_accept(draft, p.expand(bs, 2, V), torch.rand(bs, 1, generator=g), torch.rand(bs, generator=g),
+                         draft_q=q.expand(bs, 1, V))
+    counts = torch.bincount(r.out_tokens[:, 0], minlength=V).double()
+    assert chisquare(counts.numpy(), (p.double() * bs).numpy()).pvalue > 1e-3

@@ -1,0 +1,78 @@
+import json
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from dflash_sglang.cli import main
+from factories import save_tiny_pair
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return save_tiny_pair(tmp_path_factory.mktemp("pair"))
+
+
+def test_inspect_ok(pair, capsys):
+    target, draft = pair
+    assert main(["inspect", str(draft), "--target", str(target)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits_target"] and out["tensors"] == 25 and out["config"]["target_layer_ids"] == [1, 2, 3]
+
+
+def test_inspect_bad_checkpoint_one_line(pair, tmp_path, capsys):
+    _, draft = pair
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((draft / "config.json").read_text())
+    sd = load_file(draft / "model.safetensors")
+    sd.pop("norm.weight")
+    save_file(sd, str(bad / "model.safetensors"))
+    assert main(["inspect", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "missing tensor 'norm.weight'" in err and str(bad) in err
+
+
+def test_inspect_target_mismatch(pair, tmp_path, capsys):
+    _, draft = pair
+    other, _ = save_tiny_pair(tmp_path, vocab=64)
+    assert main(["inspect", str(draft), "--target", str(other)]) == 2
+    assert "'vocab_size'=96 does not match the target's vocab_size=64" in capsys.readouterr().err
+
+
+def test_generate_json_lossless(pair, tmp_path, capsys):
+    target, draft = pair
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["hi", "a longer prompt here", "x"]) + "\n")
+    code = main(["generate", "--target", str(target), "--draft", str(draft), "--prompts-file", str(prompts),
+                 "--max-new-tokens", "12", "--block-size", "4", "--check-lossless", "--json",
+                 "--no-chat-template", "--batch-size", "2"])
+    assert code == 0
+    records = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
+    assert [r["index"] for r in records] == [0, 1, 2]
+    for r in records:
+        assert r["lossless"] is True and r["first_mismatch"] is None
+        assert 1 <= r["mean_accept_length"] <= 4 and len(r["tokens"]) <= 12
+        assert set(r) >= {"text", "tokens", "accept_lengths", "mean_accept_length", "lossless"}
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        (["--prompt", "y" * 600, "--max-new-tokens", "4"], "prompt 0 has 600 tokens"),
+        (["--prompt", "hi", "--max-new-tokens", "4", "--temperature", "1", "--check-lossless"], "needs --temperature 0"),
+        (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    ],
+)
+def test_generate_bad_input(pair, capsys, extra, match):
+    target, draft = pair
+    assert main(["generate", "--target", str(target), "--draft", str(draft), "--no-chat-template", *extra]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_bad_prompts_file(pair, tmp_path, capsys):
+    target, draft = pair
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "ok"}\n{oops\n')
+    assert main(["generate", "--target", str(target), "--draft", str(draft), "--prompts-file", str(f),
+                 "--max-new-tokens", "2"]) == 2
+    assert f"{f}:2: not valid JSON" in capsys.readouterr().err

@@ -1,0 +1,101 @@
+"""The reference decoder is lossless: greedy == plain HF greedy; sampling == the target's distribution."""
+import itertools
+
+import pytest
+import torch
+
+from dflash_sglang.core.reference import ReferenceDecoder
+from factories import draft_config_for, mixed_prompts, tiny_drafter, tiny_target
+
+
+def hf_greedy(target, prompt, n):
+    out = target.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def pair(request):
+    # vocab 8: a random drafter then agrees with the target often enough to exercise partial acceptance
+    # seeds picked so that mean acceptance is ~1.6-2: every block size sees rejections and long accepts
+    target = tiny_target(request.param, vocab=8, seed=2)
+    return target, tiny_drafter(draft_config_for(target, block_size=16), seed=2)
+
+
+@pytest.mark.parametrize("block", [2, 3, 5, 8, 16])
+def test_greedy_is_token_identical(pair, block):
+    target, drafter = pair
+    prompts = mixed_prompts(8, lengths=(3, 9, 1, 14, 6))
+    dec = ReferenceDecoder(target, drafter)
+    outs = dec.generate(prompts, max_new_tokens=24, block_size=block)
+    for prompt, out in zip(prompts, outs):
+        assert out.tokens == hf_greedy(target, prompt, 24)
+        assert all(1 <= a <= block for a in out.accept_lengths)
+        assert sum(out.accept_lengths) + 1 >= len(out.tokens)  # prefill emits one token, each step >= 1
+    steps = [a for o in outs for a in o.accept_lengths]
+    # the test only means something if both rejections and multi-token acceptances happened
+    assert min(steps) == 1 and max(steps) >= min(3, block), steps
+    assert dec.plain_generate(prompts, 24) == [o.tokens for o in outs]
+
+
+def test_eos_and_max_tokens_inside_a_block(pair):
+    target, drafter = pair
+    prompts = mixed_prompts(8, lengths=(4, 7))
+    dec = ReferenceDecoder(target, drafter)
+    ref = dec.plain_generate(prompts, 30)
+    eos = ref[0][5]
+    outs = dec.generate(prompts, max_new_tokens=30, block_size=8, eos_token_id=eos)
+    for r, o in zip(ref, outs):
+        cut = r.index(eos) + 1 if eos in r else len(r)
+        assert o.tokens == r[:cut]  # nothing emitted past EOS even when the block ran further
+    assert [len(o.tokens) for o in dec.generate(prompts, max_new_tokens=7, block_size=16)] == [7, 7]
+
+
+def _exact_joint(target, prompt, n, vocab):
+    """Exact probability of every n-token continuation under the target at temperature 1."""
+    probs = {}
+    for seq in itertools.product(range(vocab), repeat=n):
+        ids = torch.tensor([prompt + list(seq)])
+        with torch.no_grad():
+            logp = torch.log_softmax(target(ids).logits[0].double(), -1)
+        probs[seq] = float(sum(logp[len(prompt) - 1 + i, t] for i, t in enumerate(seq)).exp())
+    return probs
+
+
+@pytest.mark.parametrize("arch,block", [("llama", 4), ("qwen3", 3)])
+def test_sampling_matches_target_distribution(arch, block):
+    from scipy.stats import chisquare
+
+    vocab, n_new, n_samples = 5, 3, 12000
+    target = tiny_target(arch, vocab=vocab, seed=4)
+    drafter = tiny_drafter(draft_config_for(target, block_size=block), seed=5)
+    prompt = [1, 3, 2]
+    exact = _exact_joint(target, prompt, n_new, vocab)
+    dec = ReferenceDecoder(target, drafter)
+    # mixed lengths: padded companions in the same batch must not disturb the sampled rows
+    prompts = [prompt] * n_samples + [[2] * 7, [4]]
+    outs = dec.generate(prompts, max_new_tokens=n_new, block_size=block, temperature=1.0, seed=11)[:n_samples]
+    counts = {s: 0 for s in exact}
+    for o in outs:
+        counts[tuple(o.tokens)] += 1
+    steps = [a for o in outs for a in o.accept_lengths]
+    assert max(steps) >= 2  # some drafts accepted, so acceptance is actually under test
+    obs = torch.tensor([counts[s] for s in exact], dtype=torch.float64)
+    exp = torch.tensor([exact[s] for s in exact], dtype=torch.float64) * n_samples
+    # chi-square needs expected counts >= 5: pool the rare continuations into one cell
+    rare = exp < 5
+    obs = torch.cat([obs[~rare], obs[rare].sum()[None]])
+    exp = torch.cat([exp[~rare], exp[rare].sum()[None]])
+    assert chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue > 1e-3
+
+
+def test_top_k_top_p_sampling_stays_in_support():
+    target = tiny_target("llama", vocab=8, seed=6)
+    drafter = tiny_drafter(draft_config_for(target, block_size=4), seed=7)
+    dec = ReferenceDecoder(target, drafter)
+    outs = dec.generate([[1, 2, 3]] * 200, max_new_tokens=4, block_size=4, temperature=0.7, top_k=2, seed=3)
+    plain = dec.plain_generate([[1, 2, 3]] * 200, max_new_tokens=4, temperature=0.7, top_k=2, seed=3)
+    first_spec = {o.tokens[0] for o in outs}
+    first_plain = {p[0] for p in plain}
+    top2 = set(target(torch.tensor([[1, 2, 3]])).logits[0, -1].topk(2).indices.tolist())
+    assert first_spec <= top2 and first_plain <= top2
