@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--block-size", type=int, help="default: the checkpoint's block size")
+    p.add_argument("--tree-nodes", type=int, help="verify a draft tree of N nodes (root included) per step")
+    p.add_argument("--tree-topk", type=int, default=4, help="candidates per draft position for --tree-nodes")
+    p.add_argument("--adaptive", action="store_true",
+                   help="choose the tree/chain per step from the running batch size (DFLASH_ADAPTIVE_TABLE)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-chat-template", action="store_true", help="tokenize prompts as raw text")
@@ -171,12 +175,17 @@ def load_pair(target_dir: Path, draft_dir: Path, device: str):
 def run_generate(args: argparse.Namespace) -> int:
     import torch
 
+    from dflash_sglang.core.adaptive import AdaptivePolicy, SpecShape
     from dflash_sglang.core.reference import ReferenceDecoder
 
     if args.max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be >= 1")
     if args.check_lossless and args.temperature != 0:
         raise UsageError("--check-lossless compares token identity, which needs --temperature 0")
+    if args.adaptive and args.tree_nodes:
+        raise UsageError("--adaptive picks the tree size itself; drop --tree-nodes")
+    if args.tree_nodes is not None and (args.tree_nodes < 1 or args.tree_topk < 1):
+        raise UsageError("--tree-nodes and --tree-topk must be >= 1")
     if (args.target is None) != (args.draft is None):
         raise UsageError("give both --target and --draft, or neither (embedded default pair)")
     if args.target is None:
@@ -190,10 +199,14 @@ def run_generate(args: argparse.Namespace) -> int:
     dec = ReferenceDecoder(target, drafter)
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                     eos_token_id=tokenizer.eos_token_id)
+    shape = dict(
+        tree=SpecShape(args.tree_nodes, args.tree_topk if args.tree_nodes >= 3 else 1) if args.tree_nodes else None,
+        policy=AdaptivePolicy.from_env() if args.adaptive else None,
+    )
     for start in range(0, len(ids), args.batch_size):
         chunk = ids[start:start + args.batch_size]
         t0 = time.perf_counter()
-        outs = dec.generate(chunk, args.max_new_tokens, block_size=args.block_size, **sampling)
+        outs = dec.generate(chunk, args.max_new_tokens, block_size=args.block_size, **sampling, **shape)
         elapsed = time.perf_counter() - t0
         plain = dec.plain_generate(chunk, args.max_new_tokens, **sampling) if args.check_lossless else None
         for i, out in enumerate(outs):

@@ -39,19 +39,20 @@ def test_inspect_target_mismatch(pair, tmp_path, capsys):
     assert "'vocab_size'=96 does not match the target's vocab_size=64" in capsys.readouterr().err
 
 
-def test_generate_json_lossless(pair, tmp_path, capsys):
+@pytest.mark.parametrize("shape", [[], ["--tree-nodes", "12", "--tree-topk", "3"], ["--adaptive"]], ids=str)
+def test_generate_json_lossless(pair, tmp_path, capsys, shape):
     target, draft = pair
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["hi", "a longer prompt here", "x"]) + "\n")
     code = main(["generate", "--target", str(target), "--draft", str(draft), "--prompts-file", str(prompts),
                  "--max-new-tokens", "12", "--block-size", "4", "--check-lossless", "--json",
-                 "--no-chat-template", "--batch-size", "2"])
+                 "--no-chat-template", "--batch-size", "2", *shape])
     assert code == 0
     records = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
     assert [r["index"] for r in records] == [0, 1, 2]
     for r in records:
         assert r["lossless"] is True and r["first_mismatch"] is None
-        assert 1 <= r["mean_accept_length"] <= 4 and len(r["tokens"]) <= 12
+        assert 1 <= r["mean_accept_length"] <= 4 and len(r["tokens"]) == 12
         assert set(r) >= {"text", "tokens", "accept_lengths", "mean_accept_length", "lossless"}
 
 

@@ -4,8 +4,13 @@ import itertools
 import pytest
 import torch
 
+from dflash_sglang.core.adaptive import AdaptivePolicy, SpecShape
 from dflash_sglang.core.reference import ReferenceDecoder
 from factories import draft_config_for, mixed_prompts, tiny_drafter, tiny_target
+
+CHAINS = [dict(block=b) for b in (2, 3, 5, 8, 16)]
+TREES = [dict(block=16, tree=SpecShape(n, k)) for n, k in ((8, 2), (16, 4), (32, 4))]
+ADAPTIVE = [dict(block=16, policy=AdaptivePolicy.parse("2:24x3,3:8x2,inf:5x1"))]
 
 
 def hf_greedy(target, prompt, n):
@@ -22,12 +27,13 @@ def pair(request):
     return target, tiny_drafter(draft_config_for(target, block_size=16), seed=2)
 
 
-@pytest.mark.parametrize("block", [2, 3, 5, 8, 16])
-def test_greedy_is_token_identical(pair, block):
+@pytest.mark.parametrize("spec", CHAINS + TREES + ADAPTIVE, ids=str)
+def test_greedy_is_token_identical(pair, spec):
     target, drafter = pair
     prompts = mixed_prompts(8, lengths=(3, 9, 1, 14, 6))
     dec = ReferenceDecoder(target, drafter)
-    outs = dec.generate(prompts, max_new_tokens=24, block_size=block)
+    block = spec["block"]
+    outs = dec.generate(prompts, max_new_tokens=24, block_size=block, tree=spec.get("tree"), policy=spec.get("policy"))
     for prompt, out in zip(prompts, outs):
         assert out.tokens == hf_greedy(target, prompt, 24)
         assert all(1 <= a <= block for a in out.accept_lengths)
@@ -62,8 +68,8 @@ def _exact_joint(target, prompt, n, vocab):
     return probs
 
 
-@pytest.mark.parametrize("arch,block", [("llama", 4), ("qwen3", 3)])
-def test_sampling_matches_target_distribution(arch, block):
+@pytest.mark.parametrize("arch,block,tree", [("llama", 4, None), ("qwen3", 3, None), ("llama", 4, SpecShape(7, 3))])
+def test_sampling_matches_target_distribution(arch, block, tree):
     from scipy.stats import chisquare
 
     vocab, n_new, n_samples = 5, 3, 12000
@@ -74,7 +80,8 @@ def test_sampling_matches_target_distribution(arch, block):
     dec = ReferenceDecoder(target, drafter)
     # mixed lengths: padded companions in the same batch must not disturb the sampled rows
     prompts = [prompt] * n_samples + [[2] * 7, [4]]
-    outs = dec.generate(prompts, max_new_tokens=n_new, block_size=block, temperature=1.0, seed=11)[:n_samples]
+    outs = dec.generate(prompts, max_new_tokens=n_new, block_size=block, temperature=1.0, seed=11, tree=tree)
+    outs = outs[:n_samples]
     counts = {s: 0 for s in exact}
     for o in outs:
         counts[tuple(o.tokens)] += 1
@@ -99,3 +106,31 @@ def test_top_k_top_p_sampling_stays_in_support():
     first_plain = {p[0] for p in plain}
     top2 = set(target(torch.tensor([[1, 2, 3]])).logits[0, -1].topk(2).indices.tolist())
     assert first_spec <= top2 and first_plain <= top2
+
+
+def test_tree_mask_matches_per_path_forward(pair):
+    """Every tree node's verify logits equal a plain forward over prompt + its root-to-node path."""
+    from dflash_sglang.core.accept import SamplingParams
+    from dflash_sglang.core.speculate import propose
+
+    target, drafter = pair
+    dec = ReferenceDecoder(target, drafter)
+    prompts = mixed_prompts(8, lengths=(5, 2, 11))
+    params = SamplingParams.full(len(prompts))
+    batch, _ = dec._prefill(prompts, params, None, capture=True)
+    draft_logits = torch.randn(len(prompts), 15, 8, generator=torch.Generator().manual_seed(0))
+    proposal = propose(batch.bonus, draft_logits, SpecShape(12, 3))
+    tree = proposal.tree
+    assert int(tree.depth.max()) >= 3 and int((tree.parent == 0).sum(1).min()) >= 2  # branching and depth
+    positions = batch.seq_len[:, None] + proposal.depth
+    logits, _ = dec._target_forward(batch, proposal.ids, positions, capture=False, tree_mask=proposal.attention_mask())
+    for b, prompt in enumerate(prompts):
+        for node in range(tree.tokens.shape[1]):
+            path, j = [], node
+            while j >= 0:
+                path.append(int(tree.tokens[b, j]))
+                j = int(tree.parent[b, j])
+            ids = torch.tensor([prompt + [int(batch.bonus[b])] + path[::-1][1:]])
+            with torch.no_grad():
+                ref = target(ids).logits[0, -1]
+            torch.testing.assert_close(logits[b, node], ref, rtol=1e-4, atol=1e-4)

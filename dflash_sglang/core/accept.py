@@ -117,6 +117,8 @@ def rejection_accept(
     draft_q [bs, B-1, V] float32 or None for point-mass (argmax) proposals.
     """
     bs, n_draft = draft.shape
+    if n_draft == 0:  # nothing drafted (plain decoding step): sample the target directly
+        return _finish(draft, draft.new_zeros(bs), sample_from(target_p[:, 0], resample_u))
     p_d = target_p[:, :-1].gather(-1, draft[..., None]).squeeze(-1)
     q_d = torch.ones_like(p_d) if draft_q is None else draft_q.gather(-1, draft[..., None]).squeeze(-1)
     accepted = (coins * q_d < p_d).long()

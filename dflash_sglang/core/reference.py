@@ -12,16 +12,18 @@ request's caches are cropped to its own committed length.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
-from .accept import SamplingParams, draw_uniforms, greedy_accept, rejection_accept, sample_from, target_probs
+from .accept import AcceptResult, SamplingParams, sample_from, target_probs
+from .adaptive import AdaptivePolicy, SpecShape
 from .block import build_block_inputs
 from .checkpoint import check_fit
 from .drafter import KV, DFlashDrafter
 from .features import target_layer_features
+from .speculate import accept, propose
 
 
 @dataclass
@@ -79,11 +81,24 @@ class ReferenceDecoder:
         top_p: float = 1.0,
         seed: int = 0,
         eos_token_id: int | list[int] | None = None,
+        tree: SpecShape | None = None,
+        policy: AdaptivePolicy | None = None,
     ) -> list[Generation]:
+        """Speculative decoding. Per step the verify shape is `policy.choose(running batch size)` if a policy
+        is given, else `tree` (nodes x top-k from one drafter pass), else a chain of the block size.
+        """
         block = block_size or self.cfg.block_size
         if block < 2:
             raise ValueError(f"block size must be >= 2, got {block}")
-        self._check_context(prompts, max_new_tokens, block)
+        if tree is not None and tree.nodes < 1:
+            raise ValueError(f"tree needs at least one node, got {tree.nodes}")
+        fixed = tree or SpecShape(block, 1)
+        if fixed.is_chain and fixed.nodes > block:
+            raise ValueError(f"a chain of {fixed.nodes} tokens needs block size >= {fixed.nodes}, got {block}")
+        if policy is not None and policy.max_depth is None:
+            policy = replace(policy, max_depth=block - 1)  # chains never outgrow one drafter block
+        verify_width = max([fixed.nodes] + ([s.nodes for _, s in policy.rows] if policy else []))
+        self._check_context(prompts, max_new_tokens, max(block, verify_width))
         gen = torch.Generator(device=self._device).manual_seed(seed)
         params = SamplingParams.full(len(prompts), temperature, top_k, top_p, device=self._device)
         outs = [Generation([]) for _ in prompts]
@@ -91,8 +106,8 @@ class ReferenceDecoder:
         self._emit(outs, batch.rid, first[:, None], torch.ones_like(first), max_new_tokens, eos_token_id)
         batch = self._drop_finished(batch, outs, max_new_tokens, eos_token_id)
         while batch is not None:
-            params_b = params.select(batch.rid)
-            result = self._spec_step(batch, block, params_b, gen)
+            shape = policy.choose(len(batch.rid)) if policy is not None else fixed
+            result = self._spec_step(batch, block, shape, params.select(batch.rid), gen)
             commit = result.accept_len + 1
             for r, n in zip(batch.rid.tolist(), commit.tolist()):
                 outs[r].accept_lengths.append(n)
@@ -179,38 +194,47 @@ class ReferenceDecoder:
             batch.ctx_kv = self._context_kv(feats, pos)
         return batch, first
 
-    def _spec_step(self, batch: _Batch, block: int, params: SamplingParams, gen):
+    def _spec_step(self, batch: _Batch, block: int, shape: SpecShape, params: SamplingParams, gen) -> AcceptResult:
         """One draft -> verify -> accept -> commit step for every running request."""
-        bs = len(batch.rid)
-        inputs = build_block_inputs(batch.bonus, batch.seq_len, block, self.cfg.mask_token_id)
-        dtype = self.drafter.fc.weight.dtype
-        embeds = (self.embed(inputs.input_ids) * self.cfg.input_embedding_scale).to(dtype)
-        hidden = self.drafter(embeds, inputs.positions, batch.ctx_kv, batch.pos, ctx_valid=batch.valid)
-        draft_logits = self.drafter.logits(hidden[:, 1:].to(self.lm_head_weight.dtype), self.lm_head_weight)
-        draft = draft_logits.argmax(-1)  # point-mass proposal: lossless for any target sampling params
+        draft_logits = None
+        if shape.nodes > 1:
+            inputs = build_block_inputs(batch.bonus, batch.seq_len, block, self.cfg.mask_token_id)
+            dtype = self.drafter.fc.weight.dtype
+            embeds = (self.embed(inputs.input_ids) * self.cfg.input_embedding_scale).to(dtype)
+            hidden = self.drafter(embeds, inputs.positions, batch.ctx_kv, batch.pos, ctx_valid=batch.valid)
+            draft_logits = self.drafter.logits(hidden[:, 1:].to(self.lm_head_weight.dtype), self.lm_head_weight)
+        proposal = propose(batch.bonus, draft_logits, shape)
+        positions = batch.seq_len[:, None] + proposal.depth
+        tree_mask = proposal.attention_mask() if proposal.tree is not None else None
+        logits, feats = self._target_forward(batch, proposal.ids, positions, capture=True, tree_mask=tree_mask)
+        result, keep = accept(proposal, logits, params, gen)
 
-        verify_ids = torch.cat([batch.bonus[:, None], draft], dim=1)
-        logits, feats = self._target_forward(batch, verify_ids, inputs.positions, capture=True)
-        if bool(params.greedy.all()):
-            result = greedy_accept(draft, logits.argmax(-1))
-        else:
-            coins, u = draw_uniforms(bs, block - 1, gen, self._device)
-            result = rejection_accept(draft, target_probs(logits, params), coins, u)
-
-        keep = torch.arange(block, device=self._device)[None] <= result.accept_len[:, None]
-        new_kv = self._context_kv(feats, inputs.positions)
+        new_kv = self._context_kv(feats, positions)
         batch.ctx_kv = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(batch.ctx_kv, new_kv)]
         batch.valid = torch.cat([batch.valid, keep], dim=1)
-        batch.pos = torch.cat([batch.pos, inputs.positions], dim=1)
+        batch.pos = torch.cat([batch.pos, positions], dim=1)
         batch.seq_len = batch.seq_len + result.accept_len + 1
         batch.bonus = result.bonus
+        # the kept rows of a tree are root + accepted path, which node order already lists parent-first,
+        # so the stable compaction leaves them in sequence order
         self._compact(batch)
         return result
 
-    def _target_forward(self, batch: _Batch, ids: Tensor, positions: Tensor, capture: bool, new_valid=None):
-        """Append `ids` [bs, T] at `positions` to the target cache; returns logits [bs, T, V] and features."""
+    def _target_forward(
+        self, batch: _Batch, ids: Tensor, positions: Tensor, capture: bool, new_valid=None, tree_mask=None
+    ):
+        """Append `ids` [bs, T] at `positions` to the target cache; returns logits [bs, T, V] and features.
+
+        tree_mask [bs, T, T] bool (None: causal) restricts the new rows to their tree ancestors; it becomes a
+        4D mask [bs, 1, T, L + T] that HF models take as given.
+        """
         new_valid = new_valid if new_valid is not None else torch.ones_like(ids, dtype=torch.bool)
-        mask = torch.cat([batch.valid, new_valid], dim=1).long()
+        if tree_mask is None:
+            mask = torch.cat([batch.valid, new_valid], dim=1).long()
+        else:
+            bs, t = ids.shape
+            past = batch.valid[:, None, :].expand(bs, t, batch.valid.shape[1])
+            mask = torch.cat([past, tree_mask], dim=2)[:, None]
         out = self.target(
             input_ids=ids,
             attention_mask=mask,
