@@ -80,8 +80,10 @@ def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
 def sample_from(weights: Tensor, u: Tensor) -> Tensor:
     """Inverse-CDF sample: weights [..., V] >= 0 (unnormalised), u [...] in [0, 1) -> index [...] int64.
 
-    The first index whose float32 running sum exceeds u * total; clamped to the last index with weight > 0
-    so rounding can never pick a zero-probability token.
+    The first index whose running sum exceeds u * total; clamped to the last index with weight > 0 so
+    rounding can never pick a zero-probability token. The running sum is torch's CPU float32 cumsum, which
+    accumulates sequentially in double and rounds each prefix to float32; the CUDA sampler (cuda/sample.cuh)
+    reproduces exactly that (tests/test_tree.py pins it).
     """
     w = weights.float()
     c = w.cumsum(-1)

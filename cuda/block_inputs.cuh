@@ -1,0 +1,70 @@
+// build_block_inputs / build_tree_inputs: the rows a draft block or a draft tree feeds to a forward pass.
+// Reference: dflash_sglang/core/block.py. One thread per (request, row); no reductions.
+#pragma once
+
+#include "common.cuh"
+
+namespace dflash {
+
+struct BlockInputsParams {
+  IndexView bonus;             // [bs]: block mode, row 0 = bonus token, rows 1.. = mask_token_id
+  IndexView tokens;            // [bs, n]: tree mode (bonus absent), rows = node tokens
+  IndexView depth;             // [bs, n]: tree mode; block mode uses depth = row index
+  IndexView seq_lens;          // [bs]: committed tokens = position of row 0
+  IndexView req_pool_indices;  // [bs]: row of req_to_token per request (with req_to_token)
+  const int32_t* req_to_token; // [R, W] request -> KV slot table, or nullptr (no slot ids)
+  int64_t req_to_token_stride; // W
+  int64_t req_to_token_rows;   // R
+  int64_t mask_token_id;
+  int64_t bs;
+  int64_t n;                   // rows per request: B (block) or N (tree)
+  int64_t* input_ids;          // [bs, n]
+  int64_t* positions;          // [bs, n]: seq_len + depth
+  int64_t* out_cache_loc;      // [bs, n]: req_to_token[req, seq_len + row], present iff req_to_token
+};
+
+DFLASH_HD void block_inputs_row(const BlockInputsParams& p, int64_t idx) {
+  const int64_t i = idx / p.n, j = idx % p.n;
+  const int64_t seq = p.seq_lens[i];
+  p.input_ids[idx] = p.tokens.present() ? p.tokens[idx] : (j == 0 ? p.bonus[i] : p.mask_token_id);
+  p.positions[idx] = seq + (p.depth.present() ? p.depth[idx] : j);
+  if (p.req_to_token != nullptr) {
+    // Out-of-table requests get slot -1 instead of an out-of-bounds read (the reference raises instead).
+    const int64_t req = p.req_pool_indices[i], col = seq + j;
+    const bool inside = req >= 0 && req < p.req_to_token_rows && col >= 0 && col < p.req_to_token_stride;
+    p.out_cache_loc[idx] = inside ? p.req_to_token[req * p.req_to_token_stride + col] : -1;
+  }
+}
+
+// Structural checks at the C boundary (the Python wrapper has already checked tensors and devices).
+inline int check_block_inputs(const BlockInputsParams& p) {
+  DFLASH_CHECK(p.bs >= 0 && p.n >= 1, "block_inputs: need bs >= 0 and n >= 1, got bs=%lld n=%lld",
+               (long long)p.bs, (long long)p.n);
+  DFLASH_CHECK(p.bonus.present() != p.tokens.present(),
+               "block_inputs: pass exactly one of bonus (block) / tokens (tree)");
+  DFLASH_CHECK(p.tokens.present() == p.depth.present(), "block_inputs: tree mode needs tokens and depth together");
+  DFLASH_CHECK(valid_index(p.bonus, false) && valid_index(p.tokens, false) && valid_index(p.depth, false) &&
+                   valid_index(p.seq_lens, true),
+               "block_inputs: index tensors must be int32 or int64 (seq_lens is required)");
+  DFLASH_CHECK(p.input_ids && p.positions, "block_inputs: input_ids and positions outputs are required");
+  if (p.req_to_token != nullptr) {
+    DFLASH_CHECK(valid_index(p.req_pool_indices, true) && p.out_cache_loc,
+                 "block_inputs: req_to_token needs req_pool_indices and an out_cache_loc output");
+    DFLASH_CHECK(p.req_to_token_stride >= p.n && p.req_to_token_rows >= 1,
+                 "block_inputs: req_to_token [%lld, %lld] cannot hold %lld rows per request",
+                 (long long)p.req_to_token_rows, (long long)p.req_to_token_stride, (long long)p.n);
+  }
+  return 0;
+}
+
+#ifdef __CUDACC__
+__global__ void block_inputs_kernel(BlockInputsParams p) {
+  const int64_t total = p.bs * p.n;
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    block_inputs_row(p, idx);
+  }
+}
+#endif
+
+}  // namespace dflash

@@ -1,0 +1,99 @@
+import os
+import shutil
+
+import pytest
+import torch
+
+from dflash_sglang import ops
+from dflash_sglang.core.block import BlockInputs, build_block_inputs, build_tree_inputs
+
+
+def _table(rows: int = 3, width: int = 8) -> torch.Tensor:
+    return (1000 * torch.arange(rows)[:, None] + torch.arange(width)).to(torch.int32)
+
+
+def test_block_inputs_hand_computed():
+    bonus, seq_lens, pool = torch.tensor([7, 9]), torch.tensor([3, 0]), torch.tensor([2, 0])
+    r = build_block_inputs(bonus, seq_lens, 4, 99, _table(), pool)
+    assert r.input_ids.tolist() == [[7, 99, 99, 99], [9, 99, 99, 99]]
+    assert r.positions.tolist() == [[3, 4, 5, 6], [0, 1, 2, 3]]
+    assert r.out_cache_loc.tolist() == [[2003, 2004, 2005, 2006], [0, 1, 2, 3]]
+    assert all(t.dtype == torch.int64 for t in (r.input_ids, r.positions, r.out_cache_loc))
+    assert build_block_inputs(bonus, seq_lens, 4, 99).out_cache_loc is None
+
+
+def test_int32_indices_give_the_same_result():
+    bonus, seq_lens, pool = torch.tensor([5, 6, 7]), torch.tensor([1, 4, 2]), torch.tensor([1, 2, 0])
+    a = build_block_inputs(bonus, seq_lens, 3, 0, _table(), pool)
+    b = build_block_inputs(bonus, seq_lens.int(), 3, 0, _table(), pool.int())
+    assert all(torch.equal(x, y) for x, y in zip(vars(a).values(), vars(b).values()))
+
+
+def test_tree_inputs_hand_computed_and_chain_is_a_block():
+    tokens = torch.tensor([[7, 11, 12, 13], [9, 21, 22, 23]])
+    depth = torch.tensor([[0, 1, 1, 2], [0, 1, 2, 3]])
+    r = build_tree_inputs(tokens, depth, torch.tensor([3, 0]), _table(), torch.tensor([2, 0]))
+    assert r.input_ids.tolist() == tokens.tolist()
+    assert r.positions.tolist() == [[3, 4, 4, 5], [0, 1, 2, 3]]
+    assert r.out_cache_loc.tolist() == [[2003, 2004, 2005, 2006], [0, 1, 2, 3]]
+    block = build_block_inputs(torch.tensor([7, 9]), torch.tensor([3, 0]), 4, 99, _table(), torch.tensor([2, 0]))
+    chain = build_tree_inputs(block.input_ids, torch.arange(4).expand(2, 4), torch.tensor([3, 0]), _table(),
+                              torch.tensor([2, 0]))
+    assert all(torch.equal(x, y) for x, y in zip(vars(block).values(), vars(chain).values()))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(block_size=1), "block_size must be >= 2"),
+        (dict(seq_lens=torch.tensor([1, 2, 3])), "one batch size"),
+        (dict(req_to_token=_table(), req_pool_indices=None), "req_pool_indices"),
+        (dict(seq_lens=torch.tensor([6, 0]), req_to_token=_table()), "exceeds req_to_token width 8"),
+        (dict(req_to_token=_table()[0]), r"req_to_token must be \[R, W\]"),
+    ],
+)
+def test_block_inputs_errors(kwargs, match):
+    args = dict(bonus=torch.tensor([1, 2]), seq_lens=torch.tensor([0, 1]), block_size=4, mask_token_id=5,
+                req_to_token=None, req_pool_indices=torch.tensor([0, 1]))
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        build_block_inputs(**args)
+
+
+def test_ops_face_runs_the_reference_on_cpu_and_fills_out_buffers():
+    bonus, seq_lens, pool = torch.tensor([7, 9]), torch.tensor([3, 0]), torch.tensor([2, 0])
+    want = build_block_inputs(bonus, seq_lens, 4, 99, _table(), pool)
+    out = BlockInputs(*(torch.full((2, 4), -7, dtype=torch.int64) for _ in range(3)))
+    got = ops.build_block_inputs(bonus, seq_lens, 4, 99, _table(), pool, out=out)
+    assert got is out and all(torch.equal(x, y) for x, y in zip(vars(want).values(), vars(out).values()))
+    with pytest.raises(ValueError, match=r"out.positions must be \[2, 4\] int64"):
+        ops.build_block_inputs(bonus, seq_lens, 4, 99, _table(), pool,
+                               out=BlockInputs(out.input_ids, out.positions[:, :3], out.out_cache_loc))
+
+
+def same(x, y):
+    return y is None if x is None else torch.equal(x, y)
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="needs g++ or $CXX")
+def test_kernel_logic_on_cpu_matches_reference():
+    g = torch.Generator().manual_seed(0)
+    bs, block = 99, 7
+    seq, pool = torch.randint(0, 8, (bs,), generator=g), torch.randperm(bs, generator=g).int()
+    bonus, table = torch.randint(0, 500, (bs,), generator=g), torch.randint(0, 1 << 30, (bs, 16), generator=g).int()
+    for args in ((), (table, pool)):
+        want = build_block_inputs(bonus, seq, block, 3, *args)
+        got = ops.build_block_inputs(bonus, seq.int(), block, 3, *args, backend="host")
+        assert all(same(x, y) for x, y in zip(vars(want).values(), vars(got).values()))
+        depth = torch.randint(0, 4, (bs, block), generator=g)
+        want = build_tree_inputs(want.input_ids, depth, seq, *args)
+        got = ops.build_tree_inputs(want.input_ids, depth, seq, *args, backend="host")
+        assert all(same(x, y) for x, y in zip(vars(want).values(), vars(got).values()))
+
+
+def test_backend_choice_is_checked():
+    bonus, seq_lens = torch.tensor([7, 9]), torch.tensor([3, 0])
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ops.build_block_inputs(bonus, seq_lens, 4, 99, backend="gpu")
+    with pytest.raises(ValueError, match="backend 'cuda' cannot run on cpu tensors"):
+        ops.build_block_inputs(bonus, seq_lens, 4, 99, backend="cuda")
