@@ -1,0 +1,112 @@
+"""Start, probe and stop an SGLang server for one benchmark arm (stdlib HTTP; sglang runs in the child only).
+
+A fresh server per arm keeps arms independent (different workers, caches and cumulative counters). The child
+gets its own session so stopping it also stops its scheduler/detokenizer children, and only those.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+class ServerError(RuntimeError):
+    """The server exited or did not become healthy; the message carries the tail of its log."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, payload: dict | None = None, timeout: float = 600.0) -> dict:
+    """GET (payload None) or POST JSON; returns the decoded body ({} for an empty one)."""
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        body = resp.read()
+    return json.loads(body) if body.strip() else {}
+
+
+def flush_cache(url: str, timeout: float = 120.0) -> None:
+    """Empty the server's prefix cache. SGLang answers 400 while requests are still in flight (e.g. a just-finished
+    warmup being torn down), so retry until it succeeds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(urllib.request.Request(url + "/flush_cache", method="POST"), timeout=30).read()
+            return
+        except urllib.error.HTTPError as e:
+            if e.code != 400 or time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
+class Server:
+    """`with Server(argv, env, log) as s:` runs `python -m sglang.launch_server argv` until the block exits."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path, startup_timeout: float = 900.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = [sys.executable, "-m", "sglang.launch_server", *argv, "--host", "127.0.0.1",
+                     "--port", str(self.port)]
+        self.env = {**os.environ, **env}
+        self.log = Path(log)
+        self.timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> Server:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log, "w")
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self._close()
+                raise ServerError(f"server exited with status {self.proc.returncode}:\n{self.tail()}")
+            try:
+                http_json(self.url + "/health", timeout=5)
+                return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, json.JSONDecodeError):
+                time.sleep(2)
+        self.stop()
+        raise ServerError(f"server not healthy after {self.timeout:.0f}s:\n{self.tail()}")
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def info(self) -> dict:
+        return http_json(self.url + "/server_info", timeout=30)
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)  # the session this class created for the child
+                self.proc.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(timeout=30)
+        self._close()
+
+    def _close(self) -> None:
+        f = getattr(self, "_log_file", None)
+        if f is not None and not f.closed:
+            f.close()

@@ -1,0 +1,115 @@
+"""Known DFlash draft/target pairs: which target a published draft belongs to, its block size, the target
+layers it reads, and the shapes that decide tensor parallelism and the decode roofline.
+
+Every recipe in `recipes/` must use one of these pairs (tests/test_recipes.py checks it). Values come from the
+public model cards/configs cited in `source`; `target_layer_ids` marked "rule" are the uniform spread of
+`core.config.build_target_layer_ids` (which reproduces every published list we could check: Qwen3-8B and
+gpt-oss-20b). `decode_gb` is the weight bytes one batch-1 decode step reads (every weight except the embedding
+gather, in checkpoint dtype; MoE: only the routed experts), the number the roofline divides bandwidth by.
+
+Pure data, no torch or sglang import.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Target:
+    repo: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    hidden_size: int
+    vocab_size: int
+    decode_gb: float  # weight GB read per batch-1 decode step (see module docstring)
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Pair:
+    draft: str
+    target: Target
+    block_size: int  # B: the anchor (bonus) + B-1 drafted tokens, as trained
+    target_layer_ids: tuple[int, ...]
+    layer_ids_source: str  # "config" (read from the published config.json) or "rule"
+    draft_params_b: float  # billions, from the model card
+    draft_num_heads: int  # z-lab drafts copy the target's attention shape
+    source: str
+
+    @property
+    def draft_gb(self) -> float:
+        """Weight GB one draft pass reads: the drafter (bf16) plus the target lm_head it borrows."""
+        head = self.target.vocab_size * self.target.hidden_size * 2 / 1e9
+        return self.draft_params_b * 2 + head
+
+
+_QWEN3_4B = Target("Qwen/Qwen3-4B", 36, 32, 8, 2560, 151936, 8.0, "4.0B bf16, tied embeddings (lm_head read)")
+_QWEN3_8B = Target("Qwen/Qwen3-8B", 36, 32, 8, 4096, 151936, 15.1, "8.2B bf16 minus the 0.62B embedding")
+_CODER = Target("Qwen/Qwen3-Coder-30B-A3B-Instruct", 48, 32, 4, 2048, 151936, 6.0,
+                "MoE 30.5B total / 3.3B active bf16 (8 of 128 experts); verify of B tokens touches more experts")
+_LLAMA = Target("meta-llama/Llama-3.1-8B-Instruct", 32, 32, 8, 4096, 128256, 15.0, "8.0B bf16 minus embedding")
+_OSS20 = Target("openai/gpt-oss-20b", 24, 64, 8, 2880, 201088, 3.7,
+                "bf16 attention+lm_head 2.4 GB + 4 of 32 MXFP4 experts/layer 1.3 GB")
+_OSS120 = Target("openai/gpt-oss-120b", 36, 64, 8, 2880, 201088, 5.0,
+                 "bf16 attention+lm_head 3.1 GB + 4 of 128 MXFP4 experts/layer 1.9 GB")
+
+_CARD = "https://huggingface.co/{}"
+
+PAIRS: dict[str, Pair] = {
+    p.draft: p
+    for p in (
+        Pair("z-lab/Qwen3-4B-DFlash-b16", _QWEN3_4B, 16, (1, 9, 17, 25, 33), "rule", 0.5, 32,
+             _CARD.format("z-lab/Qwen3-4B-DFlash-b16")),
+        Pair("z-lab/Qwen3-8B-DFlash-b16", _QWEN3_8B, 16, (1, 9, 17, 25, 33), "config", 1.0, 32,
+             _CARD.format("z-lab/Qwen3-8B-DFlash-b16")),
+        Pair("z-lab/Qwen3-Coder-30B-A3B-DFlash", _CODER, 16, (1, 12, 23, 34, 45), "rule", 0.5, 32,
+             _CARD.format("z-lab/Qwen3-Coder-30B-A3B-DFlash")),
+        Pair("z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat", _LLAMA, 10, (1, 8, 15, 22, 29), "rule", 1.0, 32,
+             _CARD.format("z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat") + " (paper Table 5: block 10)"),
+        Pair("z-lab/gpt-oss-20b-DFlash", _OSS20, 8, (1, 6, 11, 16, 21), "config", 0.8, 64,
+             _CARD.format("z-lab/gpt-oss-20b-DFlash") + " (config block_size 8; vLLM card: 7 speculative tokens)"),
+        Pair("z-lab/gpt-oss-120b-DFlash", _OSS120, 10, (1, 9, 17, 25, 33), "rule", 0.8, 64,
+             _CARD.format("z-lab/gpt-oss-120b-DFlash") + " (card: trained with block size 10)"),
+    )
+}
+
+
+def pair_for(draft: str) -> Pair:
+    """The known pair of a draft repo (a local path matches by its final component, e.g. .../Qwen3-8B-DFlash-b16)."""
+    if draft in PAIRS:
+        return PAIRS[draft]
+    tail = draft.rstrip("/").rsplit("/", 1)[-1]
+    for name, pair in PAIRS.items():
+        if name.rsplit("/", 1)[-1] == tail:
+            return pair
+    raise KeyError(f"unknown DFlash draft {draft!r}; known: {sorted(PAIRS)}")
+
+
+def check_deployment(draft: str, target: str, block_size: int | None, tp_size: int) -> list[str]:
+    """Problems with serving `target` + `draft` at this block size and TP size (empty list: fine).
+
+    Rules: the draft is a known pair of exactly this target; the block size is the trained one; TP divides the
+    target's and the draft's query heads, and KV heads are split or replicated evenly (SGLang replicates KV
+    heads when tp > kv_heads, which needs tp % kv_heads == 0).
+    """
+    try:
+        pair = pair_for(draft)
+    except KeyError as e:
+        return [str(e.args[0])]
+    problems = []
+    t = pair.target
+    if target.rstrip("/").rsplit("/", 1)[-1] != t.repo.rsplit("/", 1)[-1]:
+        problems.append(f"draft {pair.draft} belongs to target {t.repo}, not {target}")
+    if block_size is not None and block_size != pair.block_size:
+        problems.append(f"block size {block_size} != {pair.block_size}, the size {pair.draft} was trained with")
+    if tp_size < 1:
+        problems.append(f"tp size must be >= 1, got {tp_size}")
+        return problems
+    if t.num_heads % tp_size:
+        problems.append(f"tp {tp_size} does not divide the {t.num_heads} query heads of {t.repo}")
+    if pair.draft_num_heads % tp_size:
+        problems.append(f"tp {tp_size} does not divide the {pair.draft_num_heads} query heads of {pair.draft}")
+    if t.num_kv_heads % tp_size and tp_size % t.num_kv_heads:
+        problems.append(f"tp {tp_size} neither divides nor is a multiple of the {t.num_kv_heads} KV heads of {t.repo}")
+    return problems

@@ -1,0 +1,41 @@
+#!/usr/bin/env python3
+"""Launch an SGLang server from a recipe: `python recipes/launch.py FAMILY HW [--impl ours|builtin|none] [--dry-run]
+[--target PATH] [--draft PATH] [-- EXTRA SGLANG ARGS]`.
+
+FAMILY is a file stem in this directory (qwen3-8b, gpt-oss-120b, ...), HW one of h100 h200 b200 b300. The recipe's
+`measured` line is printed first; `--dry-run` prints the command instead of running it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from dflash_sglang.bench import recipe as recipes
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("family", choices=recipes.names())
+    p.add_argument("hw", choices=recipes.HARDWARE)
+    p.add_argument("--impl", choices=recipes.IMPLS, default="ours",
+                   help="DFLASH worker: ours (default), builtin (SGLang's), none (no speculation baseline)")
+    p.add_argument("--target", help="local copy of the target (default: the recipe's hub repo)")
+    p.add_argument("--draft", help="local copy of the draft (default: the recipe's hub repo)")
+    p.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
+    args = p.parse_args(argv)
+    r = recipes.load(args.family)
+    print(f"# {r.name} on {args.hw}: measured: {r.on(args.hw).measured}", file=sys.stderr)
+    kw = dict(target=args.target, draft=args.draft, extra=extra)
+    if args.dry_run:
+        print(r.command(args.hw, args.impl, **kw))
+        return 0
+    cmd = [sys.executable, "-m", "sglang.launch_server", *r.server_args(args.hw, args.impl, **kw)]
+    os.execvpe(cmd[0], cmd, {**os.environ, **r.server_env(args.hw, args.impl)})
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,203 @@
+"""The benchmark scripts end to end on CPU with the SmolLM2 testbed pair, at tiny settings.
+
+The numbers these runs produce are not performance claims (2 shared CPU cores); the tests check that each script
+runs, prints the roofline first, writes its CSV/PNG, records per-request acceptance, and ends with a JSON line.
+One CPU SGLang server (our DFLASH worker when the adapter is installed, else no speculation) serves both server
+tests; SGLang runs in subprocesses only, with the import shims of tests/sglang_shims.
+"""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_sglang.bench import pareto, recipe, roofline
+from dflash_sglang.bench.accept import pooled, summarize
+from dflash_sglang.bench.datasets import jsonl_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIMS = ROOT / "tests" / "sglang_shims"
+CPU_SERVER_ARGS = ["--device", "cpu", "--cuda-graph-backend-prefill", "disabled", "--cuda-graph-backend-decode",
+                   "disabled", "--max-total-tokens", "4096", "--max-running-requests", "2", "--skip-server-warmup"]
+HAS_ADAPTER = importlib.util.find_spec("dflash_sglang.adapter") is not None
+
+
+def _run(script: str, args: list[str], env: dict | None = None, timeout: int = 600) -> tuple[list[str], dict]:
+    """Run scripts/<script> with niceness; returns (stdout lines, the JSON of the last line)."""
+    proc = subprocess.run(["nice", sys.executable, str(ROOT / "scripts" / script), *args], cwd=ROOT,
+                          env=env or os.environ.copy(), capture_output=True, text=True, timeout=timeout)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0 and lines, f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return lines, json.loads(lines[-1])
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[Path, Path]:
+    from dflash_sglang.testbed import TestbedUnavailable, default_pair
+
+    try:
+        return default_pair()
+    except (TestbedUnavailable, FileNotFoundError) as e:
+        pytest.skip(f"testbed pair unavailable: {e}")
+
+
+@pytest.fixture(scope="module")
+def sglang_env(tmp_path_factory) -> dict:
+    """Environment for SGLang subprocesses on CPU; skips when SGLang's server or benchmark cannot be imported."""
+    paths = [str(SHIMS)]
+    if importlib.util.find_spec("datasets") is None:
+        # sglang.benchmark.serving imports HF `datasets` for its MMMU loader only; we never load MMMU.
+        stub = tmp_path_factory.mktemp("stubs") / "datasets"
+        stub.mkdir()
+        (stub / "__init__.py").write_text("def load_dataset(*a, **k):\n    raise RuntimeError('datasets stub')\n")
+        paths.append(str(stub.parent))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    probe = subprocess.run([sys.executable, "-c", "import sglang.srt.entrypoints.http_server, sglang.benchmark.serving"],
+                           env=env, capture_output=True, text=True, timeout=300)
+    if probe.returncode != 0:
+        pytest.skip("SGLang server/benchmark not importable on this machine (.ci/install_sglang.sh): "
+                    + (probe.stderr.strip().splitlines() or ["?"])[-1])
+    return env
+
+
+@pytest.fixture(scope="module")
+def server(pair, sglang_env, tmp_path_factory):
+    """One CPU server for the testbed pair: DFLASH with our worker if the adapter is installed."""
+    from dflash_sglang.bench.server import Server
+
+    target, draft = pair
+    arm = "ours" if HAS_ADAPTER else "none"
+    argv = ["--model-path", str(target), *CPU_SERVER_ARGS]
+    env = {"PYTHONPATH": sglang_env["PYTHONPATH"]}
+    if arm == "ours":
+        argv += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft)]
+        env[recipe.IMPL_ENV] = "ours"
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with Server(argv, env, log, startup_timeout=600) as srv:
+        yield arm, srv
+
+
+@pytest.mark.slow
+def test_bench_accept_reference(pair, tmp_path):
+    target, draft = pair
+    lines, res = _run("bench_accept.py", ["--num-prompts", "2", "--max-new-tokens", "8", "--threads", "1",
+                                          "--batch-size", "2", "--out", str(tmp_path)])
+    assert lines[0].startswith("Roofline") and "<- this run" in "\n".join(lines[:8])
+    assert res["script"] == "bench_accept" and res["backend"] == "reference" and res["rows"]
+    for r in res["rows"]:
+        assert 1 <= r["tau"] <= r["block_size"] and sum(r["hist"]) == r["steps"] > 0
+    assert res["spec_ceiling_tok_s"] and Path(res["csv"]).is_file()
+    assert res["png"] is None or Path(res["png"]).is_file()
+
+
+@pytest.mark.slow
+def test_bench_pareto_on_cpu_server(pair, sglang_env, server, tmp_path):
+    arm, srv = server
+    target, draft = pair
+    lines, res = _run("bench_pareto.py", [
+        "--base-url", srv.url, "--arms", arm, "--target", str(target), "--draft", str(draft),
+        "--max-running-requests", "2", "--concurrency", "1,2", "--num-prompts", "2", "--output-len", "4",
+        "--apply-chat-template", "--out", str(tmp_path)], env=sglang_env)
+    assert lines[0].startswith("Roofline")
+    assert res["script"] == "bench_pareto" and not res["failed"] and res["max_running_requests"] == 2
+    assert [p["concurrency"] for p in res["points"]] == [1, 2]
+    for p in res["points"]:
+        assert p["completed"] == 2 and p["tok_s_gpu"] > 0 and p["tok_s_user"] > 0
+    with open(res["requests_csv"]) as f:
+        reqs = list(csv.DictReader(f))
+    assert len(reqs) == 4  # 2 requests x 2 points; the warmup request is not recorded
+    if arm == "ours":  # per-request acceptance from meta_info: completion tokens / verify steps, bonus included
+        assert all(1.0 <= float(r["accept_length"]) <= 4.0 for r in reqs)
+        assert all(p["accept_len_mean"] >= 1.0 for p in res["points"])
+    assert res["png"] is None or Path(res["png"]).is_file()
+
+
+@pytest.mark.slow
+def test_bench_accept_server_backend(pair, sglang_env, server, tmp_path):
+    arm, srv = server
+    if arm != "ours":
+        pytest.skip("the server backend needs a DFLASH server (dflash_sglang.adapter is not installed)")
+    target, draft = pair
+    lines, res = _run("bench_accept.py", ["--backend", "server", "--base-url", srv.url, "--target", str(target),
+                                          "--draft", str(draft), "--num-prompts", "2", "--max-new-tokens", "8",
+                                          "--concurrency", "2", "--out", str(tmp_path)], env=sglang_env)
+    assert lines[0].startswith("Roofline")
+    (row,) = res["rows"]
+    assert 1 <= row["tau"] <= row["block_size"] and row["steps"] > 0
+
+
+# ------------------------------------------------------------------ fast checks, no server
+
+
+def test_bench_package_does_not_import_sglang():
+    code = ("import sys, dflash_sglang.bench.pareto, dflash_sglang.bench.accept, dflash_sglang.bench.recipe, "
+            "dflash_sglang.pairs; assert not [m for m in sys.modules if m.split('.')[0] == 'sglang']")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_roofline_ceilings():
+    roof = roofline.for_models(roofline.GPUS["h100"], "Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16")
+    assert roof.ar_tok_s == pytest.approx(3350 / 15.1)
+    assert roof.spec_tok_s(6.5) == pytest.approx(6.5 * 3350 / (15.1 + roof.draft_gb))
+    assert roof.spec_tok_s(1.0) < roof.ar_tok_s  # tau 1 only adds draft cost
+    table = roof.table()
+    assert table.splitlines()[0].startswith("Roofline") and "<- this run" in table
+    cpu = roofline.hardware("cpu", cpu_bandwidth_tbs=0.02)
+    assert cpu.name == "cpu" and "stated" in cpu.source and roofline.measure_cpu_bandwidth(mb=8, repeats=2) > 0
+    with pytest.raises(ValueError, match="unknown hardware"):
+        roofline.hardware("a100")
+
+
+def test_arm_server_args_share_everything_but_the_worker():
+    args = pareto.build_parser().parse_args(["--recipe", "qwen3-8b:h100", "--max-running-requests", "16",
+                                             "--simulate-acc-len", "3.5"])
+    ours, builtin, none = (pareto.server_args_for(args, a) for a in ("ours", "builtin", "none"))
+    assert ours[0] == builtin[0] and ours[1]["DFLASH_SGLANG_IMPL"] == "ours" and builtin[1]["DFLASH_SGLANG_IMPL"] == "builtin"
+    for argv, env in (ours, builtin):
+        assert argv.count("--max-running-requests") == 1 and argv[argv.index("--max-running-requests") + 1] == "16"
+        assert env["SGLANG_SIMULATE_ACC_LEN"] == "3.5" and env["SGLANG_SIMULATE_ACC_METHOD"] == "match-expected"
+        assert "--speculative-draft-load-format" in argv and argv[argv.index("--load-format") + 1] == "dummy"
+    assert "--speculative-algorithm" not in none[0] and "SGLANG_SIMULATE_ACC_LEN" not in none[1]
+
+
+def test_simulated_acceptance_needs_the_declared_contract(monkeypatch):
+    import types
+
+    monkeypatch.setitem(sys.modules, "dflash_sglang.adapter", types.ModuleType("dflash_sglang.adapter"))
+    ok, why = pareto.ours_simulation_support()
+    assert not ok and "SIMULATED_ACCEPTANCE" in why
+    declared = types.ModuleType("dflash_sglang.adapter")
+    declared.SIMULATED_ACCEPTANCE = True
+    monkeypatch.setitem(sys.modules, "dflash_sglang.adapter", declared)
+    assert pareto.ours_simulation_support() == (True, "")
+
+
+def test_client_args_for_each_dataset(tmp_path):
+    base = ["--target", "t", "--draft", "d", "--max-running-requests", "4"]
+    speed = tmp_path / "speed.jsonl"
+    speed.write_text(json.dumps({"category": "coding", "turns": ["write a sort"]}) + "\n")
+    a = pareto.build_parser().parse_args(base + ["--dataset", "speed-bench", "--dataset-path", str(speed),
+                                                 "--output-len", "64"])
+    argv = pareto.client_args(a, "http://h:1", "t", 8, tmp_path / "o.jsonl")
+    assert argv[argv.index("--dataset-name") + 1] == "speed-bench" and "--speed-bench-output-len" in argv
+    assert argv[argv.index("--max-concurrency") + 1] == "8" and argv[argv.index("--num-prompts") + 1] == "256"
+    a = pareto.build_parser().parse_args(base + ["--dataset", "random", "--input-len", "32", "--output-len", "8"])
+    argv = pareto.client_args(a, "http://h:1", "t", 1, tmp_path / "o.jsonl")
+    assert argv[argv.index("--random-input-len") + 1] == "32" and "--warmup-requests" in argv
+    assert jsonl_prompts(speed)[0].category == "coding"
+
+
+def test_accept_summary_invariants():
+    steps = {("math", 4): [1, 4, 4, 2, 3], ("chat", 4): [1, 1, 2], ("math", 8): [8, 1]}
+    rows = summarize("d", steps)
+    for r in rows:
+        assert sum(r["hist"]) == r["steps"] and len(r["hist"]) == r["block_size"] and 1 <= r["tau"] <= r["block_size"]
+    pool = pooled(rows)
+    assert pool[4]["steps"] == 8 and pool[4]["tau"] == pytest.approx(18 / 8) and pool[4]["hist"] == [3, 2, 1, 2]
+    assert pool[8]["hist"][-1] == 1

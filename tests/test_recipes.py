@@ -1,0 +1,181 @@
+"""Every deployment recipe parses with SGLang's own ServerArgs and uses a known draft/target pair correctly.
+
+SGLang is parsed in a subprocess (one for all recipes): on this CPU machine it needs the import shims of
+tests/sglang_shims, which must not leak into the pytest process. No GPU and no model download is needed: the
+argv is parsed by `ServerArgs.add_cli_args`, and `ServerArgs.from_cli_args` runs with model_path "dummy" (its
+documented early exit), so hardware probing and hub access never happen.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_sglang.bench import recipe as recipes
+from dflash_sglang.pairs import PAIRS, check_deployment, pair_for
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIMS = ROOT / "tests" / "sglang_shims"
+
+ALL = [(name, hw) for name in recipes.names() for hw in recipes.load(name).hw]
+
+# Runs in the subprocess: parse each argv with SGLang and report what SGLang saw.
+_PARSE = r"""
+import argparse, contextlib, copy, io, json, sys, types
+try:
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+except ImportError as e:
+    print("IMPORT_ERROR " + f"{type(e).__name__}: {e}")
+    sys.exit(0)
+try:
+    from sglang.srt.arg_groups.speculative_hook import _resolve_dflash_draft_attention_backend as resolve_draft
+except ImportError:
+    resolve_draft = None
+parser = argparse.ArgumentParser()
+ServerArgs.add_cli_args(parser)
+hidden = {o for a in parser._actions for o in a.option_strings
+          if a.help == argparse.SUPPRESS or (a.help or "").lower().startswith("deprecated")}
+out = []
+for argv in json.load(sys.stdin):
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            ns = parser.parse_args(argv)
+    except SystemExit:
+        out.append({"error": err.getvalue().strip().splitlines()[-1]})
+        continue
+    dummy = copy.copy(ns)
+    dummy.model_path = "dummy"
+    ServerArgs.from_cli_args(dummy)
+    rec = {"error": None, "model_path": ns.model_path, "tp_size": ns.tp_size,
+           "draft": ns.speculative_draft_model_path, "block_size": ns.speculative_num_draft_tokens,
+           "algorithm": ns.speculative_algorithm, "attention_backend": ns.attention_backend,
+           "hidden_flags": sorted(t for t in argv if t in hidden), "draft_backend_kept": None}
+    if ns.speculative_algorithm:
+        rec["algorithm_ok"] = SpeculativeAlgorithm.from_string(ns.speculative_algorithm).is_dflash()
+        backend = ns.speculative_draft_attention_backend
+        if resolve_draft is not None and backend != "trtllm_mha":
+            probe = types.SimpleNamespace(speculative_draft_attention_backend=backend)
+            resolve_draft(probe)
+            rec["draft_backend_kept"] = probe.speculative_draft_attention_backend == backend
+    out.append(rec)
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def parsed() -> dict[tuple[str, str, str], dict]:
+    """SGLang's view of every (recipe, hw, impl) argv."""
+    keys, argvs = [], []
+    for name, hw in ALL:
+        r = recipes.load(name)
+        for impl in ("ours", "none"):
+            keys.append((name, hw, impl))
+            argvs.append(r.server_args(hw, impl))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SHIMS), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", _PARSE], input=json.dumps(argvs), env=env,
+                          capture_output=True, text=True, timeout=300)
+    if proc.stdout.startswith("IMPORT_ERROR "):
+        pytest.skip("SGLang's ServerArgs is not importable (install it with .ci/install_sglang.sh): "
+                    + proc.stdout[len("IMPORT_ERROR "):].strip())
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return dict(zip(keys, json.loads(lines[-1][len("RESULT "):])))
+
+
+def test_recipes_exist_for_every_published_pair_and_hardware():
+    drafts = {recipes.load(n).draft for n in recipes.names()}
+    assert drafts == set(PAIRS), "one recipe per known pair"
+    for name in recipes.names():
+        assert set(recipes.load(name).hw) == set(recipes.HARDWARE), name
+
+
+@pytest.mark.parametrize("name,hw", ALL)
+def test_recipe_parses_with_sglang(parsed, name, hw):
+    r = recipes.load(name)
+    for impl in ("ours", "none"):
+        got = parsed[(name, hw, impl)]
+        assert got["error"] is None, f"{name}:{hw} ({impl}): SGLang rejected the argv: {got['error']}"
+        assert got["hidden_flags"] == [], f"{name}:{hw}: deprecated/hidden SGLang flags {got['hidden_flags']}"
+        assert got["model_path"] == r.target and got["tp_size"] == r.on(hw).tp
+    spec, base = parsed[(name, hw, "ours")], parsed[(name, hw, "none")]
+    assert spec["algorithm"] == "DFLASH" and spec["algorithm_ok"]
+    assert spec["draft"] == r.draft and spec["block_size"] == r.block_size
+    assert spec["draft_backend_kept"] in (True, None), f"SGLang would replace draft backend {r.on(hw).draft_attention_backend}"
+    assert base["algorithm"] is None and base["draft"] is None
+
+
+@pytest.mark.parametrize("name,hw", ALL)
+def test_recipe_uses_a_known_pair(parsed, name, hw):
+    """The pairing rules are checked on the values SGLang parsed, i.e. on what would be served."""
+    got = parsed[(name, hw, "ours")]
+    assert check_deployment(got["draft"], got["model_path"], got["block_size"], got["tp_size"]) == []
+
+
+@pytest.mark.parametrize("name,hw", ALL)
+def test_recipe_is_small_and_carries_its_result(name, hw):
+    r = recipes.load(name)
+    h = r.on(hw)
+    assert h.measured, "every hardware states its measured result or 'not yet measured'"
+    assert f"{hw}: {h.measured}" in r.header, f"{r.path}: header comment out of sync with [hw.{hw}].measured"
+    assert sorted(h.cuda_graph_bs) == list(h.cuda_graph_bs) and max(h.cuda_graph_bs) == h.max_running_requests
+    assert 0.5 <= h.mem_fraction_static <= 0.95
+    env = r.server_env(hw, "builtin")
+    assert env[recipes.IMPL_ENV] == "builtin" and recipes.IMPL_ENV not in r.server_env(hw, "none")
+
+
+def test_check_deployment_rejects_bad_pairings():
+    p = PAIRS["z-lab/Qwen3-8B-DFlash-b16"]
+    assert check_deployment(p.draft, p.target.repo, 16, 1) == []
+    assert check_deployment("/models/Qwen3-8B-DFlash-b16", "/models/Qwen3-8B", 16, 2) == []  # local copies
+    assert any("belongs to target" in e for e in check_deployment(p.draft, "Qwen/Qwen3-4B", 16, 1))
+    assert any("block size 8" in e for e in check_deployment(p.draft, p.target.repo, 8, 1))
+    assert any("does not divide" in e for e in check_deployment(p.draft, p.target.repo, 16, 3))
+    assert any("unknown DFlash draft" in e for e in check_deployment("someone/other-draft", "x", 16, 1))
+    coder = PAIRS["z-lab/Qwen3-Coder-30B-A3B-DFlash"]  # 4 KV heads: tp 8 replicates them evenly
+    assert check_deployment(coder.draft, coder.target.repo, 16, 8) == []
+
+
+def test_pairs_are_self_consistent():
+    from dflash_sglang.core.config import build_target_layer_ids
+
+    for draft, p in PAIRS.items():
+        assert pair_for(draft) is p and p.draft.startswith("z-lab/")
+        assert all(0 <= i < p.target.num_layers for i in p.target_layer_ids)
+        assert list(p.target_layer_ids) == sorted(set(p.target_layer_ids))
+        if p.layer_ids_source == "rule":
+            assert p.target_layer_ids == build_target_layer_ids(p.target.num_layers, len(p.target_layer_ids))
+        assert 2 <= p.block_size <= 16 and p.target.decode_gb > 0 and p.draft_gb > 0
+
+
+def test_launcher_dry_run_prints_the_recipe_command(capsys):
+    sys.path.insert(0, str(ROOT / "recipes"))
+    try:
+        import launch
+    finally:
+        sys.path.pop(0)
+    assert launch.main(["qwen3-8b", "h100", "--impl", "builtin", "--dry-run", "--", "--port", "31000"]) == 0
+    out = capsys.readouterr()
+    assert "not yet measured" in out.err
+    cmd = out.out.strip()
+    assert cmd.startswith("DFLASH_SGLANG_IMPL=builtin python -m sglang.launch_server --model-path Qwen/Qwen3-8B")
+    assert "--speculative-num-draft-tokens 16" in cmd and cmd.endswith("--port 31000")
+
+
+def test_malformed_recipe_names_the_field(tmp_path):
+    bad = tmp_path / "x.toml"
+    head = 'name = "x"\ntarget = "t"\ndraft = "d"\nblock_size = 16\n'
+    bad.write_text(head + '[hw.h100]\ntp = 1\n')
+    with pytest.raises(recipes.RecipeError, match=r"\[hw.h100\]: missing field 'cuda_graph_bs'"):
+        recipes.load(bad)
+    bad.write_text(head + '[hw.h100]\ncuda_graph_bs = [1]\ntp = "one"\n')
+    with pytest.raises(recipes.RecipeError, match=r"\[hw.h100\]: field 'tp' must be int"):
+        recipes.load(bad)
+    bad.write_text(head + '[hw.a100]\n')
+    with pytest.raises(recipes.RecipeError, match="unknown hardware"):
+        recipes.load(bad)
