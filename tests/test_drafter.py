@@ -6,7 +6,10 @@ import torch
 from dflash_sglang.core.features import target_layer_features
 from factories import draft_config_for, tiny_drafter, tiny_target
 
-torch.set_grad_enabled(False)
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():  # scoped: a module-level set_grad_enabled(False) would leak into later test files
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +105,11 @@ def test_layer_id_offset():
     assert feats[0, 0].tolist() == [1.0] * 3 + [4.0] * 3  # id i is hidden_states[i + 1]
     with pytest.raises(ValueError, match="out of range"):
         target_layer_features(hs, [4])
+
+
+def test_rope_stays_float32_in_bf16_drafts():
+    d = tiny_drafter(draft_config_for(tiny_target("llama"))).to(torch.bfloat16)
+    assert d.rotary.inv_freq.dtype == torch.float32
+    cos, _ = d.rotary(torch.tensor([[40000]]), torch.float32)
+    ref = torch.cos(40000 * d.rotary.inv_freq.double())
+    torch.testing.assert_close(cos[0, 0, 0, : ref.numel()].double(), ref, atol=1e-3, rtol=0)

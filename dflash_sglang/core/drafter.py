@@ -57,11 +57,13 @@ class Rotary(nn.Module):
         super().__init__()
         d = cfg.head_dim
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-        inv_freq = _scale_inv_freq(inv_freq, cfg.rope_scaling)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        # A plain attribute, not a buffer: Module.to(bf16) would round it and shift angles at large positions.
+        self.inv_freq = _scale_inv_freq(inv_freq, cfg.rope_scaling).float()
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """positions [bs, T] int64 -> cos, sin [bs, 1, T, head_dim]."""
+        """positions [bs, T] int64 -> cos, sin [bs, 1, T, head_dim] (angles computed in float32)."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.to(torch.float32)[..., None] * self.inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -17,6 +17,39 @@ class ShimUsed(RuntimeError):
     """A stubbed GPU package was executed (not just imported) on the CPU test path."""
 
 
+_CLASSES: dict[str, type] = {}
+
+
+class _StubMeta(type):
+    def __getattr__(cls, item):
+        if item.startswith("__") and item.endswith("__"):
+            raise AttributeError(item)
+        return Stub(f"{cls.__qualname__}.{item}")
+
+
+def _stub_class(name: str) -> type:
+    """CamelCase names (`JITFunction`, `Config`) become real classes, so isinstance/subclassing work."""
+    if name not in _CLASSES:
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __getattr__(self, item):
+            if item.startswith("__") and item.endswith("__"):
+                raise AttributeError(item)
+            return Stub(f"{name}().{item}")
+
+        _CLASSES[name] = _StubMeta(name.rsplit(".", 1)[-1], (), {"__init__": __init__, "__getattr__": __getattr__})
+    return _CLASSES[name]
+
+
+def _attr(owner: str, item: str):
+    if item.startswith("__") and item.endswith("__"):
+        raise AttributeError(item)
+    full = f"{owner}.{item}"
+    return _stub_class(full) if item[:1].isupper() and not item.isupper() else Stub(full)
+
+
 class Stub:
     """Any attribute, call, subscript or decoration yields another Stub; a kernel launch raises."""
 
@@ -24,9 +57,7 @@ class Stub:
         self._name = name
 
     def __getattr__(self, item: str):
-        if item.startswith("__") and item.endswith("__"):
-            raise AttributeError(item)
-        return Stub(f"{self._name}.{item}")
+        return _attr(self._name, item)
 
     def __call__(self, *args, **kwargs):
         # `@jit` / `@autotune(...)(fn)`: decorating a function gives a launchable kernel stub.
@@ -55,19 +86,17 @@ class Stub:
 class Kernel(Stub):
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            raise ShimUsed(f"triton kernel {self._name!r} launched on the CPU shim")
+            raise ShimUsed(f"kernel {self._name!r} launched on the CPU shim")
 
         return launch
 
     def __call__(self, *args, **kwargs):
-        raise ShimUsed(f"triton function {self._name!r} called on the CPU shim")
+        raise ShimUsed(f"{self._name!r} called on the CPU shim")
 
 
 class StubModule(types.ModuleType):
     def __getattr__(self, item: str):
-        if item.startswith("__") and item.endswith("__"):
-            raise AttributeError(item)
-        return Stub(f"{self.__name__}.{item}")
+        return _attr(self.__name__, item)
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -77,9 +106,11 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self.root = root
 
     def find_spec(self, fullname, path, target=None):
-        if fullname.startswith(self.root + ".") and fullname not in sys.modules:
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
+        if not fullname.startswith(self.root + ".") or fullname in sys.modules:
+            return None
+        if importlib.machinery.PathFinder.find_spec(fullname, path) is not None:
+            return None  # a real shim file (e.g. vllm/_custom_ops.py) wins
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
 
     def create_module(self, spec):
         mod = StubModule(spec.name)

@@ -1,0 +1,116 @@
+"""Server-arg resolution for `--speculative-algorithm DFLASH` when dflash_sglang serves it.
+
+Replaces SGLang's `_handle_dflash` (which refuses CPU). Runs in the process that builds ServerArgs,
+before any scheduler starts, so every startup error is one line naming the flag or file:
+
+- flags this adapter does not support yet (tp/pp/dp > 1, DP attention, draft window) are refused;
+- the draft checkpoint is parsed and checked against the target config (`CheckpointError` names the
+  file and field);
+- on CUDA the GPU-only dependency (flashinfer) must be importable.
+
+`precheck` runs before SGLang's generic speculative handling, `handle_dflash_args` replaces `_handle_dflash`.
+
+Flag mapping: block size B = `--speculative-num-draft-tokens` (alias `--speculative-dflash-block-size`),
+default the checkpoint's `block_size`; `speculative_num_steps` and `speculative_eagle_topk` are forced to
+1 because SGLang's KV accounting reads them.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import TYPE_CHECKING
+
+from dflash_sglang.core.checkpoint import check_fit
+from dflash_sglang.core.config import CheckpointError, DraftConfig
+
+if TYPE_CHECKING:
+    from sglang.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+DEVICES = ("cuda", "cpu")
+DEFAULT_MAX_RUNNING_REQUESTS = 48  # same default as SGLang's builtin DFLASH
+
+
+class UnsupportedFlagError(ValueError):
+    """A server flag (or flag combination) that dflash_sglang's DFLASH does not support yet."""
+
+
+def _refuse(flag: str, value, why: str) -> None:
+    raise UnsupportedFlagError(
+        f"{flag} {value}: {why} (dflash-sglang DFLASH; set DFLASH_SGLANG_IMPL=builtin for SGLang's own)"
+    )
+
+
+def check_supported_flags(server_args: ServerArgs) -> None:
+    device = str(server_args.device)
+    if device.split(":")[0] not in DEVICES:
+        _refuse("--device", device, f"only {' and '.join(DEVICES)} are supported")
+    for flag, name in (("--tp-size", "tp_size"), ("--pp-size", "pp_size"), ("--dp-size", "dp_size")):
+        value = int(getattr(server_args, name, 1) or 1)
+        if value != 1:
+            _refuse(flag, value, "only 1 is supported yet")
+    if getattr(server_args, "enable_dp_attention", False):
+        _refuse("--enable-dp-attention", "", "DP attention is not supported yet")
+    if server_args.speculative_draft_window_size is not None:
+        _refuse("--speculative-draft-window-size", server_args.speculative_draft_window_size, "not supported yet")
+    if server_args.speculative_draft_model_path is None:
+        raise UnsupportedFlagError("--speculative-algorithm DFLASH needs --speculative-draft-model-path DIR")
+    if device.startswith("cuda") and importlib.util.find_spec("flashinfer") is None:
+        raise ImportError("--device cuda: DFLASH needs the GPU-only package flashinfer (pip install flashinfer-python)")
+
+
+def load_draft_config(server_args: ServerArgs) -> DraftConfig:
+    """Parse the draft's config.json and check it against the target's config; raises CheckpointError."""
+    draft_dir = server_args.speculative_draft_model_path
+    source = f"{draft_dir}/config.json"
+    cfg = DraftConfig.load(draft_dir)
+    check_fit(cfg, server_args.get_model_config().hf_config, draft_source=source)
+    if list(cfg.target_layer_ids) != sorted(set(cfg.target_layer_ids)):
+        # SGLang captures layer outputs in layer order; the fc input expects them in checkpoint order.
+        raise CheckpointError(f"{source}: field 'dflash_config.target_layer_ids' must be strictly increasing")
+    return cfg
+
+
+def resolve_block_size(server_args: ServerArgs, cfg: DraftConfig) -> int:
+    explicit = server_args.speculative_num_draft_tokens
+    alias = server_args.speculative_dflash_block_size
+    if alias is not None and explicit is not None and int(alias) != int(explicit):
+        raise UnsupportedFlagError(
+            f"--speculative-num-draft-tokens {explicit} and --speculative-dflash-block-size {alias} differ "
+            f"(both are the DFLASH block size)"
+        )
+    block = int(explicit if explicit is not None else alias if alias is not None else cfg.block_size)
+    if block < 2:
+        raise UnsupportedFlagError(f"--speculative-num-draft-tokens {block}: the block size must be >= 2")
+    if block > cfg.block_size:
+        logger.warning(
+            "DFLASH block size %d is larger than the draft was trained for (%d); acceptance will suffer",
+            block, cfg.block_size,
+        )
+    return block
+
+
+def precheck(server_args: ServerArgs) -> None:
+    """Before SGLang's own speculative-arg handling (which reads the draft dir as a hub repo id and would
+    fail with a hub error): refuse unsupported flags and an unreadable draft config with one line."""
+    check_supported_flags(server_args)
+    DraftConfig.load(server_args.speculative_draft_model_path)
+
+
+def handle_dflash_args(server_args: ServerArgs) -> None:
+    """In-place resolution of DFLASH server args (the AROUND hook on `_handle_dflash` calls this)."""
+    check_supported_flags(server_args)
+    cfg = load_draft_config(server_args)
+    server_args.speculative_num_draft_tokens = resolve_block_size(server_args, cfg)
+    # Not DFLASH concepts, but SGLang's KV reservation and buffer sizing read them.
+    server_args.speculative_num_steps = 1
+    server_args.speculative_eagle_topk = 1
+    if server_args.max_running_requests is None:
+        server_args.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
+    if server_args.enable_mixed_chunk:
+        server_args.enable_mixed_chunk = False
+        logger.warning("DFLASH: --enable-mixed-chunk is turned off (decode and prefill run as separate batches)")
+    if str(server_args.device) == "cpu" and not server_args.disable_overlap_schedule:
+        # SGLang has no overlap scheduler for speculative decoding on CPU; run the worker synchronously.
+        server_args.disable_overlap_schedule = True

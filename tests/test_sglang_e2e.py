@@ -1,0 +1,360 @@
+"""End to end on a real SGLang 0.5.17 Engine (CPU, torch_native attention) with our DFLASH worker.
+
+Tiny random targets + tiny random z-lab drafters (vocab 8, so a random drafter still gets partial and
+multi-token acceptances) are written to a temp dir. Each Engine runs in a child process (this file run as
+a script) with the import shims of tests/sglang_shims on its path, so the pytest process itself never
+imports sglang:
+- Llama target, DFLASH with the checkpoint's block size (8), and the same Engine without speculation,
+  both on the full scenario: >= 32 concurrent greedy prompts of mixed lengths with shared prefixes (radix
+  hits) and prompts longer than the prefill chunk; EOS / stop tokens / stop strings / max_new_tokens
+  landing inside a block; an aborted request; sampled requests (DFLASH only) for a distribution test.
+- Qwen3 target, DFLASH with `speculative_num_draft_tokens=4` (not the checkpoint's 8), greedy prompts.
+Checks: greedy and stop cases token-identical to the plain Engine (Qwen3: to HF greedy); sampled 3-token
+continuations match the target's exact distribution (chi-square); the reported accept length matches
+the core reference decoder's within 5%.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import itertools
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+SHIMS = HERE / "sglang_shims"
+REPO = HERE.parent
+VOCAB, BLOCK, CHUNK = 8, 8, 16
+GREEDY_NEW = 24
+QWEN3_BLOCK = 4  # served with --speculative-num-draft-tokens 4, the checkpoint says 8
+EOS_IDS, STOP_TOKEN = (0, 2), 4
+SAMPLE_NEW, SAMPLE_PROMPT = 3, [1, 3, 2, 5]
+# (result key, requests, sampling settings): temperature only, and temperature + top-p
+SAMPLED = [("t1", 1000, {"temperature": 1.0}), ("t07_p08", 600, {"temperature": 0.7, "top_p": 0.8})]
+N_MIXED_GREEDY = 8  # greedy requests riding in the first sampled batch
+CHILD_TIMEOUT_S = 900
+
+
+def _skip_reason() -> str | None:
+    if importlib.util.find_spec("sglang") is None:
+        return "sglang is not installed (bash .ci/install_sglang.sh)"
+    if version("sglang") != "0.5.17":
+        return f"needs sglang 0.5.17, found {version('sglang')}"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+
+
+# ---------------------------------------------------------------------------------------------- scenario
+def greedy_prompts() -> list[list[int]]:
+    """40 prompts: lengths 1..40 (beyond the 16-token prefill chunk), some sharing prefixes / repeated."""
+    rng = random.Random(0)
+    base = [rng.randrange(1, VOCAB - 1) for _ in range(40)]
+    prompts = []
+    for i in range(40):
+        n = rng.choice([1, 2, 3, 5, 9, 17, 26, 40])
+        prompts.append(base[:n] if i % 4 == 0 else [rng.randrange(1, VOCAB - 1) for _ in range(n)])
+    return prompts
+
+
+def stop_requests() -> list[tuple[list[int], dict]]:
+    """(prompt, sampling params): EOS, stop tokens, stop strings and max_new_tokens inside a block."""
+    rng = random.Random(1)
+    reqs = []
+    for i in range(36):
+        prompt = [rng.randrange(1, VOCAB - 1) for _ in range(rng.choice([2, 4, 7, 19]))]
+        kind = i % 4
+        if kind == 0:
+            params = {"max_new_tokens": 40}  # EOS ends it (config.json: 0, generation_config.json: 2)
+        elif kind == 1:
+            params = {"max_new_tokens": 40, "stop_token_ids": [STOP_TOKEN]}  # SGLang ignores these with ignore_eos
+        elif kind == 2:
+            params = {"max_new_tokens": 40, "ignore_eos": True, "stop": ["$ %", "! !"]}
+        else:
+            params = {"max_new_tokens": [1, 2, 3, 5, 7, 9, 11, 13, 15][i // 4], "ignore_eos": True}
+        reqs.append((prompt, {"temperature": 0, **params}))
+    return reqs
+
+
+def run_child(job: dict) -> None:
+    """Child process body: one Engine, the scenario, results as JSON. job: name, root, out, spec, block, full,
+    device, dtype, attention_backend."""
+    import sglang as sgl
+
+    root = job["root"]
+    spec = {}
+    if job["spec"]:
+        spec = {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": f"{root}/draft"}
+        if job.get("block"):
+            spec["speculative_num_draft_tokens"] = job["block"]
+    t0 = time.perf_counter()
+    engine = sgl.Engine(
+        model_path=f"{root}/target", device=job.get("device", "cpu"), dtype=job.get("dtype", "float32"),
+        attention_backend=job.get("attention_backend", "torch_native"), log_level="warning", random_seed=0,
+        max_total_tokens=16384, chunked_prefill_size=CHUNK, **spec,
+    )
+    res: dict = {"timings": {"startup_s": time.perf_counter() - t0}}
+    try:
+        t0 = time.perf_counter()
+        greedy = engine.generate(
+            input_ids=greedy_prompts(), sampling_params={"temperature": 0, "max_new_tokens": GREEDY_NEW, "ignore_eos": True}
+        )
+        res["greedy"] = [{"ids": o["output_ids"], "meta": _meta(o)} for o in greedy]
+        res["timings"]["greedy_s"] = time.perf_counter() - t0
+        if job["full"]:
+            _full_scenario(engine, job, res)
+    finally:
+        engine.shutdown()
+    Path(job["out"]).write_text(json.dumps(res))
+
+
+def _full_scenario(engine, job: dict, res: dict) -> None:
+    t0 = time.perf_counter()
+    prompts, params = zip(*stop_requests())
+    stops = engine.generate(input_ids=list(prompts), sampling_params=list(params))
+    res["stops"] = [{"ids": o["output_ids"], "text": o["text"], "meta": _meta(o)} for o in stops]
+    res["abort"] = engine.loop.run_until_complete(_abort_scenario(engine))
+    res["timings"]["stops_abort_s"] = time.perf_counter() - t0
+    if job["spec"]:
+        try:  # an aborted request surfaces as ValueError(message) from Engine.generate
+            engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 5, "regex": "[!#]+"})
+            res["grammar"] = "not refused"
+        except ValueError as e:
+            res["grammar"] = str(e)
+        t0 = time.perf_counter()
+        for i, (key, n, settings) in enumerate(SAMPLED):
+            params = [{**settings, "max_new_tokens": SAMPLE_NEW, "ignore_eos": True}] * n
+            prompts = [SAMPLE_PROMPT] * n
+            if i == 0:  # greedy requests mixed into a sampled batch
+                prompts += greedy_prompts()[:N_MIXED_GREEDY]
+                params += [{"temperature": 0, "max_new_tokens": GREEDY_NEW, "ignore_eos": True}] * N_MIXED_GREEDY
+            out = engine.generate(input_ids=prompts, sampling_params=params)
+            res[f"sampled_{key}"] = [o["output_ids"] for o in out[:n]]
+            if i == 0:
+                res["greedy_in_sampled_batch"] = [o["output_ids"] for o in out[n:]]
+        res["timings"]["sampled_s"] = time.perf_counter() - t0
+
+
+def _meta(o: dict) -> dict:
+    m = o["meta_info"]
+    keep = ("finish_reason", "completion_tokens", "spec_verify_ct", "spec_accept_length")
+    return {k: m[k] for k in keep if k in m}
+
+
+async def _abort_scenario(engine) -> dict:
+    """A long streaming request is aborted mid-decode while short ones run; then the engine still serves."""
+    tm = engine.tokenizer_manager
+    long_gen = await engine.async_generate(
+        input_ids=[2, 4, 6, 1], sampling_params={"temperature": 0, "max_new_tokens": 400, "ignore_eos": True},
+        stream=True, rid="dflash-abort-me",
+    )
+    short = asyncio.ensure_future(engine.async_generate(
+        input_ids=[[5, 1, 2], [3, 3]], sampling_params={"temperature": 0, "max_new_tokens": 12, "ignore_eos": True},
+    ))
+    chunks, last = 0, None
+    async for chunk in long_gen:
+        chunks, last = chunks + 1, chunk
+        if chunks == 3:
+            tm.abort_request(rid="dflash-abort-me")
+    after = await engine.async_generate(
+        input_ids=[[5, 1, 2], [3, 3]], sampling_params={"temperature": 0, "max_new_tokens": 12, "ignore_eos": True},
+    )
+    return {
+        "long_finish": last["meta_info"]["finish_reason"],
+        "long_len": len(last["output_ids"]),
+        "short": [o["output_ids"] for o in await short],
+        "after": [o["output_ids"] for o in after],
+    }
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+def write_pair(root: Path, arch: str) -> Path:
+    """A tiny random `arch` target (+ char tokenizer) and a tiny random z-lab drafter (block size 8)."""
+    from factories import char_tokenizer, draft_config_for, tiny_drafter, tiny_target, write_draft
+
+    target = tiny_target(arch, vocab=VOCAB, seed=2)
+    target.config.eos_token_id = 0
+    target.save_pretrained(root / "target", safe_serialization=True)
+    char_tokenizer(VOCAB).save_pretrained(root / "target")
+    write_draft(root / "draft", tiny_drafter(draft_config_for(target, block_size=BLOCK), seed=2), dtype=torch.float32)
+    return root
+
+
+def run_children(jobs: list[dict], timeout: float = CHILD_TIMEOUT_S, shims: bool = True) -> dict[str, dict]:
+    """Run one Engine child per job, in parallel; parsed JSON results by job name (fails with the log tail)."""
+    paths = [str(REPO), os.environ.get("PYTHONPATH", "")]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(([str(SHIMS)] if shims else []) + paths),
+        "OMP_NUM_THREADS": "1",
+        "SGLANG_PLUGINS": "dflash_sglang",
+    }
+    procs = {}
+    for job in jobs:
+        log_path = Path(job["out"]).with_suffix(".log")
+        log = open(log_path, "w")
+        cmd = [sys.executable, str(Path(__file__)), json.dumps(job)]
+        procs[job["name"]] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO), job, log)
+    results = {}
+    for name, (proc, job, log) in procs.items():
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = "timeout"
+        log.close()
+        if rc != 0:
+            tail = Path(job["out"]).with_suffix(".log").read_text()[-4000:]
+            pytest.fail(f"engine child {name} failed ({rc}):\n{tail}")
+        results[name] = json.loads(Path(job["out"]).read_text())
+    return results
+
+
+@pytest.fixture(scope="module")
+def pair_dir(tmp_path_factory) -> Path:
+    return write_pair(tmp_path_factory.mktemp("dflash_e2e_llama"), "llama")
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory) -> Path:
+    return write_pair(tmp_path_factory.mktemp("dflash_e2e_qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="module")
+def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
+    """All Engines of this module, run once in parallel child processes."""
+    jobs = [
+        dict(name="spec", root=str(pair_dir), spec=True, full=True),
+        dict(name="plain", root=str(pair_dir), spec=False, full=True),
+        dict(name="qwen3", root=str(qwen3_dir), spec=True, full=False, block=QWEN3_BLOCK),
+    ]
+    for job in jobs:
+        job["out"] = str(Path(job["root"]) / f"{job['name']}.json")
+    return run_children(jobs)
+
+
+# ---------------------------------------------------------------------------------------------- tests
+def test_greedy_matches_plain_engine(runs):
+    spec, plain = runs["spec"]["greedy"], runs["plain"]["greedy"]
+    assert len(spec) == len(greedy_prompts()) >= 32
+    assert [r["ids"] for r in spec] == [r["ids"] for r in plain]
+    assert all(len(r["ids"]) == GREEDY_NEW for r in spec)
+    ct = [r["meta"]["spec_verify_ct"] for r in spec]
+    # the comparison only means something if blocks were partly and fully rejected and multi-token accepted
+    assert min(ct) < GREEDY_NEW - 1 and sum(ct) < len(spec) * (GREEDY_NEW - 1)
+    assert any(r["meta"]["spec_accept_length"] >= 2 for r in spec)
+
+
+def test_stops_inside_a_block_match_plain_engine(runs):
+    spec, plain = runs["spec"]["stops"], runs["plain"]["stops"]
+    for s, p, (prompt, params) in zip(spec, plain, stop_requests()):
+        assert s["ids"] == p["ids"], (prompt, params)
+        assert s["text"] == p["text"], (prompt, params)
+        assert s["meta"]["finish_reason"] == p["meta"]["finish_reason"], (prompt, params)
+        assert len(s["ids"]) <= params["max_new_tokens"]
+    # every way of stopping actually happened, most of them mid-block
+    reasons = [r["meta"]["finish_reason"] for r in spec]
+    stops = [r.get("matched") for r in reasons if r["type"] == "stop"]
+    assert any(m in EOS_IDS for m in stops) and STOP_TOKEN in stops, reasons
+    assert any(isinstance(m, str) for m in stops), reasons
+    assert any(r["type"] == "length" and r["length"] < 40 for r in reasons), reasons
+
+
+def test_abort_mid_decode(runs):
+    spec, plain = runs["spec"]["abort"], runs["plain"]["abort"]
+    assert spec["long_finish"]["type"] == "abort"
+    assert spec["long_len"] < 400
+    assert spec["short"] == plain["short"] and spec["after"] == plain["after"]
+
+
+def test_grammar_requests_are_refused(runs):
+    assert "does not support grammar-constrained requests yet (regex)" in runs["spec"]["grammar"]
+
+
+def test_accept_length_matches_reference_decoder(runs, pair_dir):
+    from dflash_sglang.core.checkpoint import load_drafter
+    from dflash_sglang.core.reference import ReferenceDecoder
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(pair_dir / "target", dtype=torch.float32).eval()
+    drafter = load_drafter(pair_dir / "draft", dtype=torch.float32)
+    ref = ReferenceDecoder(target, drafter).generate(greedy_prompts(), GREEDY_NEW, block_size=BLOCK)
+    spec = runs["spec"]["greedy"]
+    assert [g.tokens for g in ref] == [r["ids"] for r in spec]
+    # SGLang reports completion_tokens / verify steps (the prefill token counts as emitted)
+    sgl_tau = sum(r["meta"]["completion_tokens"] for r in spec) / sum(r["meta"]["spec_verify_ct"] for r in spec)
+    ref_tau = sum(len(g.tokens) for g in ref) / sum(len(g.accept_lengths) for g in ref)
+    assert sgl_tau == pytest.approx(ref_tau, rel=0.05)
+    assert sgl_tau > 1.2  # drafts are actually accepted
+
+
+def _exact_joint(target, prompt: list[int], n: int, settings: dict) -> dict[tuple[int, ...], float]:
+    """Exact probability of every n-token continuation under the target with these sampling settings,
+    as core.accept.target_probs defines them (one batched forward over all V**n continuations)."""
+    from dflash_sglang.core.accept import SamplingParams, target_probs
+
+    seqs = list(itertools.product(range(VOCAB), repeat=n))
+    ids = torch.tensor([prompt + list(s) for s in seqs])
+    with torch.no_grad():
+        logits = target(ids).logits[:, len(prompt) - 1 : len(prompt) - 1 + n].double()
+    params = SamplingParams.full(len(seqs), settings["temperature"], 0, settings.get("top_p", 1.0))
+    probs = target_probs(logits, params).double()
+    joint = probs.gather(-1, ids[:, len(prompt):, None]).squeeze(-1).prod(-1)
+    return dict(zip(seqs, joint.tolist()))
+
+
+@pytest.mark.parametrize("key,n,settings", SAMPLED, ids=[k for k, _, _ in SAMPLED])
+def test_sampling_matches_target_distribution(runs, pair_dir, key, n, settings):
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(pair_dir / "target", dtype=torch.float32).eval()
+    exact = _exact_joint(target, SAMPLE_PROMPT, SAMPLE_NEW, settings)
+    samples = [tuple(s) for s in runs["spec"][f"sampled_{key}"]]
+    assert len(samples) == n
+    assert sum(exact.get(s, 0.0) == 0.0 for s in samples) == 0  # nothing outside the top-p support
+    obs = torch.tensor([samples.count(s) for s in exact], dtype=torch.float64)
+    exp = torch.tensor(list(exact.values()), dtype=torch.float64) * n
+    rare = exp < 5  # chi-square wants expected counts >= 5: pool the rare continuations (if that cell is)
+    if exp[rare].sum() >= 5:
+        obs, exp = torch.cat([obs[~rare], obs[rare].sum()[None]]), torch.cat([exp[~rare], exp[rare].sum()[None]])
+    else:
+        obs, exp = obs[~rare], exp[~rare] * obs[~rare].sum() / exp[~rare].sum()
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    dof = len(obs) - 1
+    pvalue = float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
+    assert pvalue > 1e-3, (stat, dof)
+
+
+def test_greedy_requests_in_a_sampled_batch(runs):
+    plain = [r["ids"] for r in runs["plain"]["greedy"][:N_MIXED_GREEDY]]
+    assert runs["spec"]["greedy_in_sampled_batch"] == plain
+
+
+def test_qwen3_greedy_with_block_size_flag(runs, qwen3_dir):
+    from dflash_sglang.core.checkpoint import load_drafter
+    from dflash_sglang.core.reference import ReferenceDecoder
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(qwen3_dir / "target", dtype=torch.float32).eval()
+    drafter = load_drafter(qwen3_dir / "draft", dtype=torch.float32)
+    dec = ReferenceDecoder(target, drafter)
+    spec = runs["qwen3"]["greedy"]
+    assert [r["ids"] for r in spec] == dec.plain_generate(greedy_prompts(), GREEDY_NEW)
+    ct = [r["meta"]["spec_verify_ct"] for r in spec]
+    # every step commits at most QWEN3_BLOCK tokens (the prefill emits the first one)
+    assert all(c >= (GREEDY_NEW - 1) / QWEN3_BLOCK for c in ct)
+    assert max(r["meta"]["spec_accept_length"] for r in spec) > 1.5  # drafts are accepted
+
+
+if __name__ == "__main__":
+    run_child(json.loads(sys.argv[1]))

@@ -1,0 +1,195 @@
+"""The SGLang plugin seam and the startup errors, without starting an Engine.
+
+Importing sglang changes the process it is imported in (it patches transformers, and the import shims
+for triton / torchvision / vllm must be on the path before transformers first looks for them), so these
+tests run in a child pytest process: the parent's only test, `test_plugin_suite_in_a_child_process`,
+runs this file again with DFLASH_SGLANG_TEST_CHILD=1 and the shims first on PYTHONPATH.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points, version
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+SHIMS = str(Path(__file__).resolve().parent / "sglang_shims")
+
+
+def _skip_reason() -> str | None:
+    if importlib.util.find_spec("sglang") is None:
+        return "sglang is not installed (bash .ci/install_sglang.sh)"
+    if version("sglang") != "0.5.17":
+        return f"needs sglang 0.5.17, found {version('sglang')}"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+IN_CHILD = os.environ.get("DFLASH_SGLANG_TEST_CHILD") == "1"
+child_only = pytest.mark.skipif(not IN_CHILD, reason="runs in the child process of test_plugin_suite_in_a_child_process")
+
+
+@pytest.mark.skipif(IN_CHILD, reason="this is the child")
+def test_plugin_suite_in_a_child_process(tmp_path):
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {
+        **os.environ,
+        "DFLASH_SGLANG_TEST_CHILD": "1",
+        "PYTHONPATH": os.pathsep.join([SHIMS, repo, os.environ.get("PYTHONPATH", "")]),
+    }
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path), __file__]
+    proc = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True, timeout=900)
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in summary and "skipped" in summary and "failed" not in summary, summary
+
+
+@pytest.fixture(scope="module")
+def plugin():
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from dflash_sglang.adapter import plugin as plugin_mod
+
+    plugin_mod.register()
+    HookRegistry.apply_hooks()
+    return plugin_mod
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from factories import draft_config_for, tiny_drafter, tiny_target, write_draft
+
+    root = tmp_path_factory.mktemp("dflash_plugin")
+    target = tiny_target("qwen3", vocab=16, seed=0)
+    target.save_pretrained(root / "target", safe_serialization=True)
+    write_draft(root / "draft", tiny_drafter(draft_config_for(target, block_size=6)), dtype=torch.float32)
+    other = tiny_target("llama", vocab=16, hidden=48, seed=0)  # hidden size 48: does not fit the target
+    write_draft(root / "wrong", tiny_drafter(draft_config_for(other)), dtype=torch.float32)
+    return root
+
+
+@child_only
+def test_entry_point_is_declared():
+    eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    assert eps.get("dflash_sglang") == "dflash_sglang.adapter.plugin:register"
+
+
+@child_only
+def test_create_worker_routes_dflash_to_ours_and_back(plugin, monkeypatch):
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from dflash_sglang.adapter.worker import DFlashWorker
+
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    assert SpeculativeAlgorithm.from_string("dflash").create_worker(None) is DFlashWorker
+    # other algorithms are untouched
+    eagle = SpeculativeAlgorithm.EAGLE.create_worker(SimpleNamespace(enable_multi_layer_eagle=False))
+    assert eagle.__name__ == "EAGLEWorkerV2"
+    monkeypatch.setenv(plugin.IMPL_ENV, "builtin")
+    assert SpeculativeAlgorithm.DFLASH.create_worker(None).__name__ == "DFlashWorkerV2"
+    monkeypatch.setenv(plugin.IMPL_ENV, "turbo")
+    with pytest.raises(ValueError, match="DFLASH_SGLANG_IMPL='turbo': expected one of ours, builtin"):
+        SpeculativeAlgorithm.DFLASH.create_worker(None)
+
+
+@child_only
+def test_register_is_idempotent(plugin):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    before = {t: len(h) for t, h in HookRegistry._hooks.items()}
+    plugin.register()
+    assert {t: len(h) for t, h in HookRegistry._hooks.items()} == before
+    assert before[plugin.CREATE_WORKER] == 1
+
+
+@child_only
+def test_unsupported_sglang_version_fails_at_import(monkeypatch):
+    import dflash_sglang.adapter as adapter
+
+    monkeypatch.setattr(adapter, "version", lambda name: "0.5.23")
+    with pytest.raises(adapter.UnsupportedSGLangError, match=r"supports sglang==0\.5\.17 only, found sglang==0\.5\.23"):
+        adapter.require_supported_sglang()
+
+
+def _server_args(pair: Path, **kw):
+    from sglang.srt.server_args import ServerArgs
+
+    args = dict(
+        model_path=str(pair / "target"), device="cpu", attention_backend="torch_native", skip_tokenizer_init=True,
+        speculative_algorithm="DFLASH", speculative_draft_model_path=str(pair / "draft"),
+    )
+    return ServerArgs(**{**args, **kw})
+
+
+@child_only
+def test_server_args_resolution(plugin, pair, monkeypatch):
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    args = _server_args(pair)
+    assert args.speculative_num_draft_tokens == 6  # the checkpoint's block size
+    assert (args.speculative_num_steps, args.speculative_eagle_topk) == (1, 1)
+    assert args.disable_overlap_schedule  # synchronous spec worker on CPU
+    assert args.max_running_requests == 48
+    assert _server_args(pair, speculative_num_draft_tokens=4).speculative_num_draft_tokens == 4
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(tp_size=2), r"^--tp-size 2: only 1 is supported yet"),
+        (dict(pp_size=2), r"^--pp-size 2: only 1 is supported yet"),
+        (dict(speculative_num_draft_tokens=1), r"^--speculative-num-draft-tokens 1: the block size must be >= 2"),
+        (dict(speculative_draft_window_size=64), r"^--speculative-draft-window-size 64: not supported yet"),
+        (dict(speculative_num_draft_tokens=4, speculative_dflash_block_size=5), r"^--speculative-num-draft-tokens 4 and"),
+    ],
+)
+@child_only
+def test_unsupported_flags_fail_with_one_line(plugin, pair, monkeypatch, kw, match):
+    from dflash_sglang.adapter.args import UnsupportedFlagError
+
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    with pytest.raises(UnsupportedFlagError, match=match) as err:
+        _server_args(pair, **kw)
+    assert "\n" not in str(err.value)
+
+
+@child_only
+def test_draft_that_does_not_fit_fails_naming_file_and_field(plugin, pair, monkeypatch):
+    from dflash_sglang.core.config import CheckpointError
+
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    with pytest.raises(CheckpointError, match=r"wrong/config\.json: field 'hidden_size'=48 does not match") as err:
+        _server_args(pair, speculative_draft_model_path=str(pair / "wrong"))
+    assert "\n" not in str(err.value)
+    with pytest.raises(CheckpointError, match=r"nowhere/config\.json: missing"):
+        _server_args(pair, speculative_draft_model_path=str(pair / "nowhere"))
+    bad = json.loads((pair / "draft" / "config.json").read_text())
+    bad["dflash_config"]["target_layer_ids"] = [1, 99]
+    (pair / "bad_ids").mkdir(exist_ok=True)
+    (pair / "bad_ids" / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(CheckpointError, match=r"bad_ids/config\.json: field 'dflash_config\.target_layer_ids'"):
+        _server_args(pair, speculative_draft_model_path=str(pair / "bad_ids"))
+    bad["dflash_config"]["target_layer_ids"] = [3, 1, 2]
+    (pair / "bad_ids" / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(CheckpointError, match=r"target_layer_ids' must be strictly increasing"):
+        _server_args(pair, speculative_draft_model_path=str(pair / "bad_ids"))
+
+
+@child_only
+def test_missing_gpu_dependency_on_cuda(plugin, monkeypatch):
+    from dflash_sglang.adapter import args as args_mod
+
+    monkeypatch.setattr(args_mod.importlib.util, "find_spec", lambda name: None)
+    fake = SimpleNamespace(
+        device="cuda", tp_size=1, pp_size=1, dp_size=1, enable_dp_attention=False,
+        speculative_draft_window_size=None, speculative_draft_model_path="/some/draft",
+    )
+    with pytest.raises(ImportError, match=r"^--device cuda: DFLASH needs the GPU-only package flashinfer"):
+        args_mod.check_supported_flags(fake)
+    with pytest.raises(args_mod.UnsupportedFlagError, match=r"^--device xpu: only cuda and cpu"):
+        args_mod.check_supported_flags(SimpleNamespace(**{**vars(fake), "device": "xpu"}))
