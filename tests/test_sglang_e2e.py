@@ -4,14 +4,16 @@ Tiny random targets + tiny random z-lab drafters (vocab 8, so a random drafter s
 multi-token acceptances) are written to a temp dir. Each Engine runs in a child process (this file run as
 a script) with the import shims of tests/sglang_shims on its path, so the pytest process itself never
 imports sglang:
-- Llama target, DFLASH with the checkpoint's block size (8), and the same Engine without speculation,
-  both on the full scenario: >= 32 concurrent greedy prompts of mixed lengths with shared prefixes (radix
-  hits) and prompts longer than the prefill chunk; EOS / stop tokens / stop strings / max_new_tokens
-  landing inside a block; an aborted request; sampled requests (DFLASH only) for a distribution test.
+- Llama target, DFLASH in both verify modes: chain (the checkpoint's block size 8) and tree
+  (`speculative_eagle_topk=3`, `speculative_num_draft_tokens=10` nodes from one block-8 drafter pass), and
+  the same Engine without speculation, all on the full scenario: >= 32 concurrent greedy prompts of mixed
+  lengths with shared prefixes (radix hits) and prompts longer than the prefill chunk; EOS / stop tokens /
+  stop strings / max_new_tokens landing inside an accepted block or path; an aborted request; sampled
+  requests (DFLASH only) for a distribution test.
 - Qwen3 target, DFLASH with `speculative_num_draft_tokens=4` (not the checkpoint's 8), greedy prompts.
-Checks: greedy and stop cases token-identical to the plain Engine (Qwen3: to HF greedy); sampled 3-token
-continuations match the target's exact distribution (chi-square); the reported accept length matches
-the core reference decoder's within 5%.
+Checks (per mode): greedy and stop cases token-identical to the plain Engine (Qwen3: to HF greedy); sampled
+3-token continuations match the target's exact distribution (chi-square); the reported accept length
+matches the core reference decoder's (same chain / tree shape) within 5%.
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ REPO = HERE.parent
 VOCAB, BLOCK, CHUNK = 8, 8, 16
 GREEDY_NEW = 24
 QWEN3_BLOCK = 4  # served with --speculative-num-draft-tokens 4, the checkpoint says 8
+TREE_TOPK, TREE_NODES = 3, 10  # tree mode: 10 verify nodes from the top-3 of each of the 7 draft positions
+MODES = ("chain", "tree")  # engine (job) names of the two DFLASH verify modes on the Llama pair
 EOS_IDS, STOP_TOKEN = (0, 2), 4
 SAMPLE_NEW, SAMPLE_PROMPT = 3, [1, 3, 2, 5]
 # (result key, requests, sampling settings): temperature only, and temperature + top-p
@@ -87,8 +91,8 @@ def stop_requests() -> list[tuple[list[int], dict]]:
 
 
 def run_child(job: dict) -> None:
-    """Child process body: one Engine, the scenario, results as JSON. job: name, root, out, spec, block, full,
-    device, dtype, attention_backend."""
+    """Child process body: one Engine, the scenario, results as JSON. job: name, root, out, spec, block (the
+    --speculative-num-draft-tokens value), topk, full, device, dtype, attention_backend."""
     import sglang as sgl
 
     root = job["root"]
@@ -97,6 +101,8 @@ def run_child(job: dict) -> None:
         spec = {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": f"{root}/draft"}
         if job.get("block"):
             spec["speculative_num_draft_tokens"] = job["block"]
+        if job.get("topk"):
+            spec["speculative_eagle_topk"] = job["topk"]
     t0 = time.perf_counter()
     engine = sgl.Engine(
         model_path=f"{root}/target", device=job.get("device", "cpu"), dtype=job.get("dtype", "float32"),
@@ -234,7 +240,8 @@ def qwen3_dir(tmp_path_factory) -> Path:
 def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
     """All Engines of this module, run once in parallel child processes."""
     jobs = [
-        dict(name="spec", root=str(pair_dir), spec=True, full=True),
+        dict(name="chain", root=str(pair_dir), spec=True, full=True),
+        dict(name="tree", root=str(pair_dir), spec=True, full=True, block=TREE_NODES, topk=TREE_TOPK),
         dict(name="plain", root=str(pair_dir), spec=False, full=True),
         dict(name="qwen3", root=str(qwen3_dir), spec=True, full=False, block=QWEN3_BLOCK),
     ]
@@ -244,8 +251,9 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
 
 
 # ---------------------------------------------------------------------------------------------- tests
-def test_greedy_matches_plain_engine(runs):
-    spec, plain = runs["spec"]["greedy"], runs["plain"]["greedy"]
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_matches_plain_engine(runs, mode):
+    spec, plain = runs[mode]["greedy"], runs["plain"]["greedy"]
     assert len(spec) == len(greedy_prompts()) >= 32
     assert [r["ids"] for r in spec] == [r["ids"] for r in plain]
     assert all(len(r["ids"]) == GREEDY_NEW for r in spec)
@@ -255,8 +263,9 @@ def test_greedy_matches_plain_engine(runs):
     assert any(r["meta"]["spec_accept_length"] >= 2 for r in spec)
 
 
-def test_stops_inside_a_block_match_plain_engine(runs):
-    spec, plain = runs["spec"]["stops"], runs["plain"]["stops"]
+@pytest.mark.parametrize("mode", MODES)
+def test_stops_inside_a_block_match_plain_engine(runs, mode):
+    spec, plain = runs[mode]["stops"], runs["plain"]["stops"]
     for s, p, (prompt, params) in zip(spec, plain, stop_requests()):
         assert s["ids"] == p["ids"], (prompt, params)
         assert s["text"] == p["text"], (prompt, params)
@@ -270,26 +279,31 @@ def test_stops_inside_a_block_match_plain_engine(runs):
     assert any(r["type"] == "length" and r["length"] < 40 for r in reasons), reasons
 
 
-def test_abort_mid_decode(runs):
-    spec, plain = runs["spec"]["abort"], runs["plain"]["abort"]
+@pytest.mark.parametrize("mode", MODES)
+def test_abort_mid_decode(runs, mode):
+    spec, plain = runs[mode]["abort"], runs["plain"]["abort"]
     assert spec["long_finish"]["type"] == "abort"
     assert spec["long_len"] < 400
     assert spec["short"] == plain["short"] and spec["after"] == plain["after"]
 
 
-def test_grammar_requests_are_refused(runs):
-    assert "does not support grammar-constrained requests yet (regex)" in runs["spec"]["grammar"]
+@pytest.mark.parametrize("mode", MODES)
+def test_grammar_requests_are_refused(runs, mode):
+    assert "does not support grammar-constrained requests yet (regex)" in runs[mode]["grammar"]
 
 
-def test_accept_length_matches_reference_decoder(runs, pair_dir):
+@pytest.mark.parametrize("mode", MODES)
+def test_accept_length_matches_reference_decoder(runs, pair_dir, mode):
+    from dflash_sglang.core.adaptive import SpecShape
     from dflash_sglang.core.checkpoint import load_drafter
     from dflash_sglang.core.reference import ReferenceDecoder
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(pair_dir / "target", dtype=torch.float32).eval()
     drafter = load_drafter(pair_dir / "draft", dtype=torch.float32)
-    ref = ReferenceDecoder(target, drafter).generate(greedy_prompts(), GREEDY_NEW, block_size=BLOCK)
-    spec = runs["spec"]["greedy"]
+    tree = SpecShape(TREE_NODES, TREE_TOPK) if mode == "tree" else None
+    ref = ReferenceDecoder(target, drafter).generate(greedy_prompts(), GREEDY_NEW, block_size=BLOCK, tree=tree)
+    spec = runs[mode]["greedy"]
     assert [g.tokens for g in ref] == [r["ids"] for r in spec]
     # SGLang reports completion_tokens / verify steps (the prefill token counts as emitted)
     sgl_tau = sum(r["meta"]["completion_tokens"] for r in spec) / sum(r["meta"]["spec_verify_ct"] for r in spec)
@@ -313,13 +327,14 @@ def _exact_joint(target, prompt: list[int], n: int, settings: dict) -> dict[tupl
     return dict(zip(seqs, joint.tolist()))
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("key,n,settings", SAMPLED, ids=[k for k, _, _ in SAMPLED])
-def test_sampling_matches_target_distribution(runs, pair_dir, key, n, settings):
+def test_sampling_matches_target_distribution(runs, pair_dir, key, n, settings, mode):
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(pair_dir / "target", dtype=torch.float32).eval()
     exact = _exact_joint(target, SAMPLE_PROMPT, SAMPLE_NEW, settings)
-    samples = [tuple(s) for s in runs["spec"][f"sampled_{key}"]]
+    samples = [tuple(s) for s in runs[mode][f"sampled_{key}"]]
     assert len(samples) == n
     assert sum(exact.get(s, 0.0) == 0.0 for s in samples) == 0  # nothing outside the top-p support
     obs = torch.tensor([samples.count(s) for s in exact], dtype=torch.float64)
@@ -335,9 +350,16 @@ def test_sampling_matches_target_distribution(runs, pair_dir, key, n, settings):
     assert pvalue > 1e-3, (stat, dof)
 
 
-def test_greedy_requests_in_a_sampled_batch(runs):
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_requests_in_a_sampled_batch(runs, mode):
     plain = [r["ids"] for r in runs["plain"]["greedy"][:N_MIXED_GREEDY]]
-    assert runs["spec"]["greedy_in_sampled_batch"] == plain
+    assert runs[mode]["greedy_in_sampled_batch"] == plain
+
+
+def test_tree_commits_at_most_one_path_per_step(runs):
+    """A tree step commits one root-to-node path: at most min(block size, N) tokens (7 drafts + the bonus)."""
+    ct = [r["meta"]["spec_verify_ct"] for r in runs["tree"]["greedy"]]
+    assert all(c >= (GREEDY_NEW - 1) / min(BLOCK, TREE_NODES) for c in ct)
 
 
 def test_qwen3_greedy_with_block_size_flag(runs, qwen3_dir):

@@ -2,9 +2,11 @@
 the target verify). Skipped without a GPU; on a GPU machine sglang must be installed with its CUDA deps
 (plain `pip install sglang==0.5.17`), not by .ci/install_sglang.sh.
 
-Same tiny pair and greedy prompts as tests/test_sglang_e2e.py, bf16. Speculative and plain bf16 decoding
-are not bit-identical in general (different kernels and batch shapes for the same tokens), so this checks
-that nearly all requests match exactly and that every request agrees on its first tokens.
+Same tiny pair and greedy prompts as tests/test_sglang_e2e.py, bf16, for the chain and for tree verification
+(`--speculative-eagle-topk 3`, 10 nodes) with the tree mask passed as SGLang's TARGET_VERIFY `custom_mask` to
+FlashInfer and to Triton. Speculative and plain bf16 decoding are not bit-identical in general (different
+kernels and batch shapes for the same tokens), so this checks that nearly all requests match exactly and that
+every request agrees on its first tokens.
 """
 from __future__ import annotations
 
@@ -14,7 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_sglang_e2e import GREEDY_NEW, greedy_prompts, run_children, write_pair
+from test_sglang_e2e import GREEDY_NEW, TREE_NODES, TREE_TOPK, greedy_prompts, run_children, write_pair
+
+# job name -> (speculative, attention backend, extra job fields)
+ENGINES = {
+    "chain": (True, "flashinfer", {}),
+    "tree": (True, "flashinfer", {"block": TREE_NODES, "topk": TREE_TOPK}),
+    "tree_triton": (True, "triton", {"block": TREE_NODES, "topk": TREE_TOPK}),
+    "plain": (False, "flashinfer", {}),
+}
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,21 +36,21 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def gpu_runs(tmp_path_factory) -> dict[str, dict]:
     root = write_pair(tmp_path_factory.mktemp("dflash_gpu"), "llama")
-    jobs = []
-    for name, spec in (("spec", True), ("plain", False)):
-        jobs.append(dict(
-            name=name, root=str(root), spec=spec, full=False, device="cuda", dtype="bfloat16",
-            attention_backend="flashinfer", out=str(Path(root) / f"{name}.json"),
-        ))
+    jobs = [
+        dict(name=name, root=str(root), spec=spec, full=False, device="cuda", dtype="bfloat16",
+             attention_backend=backend, out=str(Path(root) / f"{name}.json"), **extra)
+        for name, (spec, backend, extra) in ENGINES.items()
+    ]
     return run_children(jobs, shims=False)
 
 
-def test_greedy_close_to_plain_engine_on_gpu(gpu_runs):
-    spec = [r["ids"] for r in gpu_runs["spec"]["greedy"]]
+@pytest.mark.parametrize("mode", [name for name, (spec, _, _) in ENGINES.items() if spec])
+def test_greedy_close_to_plain_engine_on_gpu(gpu_runs, mode):
+    spec = [r["ids"] for r in gpu_runs[mode]["greedy"]]
     plain = [r["ids"] for r in gpu_runs["plain"]["greedy"]]
     assert len(spec) == len(greedy_prompts())
     assert all(len(s) == GREEDY_NEW for s in spec)
     same = sum(s == p for s, p in zip(spec, plain))
     assert same >= 0.9 * len(spec), same
     assert all(s[:4] == p[:4] for s, p in zip(spec, plain))
-    assert any(r["meta"]["spec_accept_length"] >= 2 for r in gpu_runs["spec"]["greedy"])
+    assert any(r["meta"]["spec_accept_length"] >= 2 for r in gpu_runs[mode]["greedy"])

@@ -138,6 +138,39 @@ def test_server_args_resolution(plugin, pair, monkeypatch):
     assert _server_args(pair, speculative_num_draft_tokens=4).speculative_num_draft_tokens == 4
 
 
+@child_only
+def test_tree_flags_resolution(plugin, pair, monkeypatch):
+    """--speculative-eagle-topk k > 1: N = --speculative-num-draft-tokens tree nodes (default: the block size),
+    the drafter block from --speculative-dflash-block-size or the checkpoint (6 here)."""
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    resolved = lambda a: (a.speculative_num_draft_tokens, a.speculative_dflash_block_size,  # noqa: E731
+                          a.speculative_eagle_topk, a.speculative_num_steps)
+    assert resolved(_server_args(pair, speculative_eagle_topk=3, speculative_num_draft_tokens=10)) == (10, 6, 3, 1)
+    assert resolved(_server_args(pair, speculative_eagle_topk=2)) == (6, 6, 2, 1)
+    tree = _server_args(pair, speculative_eagle_topk=2, speculative_dflash_block_size=4,
+                        speculative_num_draft_tokens=15)
+    assert resolved(tree) == (15, 4, 2, 1)  # 15 = every node of a depth-3 binary lattice
+    assert resolved(_server_args(pair, speculative_eagle_topk=1)) == (6, 6, 1, 1)  # k = 1 is the chain
+
+
+@child_only
+def test_tree_refuses_attention_backends_without_a_tree_mask():
+    from dflash_sglang.adapter.args import UnsupportedFlagError, resolve_tree_flags
+    from dflash_sglang.core.config import DraftConfig
+
+    cfg = DraftConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=16, mask_token_id=15, block_size=6, num_target_layers=4, target_layer_ids=(1,),
+    )
+    args = SimpleNamespace(speculative_dflash_block_size=None, speculative_num_draft_tokens=8, page_size=1,
+                           attention_backend="flashinfer", prefill_attention_backend=None,
+                           decode_attention_backend="fa3")
+    with pytest.raises(UnsupportedFlagError, match=r"^--decode-attention-backend fa3: tree verification supports"):
+        resolve_tree_flags(args, cfg, 2)
+    args.decode_attention_backend = "triton"
+    assert resolve_tree_flags(args, cfg, 2).nodes == 8
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [
@@ -146,6 +179,18 @@ def test_server_args_resolution(plugin, pair, monkeypatch):
         (dict(speculative_num_draft_tokens=1), r"^--speculative-num-draft-tokens 1: the block size must be >= 2"),
         (dict(speculative_draft_window_size=64), r"^--speculative-draft-window-size 64: not supported yet"),
         (dict(speculative_num_draft_tokens=4, speculative_dflash_block_size=5), r"^--speculative-num-draft-tokens 4 and"),
+        (dict(speculative_eagle_topk=0), r"^--speculative-eagle-topk 0: must be >= 1"),
+        (dict(speculative_eagle_topk=2, speculative_num_draft_tokens=1),
+         r"^--speculative-num-draft-tokens 1: a draft tree needs >= 2 nodes"),
+        (dict(speculative_eagle_topk=2, speculative_num_draft_tokens=64),
+         r"^--speculative-num-draft-tokens 64: a tree of depth 5 \(block size 6\) with --speculative-eagle-topk 2 "
+         r"has at most 63 nodes"),
+        (dict(speculative_eagle_topk=4, speculative_num_draft_tokens=300),
+         r"^--speculative-num-draft-tokens 300: the tree kernels verify at most 256 nodes"),
+        (dict(speculative_eagle_topk=17), r"^--speculative-eagle-topk 17: larger than the draft vocabulary \(16"),
+        (dict(speculative_eagle_topk=2, speculative_dflash_block_size=1),
+         r"^--speculative-dflash-block-size 1: the draft block size must be >= 2"),
+        (dict(speculative_eagle_topk=2, page_size=4), r"^--page-size 4: tree verification .* needs page size 1"),
     ],
 )
 @child_only

@@ -4,7 +4,8 @@ Importing this package checks the installed SGLang version first, so an unsuppor
 plugin import with one clear line (SGLang logs it and keeps its builtin DFLASH) instead of failing
 later inside the scheduler. Modules: plugin (entry point + hooks), args (server-arg handling for
 DFLASH), model (the drafter over a paged draft KV pool), verify (target verify forward + acceptance),
-worker (the spec-v2 worker the scheduler drives), cpu (torch stand-ins for Triton-only helpers).
+tree / tree_attention (tree verification: the step's tree pieces, the tree mask), worker (the spec-v2
+worker the scheduler drives), cpu (torch stand-ins for Triton-only helpers).
 See docs/sglang.md.
 """
 from __future__ import annotations

@@ -10,18 +10,28 @@ before any scheduler starts, so every startup error is one line naming the flag 
 
 `precheck` runs before SGLang's generic speculative handling, `handle_dflash_args` replaces `_handle_dflash`.
 
-Flag mapping: block size B = `--speculative-num-draft-tokens` (alias `--speculative-dflash-block-size`),
-default the checkpoint's `block_size`; `speculative_num_steps` and `speculative_eagle_topk` are forced to
-1 because SGLang's KV accounting reads them.
+Flag mapping (`SpecFlags`):
+- chain (`--speculative-eagle-topk` 1, the default): block size B = `--speculative-num-draft-tokens` (alias
+  `--speculative-dflash-block-size`), default the checkpoint's `block_size`; N = B tokens verified per step.
+- tree (`--speculative-eagle-topk k`, k > 1): the drafter block B = `--speculative-dflash-block-size`, default
+  the checkpoint's `block_size`; N = `--speculative-num-draft-tokens` (default B) tree nodes verified per step,
+  root (bonus token) included, best-first over the top-k of each of the B-1 draft positions.
+Resolved values are written back (`speculative_num_draft_tokens` = N, `speculative_dflash_block_size` = B,
+`speculative_eagle_topk` = k, `speculative_num_steps` = 1): SGLang sizes its per-step KV reservation from N
+(`DFlashDraftInputV2.prepare_for_decode` reserves 2*N slots past the committed length), which is what a
+step writes: N verify rows at `seq_len + node index`.
 """
 from __future__ import annotations
 
 import importlib.util
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dflash_sglang.core.checkpoint import check_fit
 from dflash_sglang.core.config import CheckpointError, DraftConfig
+from dflash_sglang.core.tree import max_tree_nodes
+from dflash_sglang.ops import MAX_NODES
 
 if TYPE_CHECKING:
     from sglang.srt.server_args import ServerArgs
@@ -30,6 +40,9 @@ logger = logging.getLogger(__name__)
 
 DEVICES = ("cuda", "cpu")
 DEFAULT_MAX_RUNNING_REQUESTS = 48  # same default as SGLang's builtin DFLASH
+# Target attention backends that take the tree mask: torch_native through adapter/tree_attention.py, the GPU
+# ones through the verify input's `custom_mask` (the layout EAGLE's tree verify uses).
+TREE_ATTENTION_BACKENDS = ("torch_native", "flashinfer", "triton")
 
 
 class UnsupportedFlagError(ValueError):
@@ -72,6 +85,66 @@ def load_draft_config(server_args: ServerArgs) -> DraftConfig:
     return cfg
 
 
+@dataclass(frozen=True)
+class SpecFlags:
+    """The per-step speculation shape resolved from the server flags (see the module docstring)."""
+
+    block_size: int  # B: drafter block [bonus, MASK x (B-1)], one drafter pass per step
+    nodes: int  # N: verify rows per request and step, root included (the chain: N == B)
+    topk: int  # k: draft candidates per block position (1: chain)
+
+    @property
+    def is_tree(self) -> bool:
+        return self.topk > 1
+
+    @classmethod
+    def from_server_args(cls, server_args: ServerArgs) -> SpecFlags:
+        """The values `handle_dflash_args` wrote back (read in the scheduler process)."""
+        nodes = int(server_args.speculative_num_draft_tokens)
+        block = server_args.speculative_dflash_block_size
+        return cls(int(block) if block is not None else nodes, nodes, int(server_args.speculative_eagle_topk or 1))
+
+
+def resolve_spec_flags(server_args: ServerArgs, cfg: DraftConfig) -> SpecFlags:
+    topk = 1 if server_args.speculative_eagle_topk is None else int(server_args.speculative_eagle_topk)
+    if topk < 1:
+        _refuse("--speculative-eagle-topk", topk, "must be >= 1 (1: chain, > 1: tree verification)")
+    if topk == 1:
+        block = resolve_block_size(server_args, cfg)
+        return SpecFlags(block, block, 1)
+    return resolve_tree_flags(server_args, cfg, topk)
+
+
+def resolve_tree_flags(server_args: ServerArgs, cfg: DraftConfig, topk: int) -> SpecFlags:
+    """Tree mode: B from the block-size flag (or the checkpoint), N from --speculative-num-draft-tokens."""
+    alias = server_args.speculative_dflash_block_size
+    block = int(alias if alias is not None else cfg.block_size)
+    if block < 2:
+        _refuse("--speculative-dflash-block-size", block, "the draft block size must be >= 2")
+    if topk > cfg.vocab_size:
+        _refuse("--speculative-eagle-topk", topk, f"larger than the draft vocabulary ({cfg.vocab_size} tokens)")
+    explicit = server_args.speculative_num_draft_tokens
+    nodes = int(explicit if explicit is not None else block)
+    most = max_tree_nodes(block - 1, topk)
+    if nodes < 2:
+        _refuse("--speculative-num-draft-tokens", nodes, "a draft tree needs >= 2 nodes (the root and one draft)")
+    if nodes > most:
+        _refuse("--speculative-num-draft-tokens", nodes, f"a tree of depth {block - 1} (block size {block}) with "
+                f"--speculative-eagle-topk {topk} has at most {most} nodes")
+    if nodes > MAX_NODES:
+        _refuse("--speculative-num-draft-tokens", nodes, f"the tree kernels verify at most {MAX_NODES} nodes")
+    page_size = int(server_args.page_size or 1)
+    if page_size != 1:
+        # The accepted path is committed by permuting req_to_token entries, which only a page size of 1 allows.
+        _refuse("--page-size", page_size, "tree verification (--speculative-eagle-topk > 1) needs page size 1")
+    for flag in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+        backend = getattr(server_args, flag, None)
+        if backend is not None and backend not in TREE_ATTENTION_BACKENDS:
+            _refuse(f"--{flag.replace('_', '-')}", backend, f"tree verification supports "
+                    f"{', '.join(TREE_ATTENTION_BACKENDS)} target attention")
+    return SpecFlags(block, nodes, topk)
+
+
 def resolve_block_size(server_args: ServerArgs, cfg: DraftConfig) -> int:
     explicit = server_args.speculative_num_draft_tokens
     alias = server_args.speculative_dflash_block_size
@@ -102,10 +175,12 @@ def handle_dflash_args(server_args: ServerArgs) -> None:
     """In-place resolution of DFLASH server args (the AROUND hook on `_handle_dflash` calls this)."""
     check_supported_flags(server_args)
     cfg = load_draft_config(server_args)
-    server_args.speculative_num_draft_tokens = resolve_block_size(server_args, cfg)
-    # Not DFLASH concepts, but SGLang's KV reservation and buffer sizing read them.
+    flags = resolve_spec_flags(server_args, cfg)
+    # SGLang's KV reservation and buffer sizing read num_draft_tokens (N verify rows per step) and num_steps.
+    server_args.speculative_num_draft_tokens = flags.nodes
+    server_args.speculative_dflash_block_size = flags.block_size
+    server_args.speculative_eagle_topk = flags.topk
     server_args.speculative_num_steps = 1
-    server_args.speculative_eagle_topk = 1
     if server_args.max_running_requests is None:
         server_args.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
     if server_args.enable_mixed_chunk:

@@ -101,10 +101,10 @@ class PagedDrafter:
         return self.drafter(block_embeds.to(self.dtype), positions, ctx_kv, ctx_pos, ctx_valid=ctx_valid)
 
     @torch.inference_mode()
-    def propose(self, hidden: Tensor, lm_head_weight: Tensor) -> Tensor:
-        """hidden [bs, B, H] -> greedy drafts [bs, B-1] int64 for block positions 1..B-1.
+    def draft_logits(self, hidden: Tensor, lm_head_weight: Tensor) -> Tensor:
+        """hidden [bs, B, H] -> draft logits [bs, B-1, V] for block positions 1..B-1 (lm_head dtype).
 
-        Point-mass (argmax) proposals keep rejection sampling lossless for any target sampling settings.
+        Proposals taken from them are point masses (the chain's argmax, the tree's top-k nodes), which keeps
+        rejection sampling lossless for any target sampling settings.
         """
-        logits = self.drafter.logits(hidden[:, 1:].to(lm_head_weight.dtype), lm_head_weight)
-        return logits.argmax(-1)
+        return self.drafter.logits(hidden[:, 1:].to(lm_head_weight.dtype), lm_head_weight)

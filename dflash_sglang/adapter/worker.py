@@ -13,10 +13,13 @@ The scheduler contract (SGLang 0.5.17, the same one its builtin DFLASH worker me
   stop, so no extra token is ever emitted; it also counts `spec_verify_ct` etc. for the per-request
   `spec_accept_length` in meta_info.
 
-One decode step: block `[bonus, MASK...]` -> drafter pass over the paged draft KV -> greedy drafts through
-the target lm_head -> target TARGET_VERIFY over `[bonus, drafts]` (features captured) -> accept (greedy or
-lossless sampling) -> publish new lengths -> commit draft K/V for the accepted rows only. Target KV of
-rejected rows sits in reserved slots past the committed length and is overwritten by the next block.
+One decode step: block `[bonus, MASK...]` -> drafter pass over the paged draft KV -> draft logits through the
+target lm_head -> verify rows (chain: the B-1 greedy drafts after the bonus; tree: N best-first nodes from the
+per-position top-k, adapter/tree.py) -> target TARGET_VERIFY (features captured; a tree with its ancestor
+mask) -> accept (greedy or lossless sampling) -> publish new lengths -> (tree: move the accepted path's KV
+slots to the front of the step's req_to_token window) -> commit draft K/V for the accepted rows only. Target
+KV of rejected rows sits in reserved slots past the committed length and is overwritten by the next step.
+Both modes return rows of stride N = `speculative_num_draft_tokens` (the chain: N = B).
 """
 from __future__ import annotations
 
@@ -32,14 +35,18 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
 
+from dflash_sglang import ops
 from dflash_sglang.core.block import build_block_inputs
 from dflash_sglang.core.checkpoint import check_fit
 from dflash_sglang.core.config import CheckpointError, DraftConfig
 
+from .args import TREE_ATTENTION_BACKENDS, SpecFlags, UnsupportedFlagError
 from .model import PagedDrafter
-from .verify import accept_block, run_target_verify, sampling_params
+from .tree import compact_path_slots, fit_rows, path_rows, propose_tree
+from .verify import accept_block, accept_tree, run_target_verify, sampling_params
 
 logger = logging.getLogger(__name__)
+_TREE_BACKEND_CLASSES = ("TorchNativeAttnBackend", "FlashInferAttnBackend", "TritonAttnBackend")
 
 
 @dataclass
@@ -77,6 +84,21 @@ def _draft_input(bonus: Tensor, seq_lens: Tensor) -> DFlashDraftInputV2:
     )
 
 
+@dataclass(frozen=True)
+class _Accepted:
+    """One decode step's verify and acceptance, chain or tree; verify rows are [bs, N] per request."""
+
+    out_tokens: Tensor  # [bs, N] int64: accepted drafts, the bonus at index accept_len, then -1
+    accept_len: Tensor  # [bs] int64: accepted drafts (the step commits accept_len + 1 tokens)
+    bonus: Tensor  # [bs] int64: the next step's root
+    keep: Tensor  # [bs, N] bool: verify rows whose draft K/V are committed (root + accepted drafts)
+    positions: Tensor  # [bs, N] int64: position of each verify row
+    slots: Tensor  # [bs, N] int64: KV slot each verify row was written to
+    logits_output: object  # SGLang's LogitsProcessorOutput of the verify (hidden_states [bs*N, F])
+    can_run_cuda_graph: bool
+    tree_result: object = None  # TreeAcceptResult in tree mode: its commit/free slots reorder req_to_token
+
+
 def _extend_positions(batch: ScheduleBatch, device) -> Tensor:
     """Absolute positions of the tokens of an extend batch, in `out_cache_loc` order."""
     spans = [torch.arange(p, p + n, device=device) for p, n in zip(batch.prefix_lens, batch.extend_lens)]
@@ -94,7 +116,9 @@ class DFlashWorker(BaseSpecWorker):
         self._draft_worker = DraftHandle()  # the drafter is not a TpModelWorker: see self.drafter
         self.model_runner = target_worker.model_runner
         self.device = target_worker.device
-        self.block_size = int(server_args.speculative_num_draft_tokens)
+        self.flags = SpecFlags.from_server_args(server_args)
+        self.block_size = self.flags.block_size
+        self.stride = self.flags.nodes  # verify rows per request = row stride of next_token_ids
         self.draft_dir = server_args.speculative_draft_model_path
         self.drafter: PagedDrafter | None = None  # set by alloc_memory_pool (needs the slot count)
         self._check_fit()
@@ -116,15 +140,28 @@ class DFlashWorker(BaseSpecWorker):
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         target_pool = self.model_runner.token_to_kv_pool
         rows = int(target_pool.size) + int(target_pool.page_size)
+        if self.flags.is_tree and int(target_pool.page_size) != 1:
+            # ServerArgs may resolve the page size after our checks; the accepted path is committed by
+            # permuting req_to_token entries, which only a page size of 1 allows.
+            raise UnsupportedFlagError(f"--page-size {target_pool.page_size}: tree verification "
+                                       f"(--speculative-eagle-topk > 1) needs page size 1")
         self.drafter = PagedDrafter.load(self.draft_dir, rows, self.model_runner.dtype, self.device)
         logger.info(
-            "DFLASH (dflash-sglang): block_size=%d, draft layers=%d, target layer ids=%s, draft KV %.1f MiB",
-            self.block_size, self.cfg.num_hidden_layers, list(self.cfg.target_layer_ids),
-            self.drafter.pool.nbytes() / 2**20,
+            "DFLASH (dflash-sglang): block_size=%d, %s, draft layers=%d, target layer ids=%s, draft KV %.1f MiB",
+            self.block_size,
+            f"tree of {self.flags.nodes} nodes (top-{self.flags.topk})" if self.flags.is_tree else "chain",
+            self.cfg.num_hidden_layers, list(self.cfg.target_layer_ids), self.drafter.pool.nbytes() / 2**20,
         )
 
     def init_attention_backends(self) -> None:
-        pass  # the drafter's attention needs no SGLang backend state
+        # The drafter's attention needs no SGLang backend state. The target's backend exists by now: a tree
+        # needs one that takes its mask (ServerArgs may pick the backend after our flag checks).
+        backend = type(self.model_runner.attn_backend).__name__
+        if self.flags.is_tree and backend not in _TREE_BACKEND_CLASSES:
+            raise UnsupportedFlagError(
+                f"--attention-backend: tree verification supports {', '.join(TREE_ATTENTION_BACKENDS)} target "
+                f"attention, the target runs {backend}"
+            )
 
     def init_cuda_graphs(self) -> None:
         pass  # eager (CUDA graphs for the draft and verify steps are not implemented yet)
@@ -166,58 +203,89 @@ class DFlashWorker(BaseSpecWorker):
             next_token_ids=empty,
             accept_lens=empty.to(torch.int32),
             next_draft_input=_draft_input(empty, empty),
-            speculative_num_draft_tokens=self.block_size,
+            speculative_num_draft_tokens=self.stride,
             new_seq_lens=empty,
         )
 
     def _decode(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
         state = batch.spec_info
         assert isinstance(state, DFlashDraftInputV2), "the scheduler relays DFlashDraftInputV2 between steps"
-        block, seq_lens = self.block_size, batch.seq_lens
-        req_to_token = self.req_to_token_pool.req_to_token
-        inputs = build_block_inputs(
-            state.bonus_tokens, seq_lens, block, self.cfg.mask_token_id, req_to_token, batch.req_pool_indices
-        )
-        drafts = self._draft(inputs.input_ids, inputs.positions, seq_lens, batch.req_pool_indices)
+        seq_lens = batch.seq_lens
+        step_fn = self._tree_step if self.flags.is_tree else self._chain_step
+        step = step_fn(batch, state.bonus_tokens)
 
-        verify_ids = torch.cat([inputs.input_ids[:, :1], drafts], dim=1)
-        logits_output, can_run_cuda_graph = run_target_verify(
-            self.target_worker, batch, verify_ids, inputs.positions, inputs.out_cache_loc
-        )
-        bs = seq_lens.numel()
-        logits = logits_output.next_token_logits.view(bs, block, -1)
-        sampling_info = batch.sampling_info
-        if sampling_info is not None:
-            from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
-
-            # Penalties / logit bias / custom processors: the same bias at every block row (as the builtin).
-            apply_dflash_verify_logits_adjustments(
-                next_token_logits=logits_output.next_token_logits, sampling_info=sampling_info, draft_token_num=block
-            )
-        result = accept_block(drafts, logits, sampling_params(sampling_info, bs), sampling_info)
-
-        commit_lens = (result.accept_len + 1).to(torch.int32)
+        commit_lens = (step.accept_len + 1).to(torch.int32)
         new_seq_lens = seq_lens + commit_lens.to(seq_lens.dtype)
         if on_publish is not None:
             on_publish(new_seq_lens)  # as early as possible: the scheduler prepares the next batch meanwhile
 
-        keep = torch.arange(block, device=self.device)[None] < commit_lens[:, None]
-        features = logits_output.hidden_states.view(bs, block, -1)
-        self.drafter.commit(features[keep], inputs.positions[keep], inputs.out_cache_loc[keep])
+        if step.tree_result is not None:
+            compact_path_slots(self.req_to_token_pool.req_to_token, batch.req_pool_indices, seq_lens, step.tree_result)
+        logits_output = step.logits_output
+        features = logits_output.hidden_states.view(seq_lens.numel(), self.stride, -1)
+        self.drafter.commit(features[step.keep], step.positions[step.keep], step.slots[step.keep])
         logits_output.hidden_states = None
 
         return GenerationBatchResult(
             logits_output=logits_output,
-            next_token_ids=result.out_tokens.clamp_min(0).reshape(-1),
+            next_token_ids=step.out_tokens.clamp_min(0).reshape(-1),
             accept_lens=commit_lens,
-            can_run_cuda_graph=can_run_cuda_graph,
-            next_draft_input=_draft_input(result.bonus, new_seq_lens),
-            speculative_num_draft_tokens=block,
+            can_run_cuda_graph=step.can_run_cuda_graph,
+            next_draft_input=_draft_input(step.bonus, new_seq_lens),
+            speculative_num_draft_tokens=self.stride,
             new_seq_lens=new_seq_lens,
         )
 
-    def _draft(self, block_ids: Tensor, positions: Tensor, seq_lens: Tensor, req_pool_indices: Tensor) -> Tensor:
-        """block_ids / positions [bs, B] -> greedy drafts [bs, B-1] from one drafter pass."""
+    def _chain_step(self, batch: ScheduleBatch, bonus: Tensor) -> _Accepted:
+        """Verify [bonus, B-1 greedy drafts] causally; accept the longest valid prefix (core/accept.py)."""
+        block, seq_lens = self.block_size, batch.seq_lens
+        inputs = build_block_inputs(
+            bonus, seq_lens, block, self.cfg.mask_token_id, self.req_to_token_pool.req_to_token, batch.req_pool_indices
+        )
+        drafts = self._draft_logits(inputs.input_ids, inputs.positions, seq_lens, batch.req_pool_indices).argmax(-1)
+        verify_ids = torch.cat([inputs.input_ids[:, :1], drafts], dim=1)
+        logits_output, graph = run_target_verify(
+            self.target_worker, batch, verify_ids, inputs.positions, inputs.out_cache_loc
+        )
+        logits = self._verify_logits(logits_output, batch.sampling_info, seq_lens.numel())
+        params = sampling_params(batch.sampling_info, seq_lens.numel())
+        result = accept_block(drafts, logits, params, batch.sampling_info)
+        keep = torch.arange(block, device=self.device)[None] <= result.accept_len[:, None]
+        return _Accepted(result.out_tokens, result.accept_len, result.bonus, keep, inputs.positions,
+                         inputs.out_cache_loc, logits_output, graph)
+
+    def _tree_step(self, batch: ScheduleBatch, bonus: Tensor) -> _Accepted:
+        """Verify the best-first tree of N nodes with its ancestor mask; accept one root-to-node path."""
+        seq_lens, req_to_token = batch.seq_lens, self.req_to_token_pool.req_to_token
+        # The drafter pass writes no KV, so the block needs no slots (B may exceed the N reserved per step).
+        draft_in = build_block_inputs(bonus, seq_lens, self.block_size, self.cfg.mask_token_id)
+        draft_logits = self._draft_logits(draft_in.input_ids, draft_in.positions, seq_lens, batch.req_pool_indices)
+        tree = propose_tree(bonus, draft_logits, self.flags.topk, self.flags.nodes)
+        inputs = ops.build_tree_inputs(tree.tokens, tree.depth, seq_lens, req_to_token, batch.req_pool_indices)
+        logits_output, graph = run_target_verify(
+            self.target_worker, batch, inputs.input_ids, inputs.positions, inputs.out_cache_loc, tree_mask=tree.mask
+        )
+        logits = self._verify_logits(logits_output, batch.sampling_info, seq_lens.numel())
+        params = sampling_params(batch.sampling_info, seq_lens.numel())
+        result = accept_tree(tree, logits, params, inputs.out_cache_loc, batch.sampling_info)
+        return _Accepted(fit_rows(result.out_tokens, self.stride), result.accept_len, result.bonus,
+                         path_rows(result.accept_nodes, self.stride), inputs.positions, inputs.out_cache_loc,
+                         logits_output, graph, tree_result=result)
+
+    def _verify_logits(self, logits_output, sampling_info, bs: int) -> Tensor:
+        """next_token_logits [bs*N, V] -> [bs, N, V], with penalties / logit bias / custom processors applied
+        in place as the same bias at every verify row of a request (as the builtin does)."""
+        if sampling_info is not None:
+            from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
+
+            apply_dflash_verify_logits_adjustments(
+                next_token_logits=logits_output.next_token_logits, sampling_info=sampling_info,
+                draft_token_num=self.stride,
+            )
+        return logits_output.next_token_logits.view(bs, self.stride, -1)
+
+    def _draft_logits(self, block_ids: Tensor, positions: Tensor, seq_lens: Tensor, req_pool_indices: Tensor) -> Tensor:
+        """block_ids / positions [bs, B] -> draft logits [bs, B-1, V] for block positions 1..B-1 (one pass)."""
         target = self.model_runner.model
         embeds = target.get_input_embeddings()(block_ids)
         if self.cfg.input_embedding_scale != 1.0:
@@ -226,5 +294,4 @@ class DFlashWorker(BaseSpecWorker):
         rows = req_pool_indices.to(torch.int64)[:, None]
         ctx_slots = self.req_to_token_pool.req_to_token[rows, torch.arange(width, device=self.device)].to(torch.int64)
         hidden = self.drafter.draft(embeds, positions, ctx_slots, seq_lens.to(torch.int64))
-        lm_head = target.lm_head.weight[: self.cfg.vocab_size]
-        return self.drafter.propose(hidden, lm_head)
+        return self.drafter.draft_logits(hidden, target.lm_head.weight[: self.cfg.vocab_size])

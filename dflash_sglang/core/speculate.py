@@ -46,10 +46,18 @@ def propose(bonus: Tensor, draft_logits: Tensor | None, shape: SpecShape) -> Pro
         depth = torch.arange(shape.nodes, device=bonus.device).expand(bs, -1)
         return Proposal(ids, depth, None)
     assert draft_logits is not None
-    logp = torch.log_softmax(draft_logits.float(), dim=-1)
-    topk_logp, topk_tokens = logp.topk(shape.topk, dim=-1)
+    topk_tokens, topk_logp = draft_topk(draft_logits, shape.topk)
     tree = build_tree(bonus, topk_tokens, topk_logp, shape.nodes)
     return Proposal(tree.tokens, tree.depth, tree)
+
+
+def draft_topk(draft_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """draft_logits [bs, D, V] -> (topk_tokens [bs, D, k] int64, topk_logp [bs, D, k] float32), the inputs of
+    build_tree. Log-probs are taken in float32 so the tree (and its tie-breaks) does not depend on the lm_head
+    dtype."""
+    logp = torch.log_softmax(draft_logits.float(), dim=-1)
+    topk_logp, topk_tokens = logp.topk(k, dim=-1)
+    return topk_tokens, topk_logp
 
 
 def accept(

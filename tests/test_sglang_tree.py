@@ -1,0 +1,119 @@
+"""Tree mode of the SGLang adapter on small tensors, against brute force: the flattened custom mask (GPU
+layout), the CPU tree-mask attention, the accepted-path req_to_token permutation and the result rows.
+
+These modules import sglang only inside functions, so this file runs in the plain pytest process; it still
+needs the adapter's version gate to pass (sglang 0.5.17 installed).
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+from importlib.metadata import version
+
+import pytest
+import torch
+
+from dflash_sglang.core.block import build_tree_inputs
+from dflash_sglang.core.tree import build_tree
+from dflash_sglang.core.tree_verify import verify_tree_greedy
+
+
+def _skip_reason() -> str | None:
+    if importlib.util.find_spec("sglang") is None:
+        return "sglang is not installed (bash .ci/install_sglang.sh)"
+    if version("sglang") != "0.5.17":
+        return f"needs sglang 0.5.17, found {version('sglang')}"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+
+
+def _random_tree(bs: int, depth: int, k: int, nodes: int, vocab: int = 11, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(bs, depth, vocab, generator=g)
+    logp, tokens = torch.log_softmax(logits, -1).topk(k, dim=-1)
+    root = torch.randint(0, vocab, (bs,), generator=g)
+    return build_tree(root, tokens, logp, nodes)
+
+
+def test_flat_custom_mask_matches_concatenated_rows():
+    from dflash_sglang.adapter.tree_attention import allow_matrix, flat_custom_mask
+
+    tree = _random_tree(bs=4, depth=3, k=2, nodes=7)
+    prefix = torch.tensor([5, 0, 1, 9])
+    flat = flat_custom_mask(prefix, tree.mask, int(prefix.sum()))
+    n = 7
+    expected = []
+    for b in range(4):
+        for i in range(n):
+            for c in range(int(prefix[b]) + n):  # row-major, request by request
+                expected.append(c < prefix[b] or bool(tree.mask[b, i, c - int(prefix[b])]))
+    assert flat.tolist() == expected
+    assert flat.numel() == n * int(prefix.sum()) + 4 * n * n
+    for b in range(4):
+        assert allow_matrix(int(prefix[b]), tree.mask[b]).shape == (n, int(prefix[b]) + n)
+
+
+def test_tree_attention_matches_brute_force():
+    from dflash_sglang.adapter.tree_attention import tree_attention
+
+    g = torch.Generator().manual_seed(3)
+    bs, n, hq, hk, d, dv, slots_total = 3, 6, 4, 2, 8, 5, 64
+    tree = _random_tree(bs=bs, depth=4, k=2, nodes=n, seed=1)
+    prefix = [4, 1, 7]
+    q = torch.randn(bs * n, hq, d, generator=g, dtype=torch.float64)
+    k_cache = torch.randn(slots_total, hk, d, generator=g, dtype=torch.float64)
+    v_cache = torch.randn(slots_total, hk, dv, generator=g, dtype=torch.float64)
+    perm = torch.randperm(slots_total, generator=g)
+    kv_slots, used = [], 0
+    for p in prefix:
+        kv_slots.append(perm[used : used + p + n])
+        used += p + n
+    scale = 0.37
+    out = tree_attention(q, k_cache, v_cache, kv_slots, tree.mask, scale)
+    for b in range(bs):
+        for i in range(n):
+            allowed = list(range(prefix[b])) + [prefix[b] + j for j in range(n) if tree.mask[b, i, j]]
+            for h in range(hq):
+                kh = h // (hq // hk)  # grouped-query: consecutive query heads share a KV head
+                scores = [float(q[b * n + i, h] @ k_cache[kv_slots[b][c], kh]) * scale for c in allowed]
+                top = max(scores)
+                w = [math.exp(s - top) for s in scores]
+                ref = sum(wi * v_cache[kv_slots[b][c], kh] for wi, c in zip(w, allowed)) / sum(w)
+                torch.testing.assert_close(out[b * n + i, h], ref, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_compact_path_slots_matches_brute_force(seed):
+    from dflash_sglang.adapter.tree import compact_path_slots, fit_rows, path_rows
+
+    g = torch.Generator().manual_seed(seed)
+    bs, n, width = 5, 9, 40
+    tree = _random_tree(bs=bs, depth=4, k=3, nodes=n, vocab=5, seed=seed)
+    req_to_token = torch.randperm(8 * width, generator=g)[: 8 * width].view(8, width).to(torch.int32)
+    req_pool_indices = torch.tensor([6, 0, 3, 7, 2])
+    seq_lens = torch.randint(0, width - n, (bs,), generator=g)
+    inputs = build_tree_inputs(tree.tokens, tree.depth, seq_lens, req_to_token, req_pool_indices)
+    # target choices: often a child's token, so paths of every length occur
+    noise = torch.randint(0, 5, (bs, n), generator=g)
+    argmax = torch.where(torch.rand(bs, n, generator=g) < 0.7, tree.tokens.roll(-1, 1), noise)
+    result = verify_tree_greedy(tree, argmax, inputs.out_cache_loc)
+    before = req_to_token.clone()
+    compact_path_slots(req_to_token, req_pool_indices, seq_lens, result)
+
+    expected = before.clone()
+    for b in range(bs):
+        row, s = int(req_pool_indices[b]), int(seq_lens[b])
+        path = [int(x) for x in result.accept_nodes[b] if x >= 0]
+        order = path + [j for j in range(n) if j not in path]
+        expected[row, s : s + n] = torch.stack([before[row, s + j] for j in order])
+        assert len(path) == int(result.accept_len[b]) + 1
+    assert torch.equal(req_to_token, expected)
+    keep = path_rows(result.accept_nodes, n)
+    assert keep.tolist() == [[j in [int(x) for x in result.accept_nodes[b]] for j in range(n)] for b in range(bs)]
+    rows = fit_rows(result.out_tokens, n)  # D + 1 = 5 columns padded to the stride N = 9
+    assert rows.shape == (bs, n)
+    for b in range(bs):
+        a = int(result.accept_len[b])
+        assert rows[b, a] == result.bonus[b] and bool((rows[b, a + 1 :] == -1).all())
