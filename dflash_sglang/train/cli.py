@@ -1,0 +1,186 @@
+"""`dflash-sglang train`: prompts -> (target-regenerated) responses + cached target features -> DFlash drafter.
+
+Stages (each resumable): 1. pick training prompts (ShareGPT train split, chat template applied);
+2. build the feature cache in --cache-dir (greedy regeneration by the target, or the dataset replies with
+--no-regenerate); 3. train the drafter (checkpoints in OUT/checkpoints, resumed automatically);
+4. write OUT/config.json + OUT/model.safetensors in the z-lab format.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from ..core.config import DraftConfig, build_target_layer_ids
+from .prepare import Example, build_cache
+from .shards import list_shards, load_cache
+from .trainer import FrozenTarget, TrainConfig, Trainer
+from .warm_start import warm_start_from_target
+
+log = logging.getLogger(__name__)
+# Special tokens that never occur in chat text, by preference. <empty_output> is SmolLM2's jupyter-notebook
+# marker: a real embedding row, outside the chat template, never produced by tokenizing ordinary text.
+MASK_TOKEN_CANDIDATES = ("<|MASK|>", "<mask>", "<|mask|>", "<empty_output>")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", type=Path, default=None,
+                   help="HF target directory (default: the SmolLM2-135M testbed target, converted on first use)")
+    p.add_argument("--data", default="sharegpt",
+                   help="'sharegpt' (the packaged ShareGPT V3, train split) or a ShareGPT-format JSON file")
+    p.add_argument("--out", type=Path, required=True, help="output draft directory")
+    p.add_argument("--cache-dir", type=Path, default=None, help="feature cache (default OUT/cache)")
+    p.add_argument("--extra-cache", type=Path, nargs="+", default=[],
+                   help="more feature caches (same layer ids) to train on, e.g. one built with --no-regenerate")
+    d = p.add_argument_group("data")
+    d.add_argument("--num-samples", type=int, default=2048, help="training prompts")
+    d.add_argument("--max-prompt-tokens", type=int, default=256)
+    d.add_argument("--max-new-tokens", type=int, default=128, help="regenerated response length cap")
+    d.add_argument("--no-regenerate", action="store_true", help="train on the dataset replies, not the target's")
+    d.add_argument("--gen-batch-size", type=int, default=64)
+    d.add_argument("--data-time-budget-min", type=float, default=None,
+                   help="stop building the cache after this long (complete shards are kept)")
+    d.add_argument("--skip-prepare", action="store_true", help="train on the shards already in the cache")
+    d.add_argument("--prepare-only", action="store_true", help="build the cache, do not train")
+    m = p.add_argument_group("drafter")
+    m.add_argument("--block-size", type=int, default=16)
+    m.add_argument("--num-layers", type=int, default=2)
+    m.add_argument("--intermediate-size", type=int, default=None, help="default: the target's")
+    m.add_argument("--num-features", type=int, default=5, help="target layers fused (uniform over 1..L-3)")
+    m.add_argument("--target-layer-ids", type=int, nargs="+", default=None)
+    m.add_argument("--mask-token-id", type=int, default=None, help=f"default: first of {MASK_TOKEN_CANDIDATES}")
+    t = p.add_argument_group("training")
+    t.add_argument("--epochs", type=float, default=2.0)
+    t.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
+    t.add_argument("--time-budget-min", type=float, default=None,
+                   help="fit the warmup+cosine schedule into this many minutes (step time measured on the first "
+                        "10 steps); hard stop with checkpoint + export at the limit")
+    t.add_argument("--batch-size", type=int, default=4, help="sequences per step")
+    t.add_argument("--num-anchors", type=int, default=32, help="blocks per sequence")
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--warmup-ratio", type=float, default=0.04)
+    t.add_argument("--gamma", type=float, default=None, help="loss decay (default 7 for B=16, 4 for B=8)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--save-every", type=int, default=100)
+    t.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    t.add_argument("--init", choices=["target", "random"], default="target",
+                   help="'target': start the draft layers as copies of the target layers after the deepest fused "
+                        "feature (needs the target's layer shapes); 'random': HF-style random init")
+    t.add_argument("--output-norm-init", default="0.05",
+                   help="initial drafter output-norm weight, or 'target' to copy the target's final norm")
+    t.add_argument("--no-bf16", action="store_true", help="no bf16 autocast")
+    t.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def pick_mask_token(tokenizer, explicit: int | None, vocab_size: int) -> int:
+    if explicit is not None:
+        if not 0 <= explicit < vocab_size:
+            raise ValueError(f"--mask-token-id {explicit} is not a row of the target embedding (vocab {vocab_size})")
+        return explicit
+    vocab = tokenizer.get_vocab()
+    for name in MASK_TOKEN_CANDIDATES:
+        if name in vocab and vocab[name] < vocab_size:
+            return vocab[name]
+    raise ValueError(f"no mask token among {MASK_TOKEN_CANDIDATES} in the target vocabulary; pass --mask-token-id")
+
+
+def draft_config(target_cfg, args, mask_token_id: int) -> DraftConfig:
+    n_layers = target_cfg.num_hidden_layers
+    ids = tuple(args.target_layer_ids or build_target_layer_ids(n_layers, args.num_features))
+    rope = getattr(target_cfg, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(target_cfg, "rope_theta", 10000.0))
+    heads = target_cfg.num_attention_heads
+    return DraftConfig(
+        hidden_size=target_cfg.hidden_size,
+        intermediate_size=args.intermediate_size or target_cfg.intermediate_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(target_cfg, "num_key_value_heads", heads) or heads,
+        head_dim=getattr(target_cfg, "head_dim", None) or target_cfg.hidden_size // heads,
+        vocab_size=target_cfg.vocab_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=ids,
+        block_size=args.block_size,
+        num_target_layers=n_layers,
+        rope_theta=float(theta),
+        max_position_embeddings=target_cfg.max_position_embeddings,
+    )
+
+
+def _examples(args, tokenizer) -> list[Example]:
+    from ..testbed.data import load_split, make_prompts
+
+    path = None if args.data == "sharegpt" else Path(args.data)
+    prompts = make_prompts(load_split("train", path), tokenizer, args.num_samples, args.max_prompt_tokens)
+    if args.no_regenerate:
+        out = []
+        for p in prompts:
+            if p.reference:
+                reply = tokenizer(p.reference + "<|im_end|>", add_special_tokens=False)["input_ids"]
+                out.append(Example(p.ids, tuple(reply[: args.max_new_tokens])))
+        return out
+    return [Example(p.ids) for p in prompts]
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from ..testbed.target import convert_target, load_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target_dir = args.target or convert_target()
+    target, tok = load_target(target_dir, device=device)
+    mask_id = pick_mask_token(tok, args.mask_token_id, target.config.vocab_size)
+    cfg = draft_config(target.config, args, mask_id)
+    cache = args.cache_dir or args.out / "cache"
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    if not (args.skip_prepare and list_shards(cache)):
+        examples = _examples(args, tok)
+        log.info("%d training examples (%s)", len(examples), "regenerated" if not args.no_regenerate else "dataset")
+        budget = None if args.data_time_budget_min is None else 60 * args.data_time_budget_min
+        build_cache(target, examples, cache, cfg.target_layer_ids, regenerate=not args.no_regenerate,
+                    max_new_tokens=args.max_new_tokens, eos_id=tok.eos_token_id, batch_size=args.gen_batch_size,
+                    time_budget_s=budget)
+    t_data = time.monotonic() - t0
+    if args.prepare_only:
+        print(json.dumps({"cache": str(cache), "shards": len(list_shards(cache)), "data_time_s": round(t_data)}))
+        return 0
+    frozen = FrozenTarget.from_model(target)
+    data = load_cache(cache, cfg.target_layer_ids)
+    for extra in args.extra_cache:
+        data += load_cache(extra, cfg.target_layer_ids)
+    tcfg = TrainConfig(epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,
+                       num_anchors=args.num_anchors, lr=args.lr, warmup_ratio=args.warmup_ratio, gamma=args.gamma,
+                       seed=args.seed, save_every=args.save_every, bf16=not args.no_bf16,
+                       output_norm_init=None if args.output_norm_init == "target" else float(args.output_norm_init))
+    trainer = Trainer(cfg, tcfg, frozen, data, args.out, device)
+    if not trainer.maybe_resume() and args.init == "target":
+        sample = torch.cat([s.features[s.prompt_len :] for s in data[:16]])
+        warm_start_from_target(trainer.model, target, sample.to(trainer.device))
+    del target  # from here training needs only the embedding, head and final norm
+    log.info("training on %d sequences (%d tokens), %d steps", len(data), sum(len(s.tokens) for s in data),
+             trainer.total_steps)
+    t1 = time.monotonic()
+    last = trainer.train(time_budget_s=None if args.time_budget_min is None else 60 * args.time_budget_min)
+    summary = {"target": str(target_dir), "init": args.init, "data": args.data, "sequences": len(data), "steps": trainer.total_steps,
+               "data_time_s": round(t_data), "train_time_s": round(time.monotonic() - t1), "device": str(device),
+               "final": last}
+    (args.out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dflash-sglang train", description=__doc__)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

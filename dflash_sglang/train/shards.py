@@ -1,0 +1,83 @@
+"""On-disk cache of training sequences and their target features (computed once, read every epoch).
+
+A shard is one safetensors file holding n sequences concatenated along time (no padding):
+  tokens      [N] int32        prompt + response ids of every sequence, back to back
+  offsets     [n + 1] int64    sequence i is tokens[offsets[i]:offsets[i+1]]
+  prompt_lens [n] int64        the first prompt_lens[i] tokens of sequence i are prompt (no loss there)
+  features    [N, F] float16   target layer outputs for `layer_ids`, concatenated (F = n_feat * hidden)
+The metadata records the layer ids so a cache built for other layers is never silently reused.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+SHARD_GLOB = "shard_*.safetensors"
+
+
+@dataclass
+class Sequence_:
+    """One cached training sequence."""
+
+    tokens: Tensor  # [T] int64
+    prompt_len: int
+    features: Tensor  # [T, F] float16
+
+
+def shard_path(cache_dir: Path, index: int) -> Path:
+    return cache_dir / f"shard_{index:05d}.safetensors"
+
+
+def write_shard(path: Path, seqs: Sequence[Sequence_], layer_ids: Sequence[int], extra: dict | None = None) -> None:
+    """Write atomically (tmp file + rename) so a killed job never leaves a truncated shard behind."""
+    if not seqs:
+        raise ValueError(f"{path}: refusing to write an empty shard")
+    lens = torch.tensor([len(s.tokens) for s in seqs])
+    tensors = {
+        "tokens": torch.cat([s.tokens for s in seqs]).to(torch.int32),
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]),
+        "prompt_lens": torch.tensor([s.prompt_len for s in seqs], dtype=torch.long),
+        "features": torch.cat([s.features for s in seqs]).to(torch.float16).contiguous(),
+    }
+    meta = {"layer_ids": json.dumps(list(layer_ids)), **{k: json.dumps(v) for k, v in (extra or {}).items()}}
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    tmp.rename(path)
+
+
+def read_shard(path: Path, layer_ids: Sequence[int] | None = None) -> list[Sequence_]:
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        stored = json.loads(meta.get("layer_ids", "null"))
+        if layer_ids is not None and stored != list(layer_ids):
+            raise ValueError(f"{path}: features were cached for layer ids {stored}, the drafter wants {list(layer_ids)}")
+        tokens, offsets = f.get_tensor("tokens").long(), f.get_tensor("offsets")
+        prompt_lens, feats = f.get_tensor("prompt_lens"), f.get_tensor("features")
+    out = []
+    for i in range(len(prompt_lens)):
+        a, b = int(offsets[i]), int(offsets[i + 1])
+        out.append(Sequence_(tokens[a:b], int(prompt_lens[i]), feats[a:b]))
+    return out
+
+
+def list_shards(cache_dir: Path) -> list[Path]:
+    return sorted(Path(cache_dir).glob(SHARD_GLOB))
+
+
+def load_cache(cache_dir: Path, layer_ids: Sequence[int] | None = None) -> list[Sequence_]:
+    shards = list_shards(cache_dir)
+    if not shards:
+        raise FileNotFoundError(f"no feature shards ({SHARD_GLOB}) in {cache_dir}")
+    return [s for p in shards for s in read_shard(p, layer_ids)]
+
+
+def iter_batches(items: list, size: int) -> Iterator[list]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]

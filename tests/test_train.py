@@ -1,0 +1,187 @@
+"""Training recipe on a tiny random Llama target: the mask, the loss weights, loss decrease, resume, export."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from dflash_sglang.core.checkpoint import load_drafter  # noqa: E402
+from dflash_sglang.core.config import DraftConfig  # noqa: E402
+from dflash_sglang.core.drafter import DFlashDrafter  # noqa: E402
+from dflash_sglang.train.objective import build_block_batch, loss_gamma, position_weights, sample_anchors  # noqa: E402
+from dflash_sglang.train.prepare import Example, build_cache, forward_features, generate_with_features  # noqa: E402
+from dflash_sglang.train.shards import load_cache  # noqa: E402
+from dflash_sglang.train.trainer import FrozenTarget, TrainConfig, Trainer  # noqa: E402
+
+VOCAB, HIDDEN, MASK_ID = 97, 32, 3
+LAYER_IDS = (0, 2)
+
+
+def tiny_target(seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=True, initializer_range=0.2)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def draft_cfg(block: int = 4) -> DraftConfig:
+    return DraftConfig(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, mask_token_id=MASK_ID,
+                       target_layer_ids=LAYER_IDS, block_size=block, num_target_layers=4)
+
+
+def test_position_weights_follow_paper_decay():
+    w = position_weights(16, loss_gamma(16))
+    assert w[0] == 0 and w[1] == 1
+    assert torch.allclose(w[2:], torch.exp(-torch.arange(1, 15) / 7.0))
+    assert loss_gamma(8) == 4.0
+
+
+def test_anchors_lie_in_the_response_and_leave_a_label():
+    gen = torch.Generator().manual_seed(0)
+    a = sample_anchors(prompt_len=5, seq_len=12, n=100, gen=gen)
+    assert a.tolist() == list(range(5, 11))  # every candidate once, sorted
+    assert len(sample_anchors(5, 6, 4, gen)) == 0  # no room for a label
+
+
+def test_training_mask_layout():
+    tokens = torch.arange(10, 20)  # T = 10
+    batch = build_block_batch([tokens], [torch.tensor([3, 6])], block_size=4, mask_token_id=MASK_ID, gamma=4.0)
+    t, big_b = 10, 4
+    m = batch.mask[0]
+    for b, anchor in enumerate((3, 6)):
+        rows = m[b * big_b : (b + 1) * big_b]
+        ctx = rows[:, :t]
+        assert ctx[:, :anchor].all() and not ctx[:, anchor:].any(), "context strictly before the anchor"
+        own = rows[:, t + b * big_b : t + (b + 1) * big_b]
+        assert own.all(), "own block, bidirectional"
+        assert rows[:, t:].sum() == big_b * big_b, "no other block is visible"
+    assert batch.block_ids[0].tolist() == [13, MASK_ID, MASK_ID, MASK_ID, 16, MASK_ID, MASK_ID, MASK_ID]
+    assert batch.block_pos[0].tolist() == [3, 4, 5, 6, 6, 7, 8, 9]
+    assert batch.labels[0].tolist() == [13, 14, 15, 16, 16, 17, 18, 19]  # token at anchor + k
+    assert batch.weights[0, 0] == 0 and batch.weights[0, 4] == 0 and (batch.weights[0, [1, 2, 3]] > 0).all()
+
+
+def test_block_outputs_ignore_future_context_and_other_blocks():
+    """Through the real drafter: block b's outputs depend on nothing the mask hides."""
+    torch.manual_seed(0)
+    cfg = draft_cfg()
+    model = DFlashDrafter(cfg).eval()
+    tokens = torch.randint(4, VOCAB, (12,))
+    batch = build_block_batch([tokens], [torch.tensor([4, 8])], 4, MASK_ID, 4.0)
+    emb = torch.nn.Embedding(VOCAB, HIDDEN)
+    feats = torch.randn(1, 12, HIDDEN * len(LAYER_IDS))
+
+    def block0(feats, block_ids):
+        with torch.no_grad():
+            kv = model.context_kv(model.fuse(feats), batch.ctx_pos)
+            h = model(emb(block_ids), batch.block_pos, kv, batch.ctx_pos, mask=batch.mask)
+        return h[0, :4]
+
+    base = block0(feats, batch.block_ids)
+    f2 = feats.clone()
+    f2[:, 4:] = torch.randn_like(f2[:, 4:])  # the anchor's own feature and everything after it
+    ids2 = batch.block_ids.clone()
+    ids2[0, 4] = (ids2[0, 4] + 1) % VOCAB  # the other block's anchor token
+    assert torch.allclose(block0(f2, ids2), base, atol=1e-5)
+    f3 = feats.clone()
+    f3[:, 3] += 1.0  # the last context row before the anchor is visible
+    assert not torch.allclose(block0(f3, batch.block_ids), base, atol=1e-5)
+
+
+def test_generation_features_match_a_full_forward():
+    target = tiny_target()
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    seqs = generate_with_features(target, prompts, LAYER_IDS, max_new_tokens=6, eos_id=2)
+    ref = forward_features(target, [Example(tuple(s.tokens[: s.prompt_len].tolist()),
+                                            tuple(s.tokens[s.prompt_len:].tolist())) for s in seqs], LAYER_IDS, 2)
+    for s, r, p in zip(seqs, ref, prompts):
+        assert s.tokens[: len(p)].tolist() == p and s.prompt_len == len(p)
+        assert torch.allclose(s.features[:-1].float(), r.features[:-1].float(), atol=2e-2)
+        # greedy continuation equals the target's own argmax chain
+        with torch.no_grad():
+            nxt = target(input_ids=s.tokens[None]).logits[0].argmax(-1)
+        assert torch.equal(nxt[len(p) - 1 : -1], s.tokens[len(p):])
+
+
+def _tiny_cache(tmp_path, n=16):
+    target = tiny_target()
+    gen = torch.Generator().manual_seed(1)
+    # Periodic sequences: learnable from the context features in a few dozen steps.
+    examples = []
+    for i in range(n):
+        period = torch.randint(4, VOCAB, (3,), generator=gen).tolist()
+        seq = (period * 12)[: 24 + i % 5]
+        examples.append(Example(tuple(seq[:6]), tuple(seq[6:])))
+    build_cache(target, examples, tmp_path / "cache", LAYER_IDS, regenerate=False, max_new_tokens=0, eos_id=2,
+                batch_size=8, progress=False)
+    return FrozenTarget.from_model(target), load_cache(tmp_path / "cache", LAYER_IDS)
+
+
+def test_loss_decreases_and_export_loads(tmp_path):
+    frozen, data = _tiny_cache(tmp_path)
+    # unit output norm: the tiny target's embeddings are small, so logits start small anyway
+    tcfg = TrainConfig(epochs=20, batch_size=4, num_anchors=8, lr=5e-3, seed=0, save_every=1000, bf16=False,
+                       output_norm_init=1.0)
+    trainer = Trainer(draft_cfg(), tcfg, frozen, data, tmp_path / "out")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        before = float(trainer.loss_on(data, gen)[0])
+    trainer.train(progress=False)
+    with torch.no_grad():
+        after = float(trainer.loss_on(data, torch.Generator().manual_seed(0))[0])
+    assert after < 0.9 * before, (before, after)
+    loaded = load_drafter(tmp_path / "out")
+    assert loaded.cfg.mask_token_id == MASK_ID and loaded.cfg.target_layer_ids == LAYER_IDS
+
+
+def test_resume_continues_the_same_run(tmp_path):
+    frozen, data = _tiny_cache(tmp_path, n=8)
+    tcfg = TrainConfig(epochs=3, batch_size=4, num_anchors=4, lr=1e-3, seed=0, save_every=2, bf16=False)
+    full = Trainer(draft_cfg(), tcfg, frozen, data, tmp_path / "full")
+    full.train(progress=False)
+    for killed_after in (1, 2):  # a zero time budget stops (checkpoint + export) after one step
+        part = Trainer(draft_cfg(), tcfg, frozen, data, tmp_path / "part")
+        assert part.maybe_resume() == (killed_after > 1)
+        part.train(progress=False, time_budget_s=0.0)
+        assert part.step == killed_after
+    resumed = Trainer(draft_cfg(), tcfg, frozen, data, tmp_path / "part")
+    assert resumed.maybe_resume() and resumed.step == 2
+    resumed.train(progress=False)
+    assert resumed.step == full.step == 6
+    for (n, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6), n
+
+
+def test_warm_start_reproduces_the_next_target_layer_on_context():
+    """--init target: the first draft layer's context V equals the copied target layer's own V, and the fitted
+    k_norm keeps the keys at the target's scale."""
+    from dflash_sglang.train.warm_start import source_layers, warm_start_from_target
+
+    target = tiny_target()
+    ids = torch.randint(4, VOCAB, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hs = target(input_ids=ids, output_hidden_states=True).hidden_states
+    feats = torch.cat([hs[i + 1] for i in LAYER_IDS], dim=-1)[0]  # [T, n_feat * H]
+    model = DFlashDrafter(draft_cfg())
+    assert warm_start_from_target(model, target, feats) == source_layers(4, max(LAYER_IDS), 1) == [3]
+    layer = target.model.layers[3]
+    with torch.no_grad():
+        x = layer.input_layernorm(hs[max(LAYER_IDS) + 1][0])
+        pos = torch.arange(20)[None]
+        k, v = model.context_kv(model.fuse(feats[None]), pos)[0]
+        v_target = layer.self_attn.v_proj(x).view(20, 2, 8).transpose(0, 1)
+        assert torch.allclose(v[0], v_target, atol=1e-5)
+        k_target = layer.self_attn.k_proj(x).view(20, 2, 8)
+        ratio = k.pow(2).mean().sqrt() / k_target.pow(2).mean().sqrt()  # RoPE preserves norms
+        assert 0.8 < float(ratio) < 1.25, float(ratio)
+
+
+def test_warm_start_refuses_mismatched_shapes():
+    from dflash_sglang.train.warm_start import warm_start_from_target
+
+    cfg = DraftConfig(**{**draft_cfg().__dict__, "intermediate_size": 48})
+    with pytest.raises(ValueError, match="target layer 3 mlp.gate_proj.weight"):
+        warm_start_from_target(DFlashDrafter(cfg), tiny_target(), torch.randn(4, HIDDEN * len(LAYER_IDS)))
