@@ -1,4 +1,5 @@
 import pytest
+from sglang_support import requires_sglang
 
 from dflash_sglang.core.tree import max_tree_nodes
 from dflash_sglang.core.adaptive import DEFAULT_TABLE, ENV_TABLE, AdaptivePolicy, SpecShape
@@ -36,3 +37,132 @@ def test_env_override_and_errors(monkeypatch):
                        ("inf:2x2", "bad adaptive shape")]:
         with pytest.raises(ValueError, match=match):
             AdaptivePolicy.parse(bad)
+
+
+def test_row_shapes_bound_every_choice():
+    """row_shapes() (depth-capped rows) bounds what choose() returns for any batch size under any budget."""
+    for depth in (1, 3, 7):
+        for budget in (None, 48, 100):
+            policy = AdaptivePolicy.parse("2:64x4,8:20x2,32:16x1,inf:1x1", token_budget=budget, max_depth=depth)
+            rows = policy.row_shapes()
+            assert max(s.nodes for s in rows) == min(64, max_tree_nodes(depth, 4))
+            for bs in range(1, 49):
+                s = policy.choose(bs)
+                assert any(s.nodes <= r.nodes and (s.is_chain or s.topk == r.topk) for r in rows)
+
+
+# ------------------------------------------------------------------ the SGLang worker's schedule (adapter/adaptive.py)
+ADAPTIVE_ON = {"DFLASH_ADAPTIVE": "1"}
+
+
+@requires_sglang
+@pytest.mark.parametrize("table", [None, "8:10x3,16:6x1,inf:4x1", "1:64x4,inf:16x1", "inf:1x1", "4:200x2,inf:3x1"])
+@pytest.mark.parametrize("budget", [None, 48, 64, 500])
+@pytest.mark.parametrize("block", [2, 4, 8, 16])
+def test_worker_steps_never_exceed_n_nor_the_budget(table, budget, block):
+    """Every decode step's shape fits the stride / KV reservation N the server was configured with, the token
+    budget, and the drafter block (chains <= B, trees <= the lattice of depth B-1)."""
+    from dflash_sglang.adapter.adaptive import AdaptiveEnv, ShapeSchedule, adaptive_limits
+
+    env = {**ADAPTIVE_ON, **({ENV_TABLE: table} if table else {})}
+    if budget is not None:
+        env["DFLASH_ADAPTIVE_TOKEN_BUDGET"] = str(budget)
+    settings = AdaptiveEnv.read(env)
+    max_running = 48
+    policy, largest = adaptive_limits(settings, block, None, vocab_size=32000, max_running=max_running)
+    schedule = ShapeSchedule(largest.nodes, policy=policy, table=settings.table)
+    for bs in list(range(1, max_running + 1)) * 2:
+        s = schedule.choose(bs)
+        assert 1 <= s.nodes <= largest.nodes and s.topk <= largest.topk
+        assert budget is None or bs * s.nodes <= budget
+        assert s.nodes <= (block if s.is_chain else max_tree_nodes(block - 1, s.topk))
+    assert sum(schedule.steps.values()) == 2 * max_running
+    # an explicit N at least the largest row is kept as the stride; the rows still fit it
+    assert adaptive_limits(settings, block, largest.nodes + 3, 32000, max_running)[1].nodes == largest.nodes + 3
+
+
+@requires_sglang
+@pytest.mark.parametrize(
+    "env, var, match",
+    [
+        ({"DFLASH_ADAPTIVE": "yes"}, "DFLASH_ADAPTIVE", "expected 1"),
+        ({**ADAPTIVE_ON, ENV_TABLE: "8:16"}, ENV_TABLE, "cannot parse row '8:16'"),
+        ({**ADAPTIVE_ON, ENV_TABLE: "8:16x1"}, ENV_TABLE, "end with 'inf'"),
+        ({**ADAPTIVE_ON, ENV_TABLE: "inf:4x1,8:2x1"}, ENV_TABLE, "ascend"),
+        ({**ADAPTIVE_ON, ENV_TABLE: "inf:2x2"}, ENV_TABLE, "bad adaptive shape"),
+        ({**ADAPTIVE_ON, "DFLASH_ADAPTIVE_TOKEN_BUDGET": "lots"}, "DFLASH_ADAPTIVE_TOKEN_BUDGET", "positive integer"),
+        ({**ADAPTIVE_ON, "DFLASH_ADAPTIVE_TOKEN_BUDGET": "0"}, "DFLASH_ADAPTIVE_TOKEN_BUDGET", "positive integer"),
+    ],
+)
+def test_malformed_env_names_the_variable(env, var, match):
+    from dflash_sglang.adapter.adaptive import AdaptiveConfigError, AdaptiveEnv
+
+    with pytest.raises(AdaptiveConfigError, match=match) as err:
+        AdaptiveEnv.read(env)
+    assert str(err.value).startswith(f"{var}=") and "\n" not in str(err.value)
+
+
+@requires_sglang
+def test_limits_against_the_server_flags():
+    from dflash_sglang.adapter.adaptive import AdaptiveConfigError, AdaptiveEnv, adaptive_limits
+
+    assert AdaptiveEnv.read({}) is None and AdaptiveEnv.read({"DFLASH_ADAPTIVE": "0", ENV_TABLE: "junk"}) is None
+    default = AdaptiveEnv.read(ADAPTIVE_ON)
+    assert default.table == DEFAULT_TABLE and default.token_budget is None
+    # N defaults to the largest row after the block cap: 64x4 fits a depth-7 lattice; with B = 3 the lattice
+    # of depth 2 has 1 + 4 + 16 = 21 nodes
+    assert adaptive_limits(default, 8, None, 100, 48)[1] == SpecShape(64, 4)
+    assert adaptive_limits(default, 3, None, 100, 48)[1] == SpecShape(21, 4)
+    with pytest.raises(AdaptiveConfigError, match=rf"^{ENV_TABLE}='{DEFAULT_TABLE}' has a 64x4 row .* more than "
+                                                  r"--speculative-num-draft-tokens 16"):
+        adaptive_limits(default, 8, 16, 100, 48)
+    with pytest.raises(AdaptiveConfigError, match=r"top-k 4 is larger than the draft vocabulary \(3 tokens\)"):
+        adaptive_limits(default, 8, None, 3, 48)
+    tight = AdaptiveEnv.read({**ADAPTIVE_ON, "DFLASH_ADAPTIVE_TOKEN_BUDGET": "32"})
+    with pytest.raises(AdaptiveConfigError, match=r"^DFLASH_ADAPTIVE_TOKEN_BUDGET=32 is below --max-running-requests"):
+        adaptive_limits(tight, 8, None, 100, 48)
+
+
+@requires_sglang
+def test_schedule_logs_the_distribution_at_debug_on_change_only(caplog):
+    import logging
+
+    from dflash_sglang.adapter.adaptive import AdaptiveEnv, ShapeSchedule, adaptive_limits
+
+    settings = AdaptiveEnv.read({**ADAPTIVE_ON, ENV_TABLE: "2:6x2,inf:3x1"})
+    policy, largest = adaptive_limits(settings, 4, None, 100, 8)
+    schedule = ShapeSchedule(largest.nodes, policy=policy, table=settings.table)
+    with caplog.at_level(logging.DEBUG, logger="dflash_sglang.adapter.adaptive"):
+        shapes = [schedule.choose(bs) for bs in (1, 1, 2, 5, 6, 7, 1)]
+    assert shapes == [SpecShape(6, 2)] * 3 + [SpecShape(3, 1)] * 3 + [SpecShape(6, 2)]
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3 and all(r.levelno == logging.DEBUG for r in caplog.records)
+    assert lines[-1].endswith("-> 6x2; decode steps per shape so far: 6x2: 4, 3x1: 3")
+    assert schedule.distribution() == "6x2: 4, 3x1: 3"
+
+
+@requires_sglang
+def test_fixed_schedule_is_the_flags_shape():
+    from dflash_sglang.adapter.adaptive import ShapeSchedule
+
+    chain, tree = ShapeSchedule(8, fixed=SpecShape(8, 1)), ShapeSchedule(10, fixed=SpecShape(10, 3))
+    assert [chain.choose(bs) for bs in (1, 64)] == [SpecShape(8, 1)] * 2 and not chain.steps
+    assert tree.choose(3) == SpecShape(10, 3) and tree.describe() == "tree of 10 nodes (top-3)"
+
+
+def test_chain_verify_rows_are_a_depth_i_tree():
+    """The worker verifies a chain of n through build_tree_inputs with depth i at node i: the same ids, positions
+    and KV slots as the first n columns of the block inputs."""
+    import torch
+
+    from dflash_sglang import ops
+    from dflash_sglang.core.block import build_block_inputs
+
+    req_to_token = torch.arange(5 * 40, dtype=torch.int32).reshape(5, 40).flip(1).contiguous()
+    seq_lens, rows, bonus = torch.tensor([3, 0, 17]), torch.tensor([4, 0, 2]), torch.tensor([5, 6, 7])
+    block = build_block_inputs(bonus, seq_lens, 8, 99, req_to_token, rows)
+    for n in (1, 3, 8):
+        ids = block.input_ids[:, :n]
+        chain = ops.build_tree_inputs(ids, torch.arange(n).expand(3, n).contiguous(), seq_lens, req_to_token, rows)
+        assert torch.equal(chain.positions, block.positions[:, :n])
+        assert torch.equal(chain.out_cache_loc, block.out_cache_loc[:, :n])

@@ -4,16 +4,19 @@ Tiny random targets + tiny random z-lab drafters (vocab 8, so a random drafter s
 multi-token acceptances) are written to a temp dir. Each Engine runs in a child process (this file run as
 a script) with the import shims of tests/sglang_shims on its path, so the pytest process itself never
 imports sglang:
-- Llama target, DFLASH in both verify modes: chain (the checkpoint's block size 8) and tree
-  (`speculative_eagle_topk=3`, `speculative_num_draft_tokens=10` nodes from one block-8 drafter pass), and
-  the same Engine without speculation, all on the full scenario: >= 32 concurrent greedy prompts of mixed
+- Llama target, DFLASH in three verify modes: chain (the checkpoint's block size 8), tree
+  (`speculative_eagle_topk=3`, `speculative_num_draft_tokens=10` nodes from one block-8 drafter pass) and
+  adaptive (`DFLASH_ADAPTIVE=1`: a small table and token budget, so the batch size crosses rows and a run
+  verifies trees, chains of several lengths and plain 1-token steps), and the same Engine without speculation,
+  all on the full scenario: >= 32 concurrent greedy prompts of mixed
   lengths with shared prefixes (radix hits) and prompts longer than the prefill chunk; EOS / stop tokens /
   stop strings / max_new_tokens landing inside an accepted block or path; an aborted request; sampled
   requests (DFLASH only) for a distribution test.
 - Qwen3 target, DFLASH with `speculative_num_draft_tokens=4` (not the checkpoint's 8), greedy prompts.
 Checks (per mode): greedy and stop cases token-identical to the plain Engine (Qwen3: to HF greedy); sampled
 3-token continuations match the target's exact distribution (chi-square); the reported accept length
-matches the core reference decoder's (same chain / tree shape) within 5%.
+matches the core reference decoder's (same chain / tree shape) within 5%; adaptive: the shapes the worker
+picked, from its debug log (SGLANG_LOGGING_CONFIG_PATH puts the dflash_sglang loggers at DEBUG).
 """
 from __future__ import annotations
 
@@ -39,12 +42,18 @@ VOCAB, BLOCK, CHUNK = 8, 8, 16
 GREEDY_NEW = 24
 QWEN3_BLOCK = 4  # served with --speculative-num-draft-tokens 4, the checkpoint says 8
 TREE_TOPK, TREE_NODES = 3, 10  # tree mode: 10 verify nodes from the top-3 of each of the 7 draft positions
-MODES = ("chain", "tree")  # engine (job) names of the two DFLASH verify modes on the Llama pair
+MODES = ("chain", "tree", "adaptive")  # engine (job) names of the DFLASH verify modes on the Llama pair
+# adaptive mode: trees at <= 8 running requests, chains above; the budget caps bs * nodes at 80, so batches of
+# 14..40 requests get chains of 5..2 and batches of 41+ (the sampled scenario) plain 1-token steps. The 40 greedy
+# prompts start decoding together (2-token chains); their acceptance differs, so they finish at different steps
+# and the shrinking batch crosses every row down to the trees.
+ADAPTIVE_TABLE, ADAPTIVE_BUDGET = "8:10x3,16:6x1,inf:4x1", 80
 EOS_IDS, STOP_TOKEN = (0, 2), 4
 SAMPLE_NEW, SAMPLE_PROMPT = 3, [1, 3, 2, 5]
 # (result key, requests, sampling settings): temperature only, and temperature + top-p
 SAMPLED = [("t1", 1000, {"temperature": 1.0}), ("t07_p08", 600, {"temperature": 0.7, "top_p": 0.8})]
 N_MIXED_GREEDY = 8  # greedy requests riding in the first sampled batch
+SIM_ACC_LEN = 3  # an integer mean: match-expected then commits exactly this many tokens every step
 CHILD_TIMEOUT_S = 900
 
 
@@ -103,11 +112,13 @@ def run_child(job: dict) -> None:
             spec["speculative_num_draft_tokens"] = job["block"]
         if job.get("topk"):
             spec["speculative_eagle_topk"] = job["topk"]
+        if job.get("draft_load_format"):
+            spec["speculative_draft_load_format"] = job["draft_load_format"]
     t0 = time.perf_counter()
     engine = sgl.Engine(
         model_path=f"{root}/target", device=job.get("device", "cpu"), dtype=job.get("dtype", "float32"),
         attention_backend=job.get("attention_backend", "torch_native"), log_level="warning", random_seed=0,
-        max_total_tokens=16384, chunked_prefill_size=CHUNK, **spec,
+        max_total_tokens=16384, chunked_prefill_size=CHUNK, **spec, **job.get("engine_kwargs", {}),
     )
     res: dict = {"timings": {"startup_s": time.perf_counter() - t0}}
     try:
@@ -184,11 +195,12 @@ async def _abort_scenario(engine) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
-def write_pair(root: Path, arch: str) -> Path:
-    """A tiny random `arch` target (+ char tokenizer) and a tiny random z-lab drafter (block size 8)."""
+def write_pair(root: Path, arch: str, hidden: int = 32) -> Path:
+    """A tiny random `arch` target (+ char tokenizer) and a tiny random z-lab drafter (block size 8); head_dim is
+    hidden // 4 (GPU attention kernels need >= 64)."""
     from factories import char_tokenizer, draft_config_for, tiny_drafter, tiny_target, write_draft
 
-    target = tiny_target(arch, vocab=VOCAB, seed=2)
+    target = tiny_target(arch, vocab=VOCAB, hidden=hidden, seed=2)
     target.config.eos_token_id = 0
     target.save_pretrained(root / "target", safe_serialization=True)
     char_tokenizer(VOCAB).save_pretrained(root / "target")
@@ -206,11 +218,17 @@ def run_children(jobs: list[dict], timeout: float = CHILD_TIMEOUT_S, shims: bool
         "SGLANG_PLUGINS": "dflash_sglang",
     }
     procs = {}
-    for job in jobs:
+    # Engines started together each probe for a free torch.distributed port and can pick the same one; hand
+    # every child distinct free ports instead (all held open while choosing, so no two coincide).
+    ports = _free_ports(2 * len(jobs))
+    for i, job in enumerate(jobs):
+        job["engine_kwargs"] = {"port": ports[2 * i], "nccl_port": ports[2 * i + 1], **job.get("engine_kwargs", {})}
         log_path = Path(job["out"]).with_suffix(".log")
         log = open(log_path, "w")
         cmd = [sys.executable, str(Path(__file__)), json.dumps(job)]
-        procs[job["name"]] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO), job, log)
+        job_env = {**env, **job.get("env", {})}
+        procs[job["name"]] = (subprocess.Popen(cmd, env=job_env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO), job,
+                              log)
     results = {}
     for name, (proc, job, log) in procs.items():
         try:
@@ -226,6 +244,19 @@ def run_children(jobs: list[dict], timeout: float = CHILD_TIMEOUT_S, shims: bool
     return results
 
 
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 @pytest.fixture(scope="module")
 def pair_dir(tmp_path_factory) -> Path:
     return write_pair(tmp_path_factory.mktemp("dflash_e2e_llama"), "llama")
@@ -236,14 +267,42 @@ def qwen3_dir(tmp_path_factory) -> Path:
     return write_pair(tmp_path_factory.mktemp("dflash_e2e_qwen3"), "qwen3")
 
 
+def debug_logging_config(root: Path) -> Path:
+    """A logging dictConfig for SGLANG_LOGGING_CONFIG_PATH (read by every SGLang process): warnings as usual, the
+    dflash_sglang loggers at DEBUG."""
+    config = {
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": "[%(asctime)s] %(name)s %(levelname)s %(message)s"}},
+        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "plain"}},
+        "root": {"level": "WARNING", "handlers": ["stderr"]},
+        "loggers": {"dflash_sglang": {"level": "DEBUG"}},
+    }
+    path = root / "logging_debug.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def adaptive_env(root: Path) -> dict[str, str]:
+    """Environment of the adaptive-mode Engine: the test table and budget, dflash_sglang logs at DEBUG."""
+    return {"DFLASH_ADAPTIVE": "1", "DFLASH_ADAPTIVE_TABLE": ADAPTIVE_TABLE,
+            "DFLASH_ADAPTIVE_TOKEN_BUDGET": str(ADAPTIVE_BUDGET),
+            "SGLANG_LOGGING_CONFIG_PATH": str(debug_logging_config(root))}
+
+
 @pytest.fixture(scope="module")
 def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
     """All Engines of this module, run once in parallel child processes."""
     jobs = [
         dict(name="chain", root=str(pair_dir), spec=True, full=True),
         dict(name="tree", root=str(pair_dir), spec=True, full=True, block=TREE_NODES, topk=TREE_TOPK),
+        dict(name="adaptive", root=str(pair_dir), spec=True, full=True, env=adaptive_env(pair_dir)),
         dict(name="plain", root=str(pair_dir), spec=False, full=True),
         dict(name="qwen3", root=str(qwen3_dir), spec=True, full=False, block=QWEN3_BLOCK),
+        # capacity-planning mode: random draft weights, every step forced to commit SIM_ACC_LEN tokens
+        dict(name="simulated", root=str(pair_dir), spec=True, full=False, draft_load_format="dummy",
+             env={"SGLANG_SIMULATE_ACC_LEN": str(SIM_ACC_LEN), "SGLANG_SIMULATE_ACC_METHOD": "match-expected",
+                  # the tiny vocab (8 ids) has no token 100, the builtin's `fixed` filler
+                  "SGLANG_SIMULATE_ACC_TOKEN_MODE": "real-draft-token"}),
     ]
     for job in jobs:
         job["out"] = str(Path(job["root"]) / f"{job['name']}.json")
@@ -260,7 +319,8 @@ def test_greedy_matches_plain_engine(runs, mode):
     ct = [r["meta"]["spec_verify_ct"] for r in spec]
     # the comparison only means something if blocks were partly and fully rejected and multi-token accepted
     assert min(ct) < GREEDY_NEW - 1 and sum(ct) < len(spec) * (GREEDY_NEW - 1)
-    assert any(r["meta"]["spec_accept_length"] >= 2 for r in spec)
+    # (adaptive: 40 running requests verify 2-token chains under the budget, so a request's mean stays below 2)
+    assert max(r["meta"]["spec_accept_length"] for r in spec) >= (1.5 if mode == "adaptive" else 2)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -294,7 +354,7 @@ def test_grammar_requests_are_refused(runs, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_accept_length_matches_reference_decoder(runs, pair_dir, mode):
-    from dflash_sglang.core.adaptive import SpecShape
+    from dflash_sglang.core.adaptive import AdaptivePolicy, SpecShape
     from dflash_sglang.core.checkpoint import load_drafter
     from dflash_sglang.core.reference import ReferenceDecoder
     from transformers import AutoModelForCausalLM
@@ -302,13 +362,16 @@ def test_accept_length_matches_reference_decoder(runs, pair_dir, mode):
     target = AutoModelForCausalLM.from_pretrained(pair_dir / "target", dtype=torch.float32).eval()
     drafter = load_drafter(pair_dir / "draft", dtype=torch.float32)
     tree = SpecShape(TREE_NODES, TREE_TOPK) if mode == "tree" else None
-    ref = ReferenceDecoder(target, drafter).generate(greedy_prompts(), GREEDY_NEW, block_size=BLOCK, tree=tree)
+    policy = AdaptivePolicy.parse(ADAPTIVE_TABLE, ADAPTIVE_BUDGET) if mode == "adaptive" else None
+    ref = ReferenceDecoder(target, drafter).generate(greedy_prompts(), GREEDY_NEW, block_size=BLOCK, tree=tree,
+                                                     policy=policy)
     spec = runs[mode]["greedy"]
     assert [g.tokens for g in ref] == [r["ids"] for r in spec]
     # SGLang reports completion_tokens / verify steps (the prefill token counts as emitted)
     sgl_tau = sum(r["meta"]["completion_tokens"] for r in spec) / sum(r["meta"]["spec_verify_ct"] for r in spec)
     ref_tau = sum(len(g.tokens) for g in ref) / sum(len(g.accept_lengths) for g in ref)
-    assert sgl_tau == pytest.approx(ref_tau, rel=0.05)
+    if policy is None:  # adaptive shapes follow the running batch size, which SGLang's scheduling sets differently
+        assert sgl_tau == pytest.approx(ref_tau, rel=0.05)
     assert sgl_tau > 1.2  # drafts are actually accepted
 
 
@@ -356,6 +419,22 @@ def test_greedy_requests_in_a_sampled_batch(runs, mode):
     assert runs[mode]["greedy_in_sampled_batch"] == plain
 
 
+def test_adaptive_shapes_cross_table_rows(runs, pair_dir):  # runs: the Engines have run
+    """One adaptive run verified trees (<= 8 running requests), chains of several lengths and budget-forced plain
+    steps, as the worker's debug log of shape changes says; no step exceeded N nodes or the token budget."""
+    import re
+
+    log = (pair_dir / "adaptive.log").read_text()
+    changes = re.findall(r"DFLASH adaptive: batch size (\d+) -> (\d+)x(\d+); decode steps per shape so far: (.*)", log)
+    assert changes, log[-3000:]
+    shapes = {(int(n), int(k)) for _, n, k, _ in changes}
+    assert any(k > 1 for n, k in shapes) and (1, 1) in shapes, shapes
+    assert len({n for n, k in shapes if k == 1 and n > 1}) >= 2, shapes  # chains of different lengths
+    for bs, n, k, _ in changes:
+        assert int(n) <= TREE_NODES and int(bs) * int(n) <= ADAPTIVE_BUDGET
+    assert f"adaptive shapes {ADAPTIVE_TABLE}, token budget {ADAPTIVE_BUDGET}, at most {TREE_NODES} nodes" in log
+
+
 def test_tree_commits_at_most_one_path_per_step(runs):
     """A tree step commits one root-to-node path: at most min(block size, N) tokens (7 drafts + the bonus)."""
     ct = [r["meta"]["spec_verify_ct"] for r in runs["tree"]["greedy"]]
@@ -380,3 +459,14 @@ def test_qwen3_greedy_with_block_size_flag(runs, qwen3_dir):
 
 if __name__ == "__main__":
     run_child(json.loads(sys.argv[1]))
+
+
+def test_simulated_acceptance_commits_the_forced_length(runs):
+    """SGLANG_SIMULATE_ACC_LEN (as the builtin reads it) with a dummy-loaded draft: every step commits exactly
+    SIM_ACC_LEN tokens (the last one clipped by max_new_tokens), whatever the random drafter proposes."""
+    greedy = runs["simulated"]["greedy"]
+    assert len(greedy) == len(greedy_prompts())
+    steps = -(-(GREEDY_NEW - 1) // SIM_ACC_LEN)  # the first token comes from prefill
+    for r in greedy:
+        assert len(r["ids"]) == GREEDY_NEW and all(0 <= t < VOCAB for t in r["ids"])
+        assert r["meta"]["spec_verify_ct"] == steps

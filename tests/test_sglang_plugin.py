@@ -154,6 +154,53 @@ def test_tree_flags_resolution(plugin, pair, monkeypatch):
 
 
 @child_only
+def test_adaptive_flags_resolution(plugin, pair, monkeypatch):
+    """DFLASH_ADAPTIVE=1: the drafter block B as for a tree (checkpoint: 6), N = the largest shape the table can
+    pick after the depth-5 cap (or the explicit flag), top-k = the largest row top-k."""
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    monkeypatch.setenv("DFLASH_ADAPTIVE", "1")
+    resolved = lambda a: (a.speculative_num_draft_tokens, a.speculative_dflash_block_size,  # noqa: E731
+                          a.speculative_eagle_topk, a.speculative_num_steps)
+    monkeypatch.setenv("DFLASH_ADAPTIVE_TABLE", "4:10x3,inf:4x1")
+    assert resolved(_server_args(pair)) == (10, 6, 3, 1)
+    assert resolved(_server_args(pair, speculative_num_draft_tokens=12)) == (12, 6, 3, 1)
+    assert resolved(_server_args(pair, speculative_dflash_block_size=3)) == (10, 3, 3, 1)  # 1 + 3 + 9 nodes
+    monkeypatch.setenv("DFLASH_ADAPTIVE_TABLE", "8:20x1,inf:3x1")  # a chain row is capped to the block
+    assert resolved(_server_args(pair)) == (6, 6, 1, 1)
+    monkeypatch.delenv("DFLASH_ADAPTIVE_TABLE")
+    assert resolved(_server_args(pair)) == (64, 6, 4, 1)  # the default table's 1:64x4 row
+
+
+@pytest.mark.parametrize(
+    "env, kw, match",
+    [
+        ({"DFLASH_ADAPTIVE": "2"}, {}, r"^DFLASH_ADAPTIVE='2': expected 1"),
+        ({"DFLASH_ADAPTIVE_TABLE": "4:10x3"}, {}, r"^DFLASH_ADAPTIVE_TABLE='4:10x3': .* end with 'inf'"),
+        ({"DFLASH_ADAPTIVE_TABLE": "4:10x3,inf:4"}, {}, r"^DFLASH_ADAPTIVE_TABLE='4:10x3,inf:4': cannot parse row"),
+        ({"DFLASH_ADAPTIVE_TABLE": "4:10x3,inf:4x1"}, dict(speculative_num_draft_tokens=8),
+         r"^DFLASH_ADAPTIVE_TABLE='4:10x3,inf:4x1' has a 10x3 row .* more than --speculative-num-draft-tokens 8"),
+        ({"DFLASH_ADAPTIVE_TABLE": "4:10x17,inf:4x1"}, {}, r"^DFLASH_ADAPTIVE_TABLE=.* top-k 17 is larger than"),
+        ({"DFLASH_ADAPTIVE_TOKEN_BUDGET": "-3"}, {}, r"^DFLASH_ADAPTIVE_TOKEN_BUDGET='-3': expected a positive"),
+        ({"DFLASH_ADAPTIVE_TOKEN_BUDGET": "40"}, {}, r"^DFLASH_ADAPTIVE_TOKEN_BUDGET=40 is below --max-running"),
+        ({}, dict(speculative_eagle_topk=2), r"^--speculative-eagle-topk 2: with DFLASH_ADAPTIVE=1 the top-k"),
+        ({}, dict(page_size=4), r"^--page-size 4: tree verification \(tree rows in DFLASH_ADAPTIVE_TABLE\)"),
+        ({"DFLASH_ADAPTIVE_TABLE": "1:300x4,inf:4x1"}, {},
+         r"^DFLASH_ADAPTIVE_TABLE='1:300x4,inf:4x1' \(300 nodes\): the tree kernels verify at most 256 nodes"),
+        ({"DFLASH_ADAPTIVE": "0"}, dict(speculative_adaptive=True), r"^--speculative-adaptive: SGLang's adaptive mode "
+         r"is EAGLE-only; DFLASH picks its shape per step from the batch size with DFLASH_ADAPTIVE=1"),
+    ],
+)
+@child_only
+def test_adaptive_startup_errors_name_the_variable(plugin, pair, monkeypatch, env, kw, match):
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    for name, value in {"DFLASH_ADAPTIVE": "1", **env}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=match) as err:
+        _server_args(pair, **kw)
+    assert "\n" not in str(err.value)
+
+
+@child_only
 def test_tree_refuses_attention_backends_without_a_tree_mask():
     from dflash_sglang.adapter.args import UnsupportedFlagError, resolve_tree_flags
     from dflash_sglang.core.config import DraftConfig

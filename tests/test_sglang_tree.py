@@ -6,27 +6,18 @@ needs the adapter's version gate to pass (sglang 0.5.17 installed).
 """
 from __future__ import annotations
 
-import importlib.util
 import math
-from importlib.metadata import version
 
 import pytest
 import torch
+from sglang_support import requires_sglang
 
 from dflash_sglang.core.block import build_tree_inputs
 from dflash_sglang.core.tree import build_tree
 from dflash_sglang.core.tree_verify import verify_tree_greedy
 
 
-def _skip_reason() -> str | None:
-    if importlib.util.find_spec("sglang") is None:
-        return "sglang is not installed (bash .ci/install_sglang.sh)"
-    if version("sglang") != "0.5.17":
-        return f"needs sglang 0.5.17, found {version('sglang')}"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+pytestmark = requires_sglang
 
 
 def _random_tree(bs: int, depth: int, k: int, nodes: int, vocab: int = 11, seed: int = 0):

@@ -4,8 +4,9 @@ Importing this package checks the installed SGLang version first, so an unsuppor
 plugin import with one clear line (SGLang logs it and keeps its builtin DFLASH) instead of failing
 later inside the scheduler. Modules: plugin (entry point + hooks), args (server-arg handling for
 DFLASH), model (the drafter over a paged draft KV pool), verify (target verify forward + acceptance),
-tree / tree_attention (tree verification: the step's tree pieces, the tree mask), worker (the spec-v2
-worker the scheduler drives), cpu (torch stand-ins for Triton-only helpers).
+tree / tree_attention (tree verification: the step's tree pieces, the tree mask), adaptive (per-step shapes
+by batch size, DFLASH_ADAPTIVE=1), worker (the spec-v2 worker the scheduler drives), cpu (torch stand-ins for
+Triton-only helpers).
 See docs/sglang.md.
 """
 from __future__ import annotations
@@ -36,3 +37,7 @@ def require_supported_sglang() -> str:
 
 
 require_supported_sglang()
+
+# Our worker honours SGLANG_SIMULATE_ACC_* (adapter/simulate.py) in chain mode; bench_pareto checks this flag
+# before trusting the `ours` arm of a simulated-acceptance run (docs/benchmarks.md, Serving benchmarks).
+SIMULATED_ACCEPTANCE = True

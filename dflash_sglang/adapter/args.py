@@ -16,6 +16,10 @@ Flag mapping (`SpecFlags`):
 - tree (`--speculative-eagle-topk k`, k > 1): the drafter block B = `--speculative-dflash-block-size`, default
   the checkpoint's `block_size`; N = `--speculative-num-draft-tokens` (default B) tree nodes verified per step,
   root (bonus token) included, best-first over the top-k of each of the B-1 draft positions.
+- adaptive (`DFLASH_ADAPTIVE=1`, adapter/adaptive.py): B as for a tree; each step's shape comes from
+  `DFLASH_ADAPTIVE_TABLE` by batch size; N = the largest shape it can pick (or the explicit
+  `--speculative-num-draft-tokens`, which every row must fit), k = its largest top-k; `--speculative-eagle-topk`
+  is refused (the table picks it).
 Resolved values are written back (`speculative_num_draft_tokens` = N, `speculative_dflash_block_size` = B,
 `speculative_eagle_topk` = k, `speculative_num_steps` = 1): SGLang sizes its per-step KV reservation from N
 (`DFlashDraftInputV2.prepare_for_decode` reserves 2*N slots past the committed length), which is what a
@@ -32,6 +36,8 @@ from dflash_sglang.core.checkpoint import check_fit
 from dflash_sglang.core.config import CheckpointError, DraftConfig
 from dflash_sglang.core.tree import max_tree_nodes
 from dflash_sglang.ops import MAX_NODES
+
+from .adaptive import ENV_SWITCH, ENV_TABLE, AdaptiveEnv, adaptive_limits
 
 if TYPE_CHECKING:
     from sglang.srt.server_args import ServerArgs
@@ -65,6 +71,11 @@ def check_supported_flags(server_args: ServerArgs) -> None:
             _refuse(flag, value, "only 1 is supported yet")
     if getattr(server_args, "enable_dp_attention", False):
         _refuse("--enable-dp-attention", "", "DP attention is not supported yet")
+    if getattr(server_args, "speculative_adaptive", False):
+        raise UnsupportedFlagError(
+            f"--speculative-adaptive: SGLang's adaptive mode is EAGLE-only; DFLASH picks its shape per step from the "
+            f"batch size with {ENV_SWITCH}=1 (see docs/sglang.md)"
+        )
     if server_args.speculative_draft_window_size is not None:
         _refuse("--speculative-draft-window-size", server_args.speculative_draft_window_size, "not supported yet")
     if server_args.speculative_draft_model_path is None:
@@ -106,6 +117,9 @@ class SpecFlags:
 
 
 def resolve_spec_flags(server_args: ServerArgs, cfg: DraftConfig) -> SpecFlags:
+    adaptive = AdaptiveEnv.read()
+    if adaptive is not None:
+        return resolve_adaptive_flags(server_args, cfg, adaptive)
     topk = 1 if server_args.speculative_eagle_topk is None else int(server_args.speculative_eagle_topk)
     if topk < 1:
         _refuse("--speculative-eagle-topk", topk, "must be >= 1 (1: chain, > 1: tree verification)")
@@ -117,10 +131,7 @@ def resolve_spec_flags(server_args: ServerArgs, cfg: DraftConfig) -> SpecFlags:
 
 def resolve_tree_flags(server_args: ServerArgs, cfg: DraftConfig, topk: int) -> SpecFlags:
     """Tree mode: B from the block-size flag (or the checkpoint), N from --speculative-num-draft-tokens."""
-    alias = server_args.speculative_dflash_block_size
-    block = int(alias if alias is not None else cfg.block_size)
-    if block < 2:
-        _refuse("--speculative-dflash-block-size", block, "the draft block size must be >= 2")
+    block = draft_block_size(server_args, cfg)
     if topk > cfg.vocab_size:
         _refuse("--speculative-eagle-topk", topk, f"larger than the draft vocabulary ({cfg.vocab_size} tokens)")
     explicit = server_args.speculative_num_draft_tokens
@@ -131,18 +142,51 @@ def resolve_tree_flags(server_args: ServerArgs, cfg: DraftConfig, topk: int) -> 
     if nodes > most:
         _refuse("--speculative-num-draft-tokens", nodes, f"a tree of depth {block - 1} (block size {block}) with "
                 f"--speculative-eagle-topk {topk} has at most {most} nodes")
+    check_tree_serving(server_args, nodes, f"--speculative-num-draft-tokens {nodes}", "--speculative-eagle-topk > 1")
+    return SpecFlags(block, nodes, topk)
+
+
+def resolve_adaptive_flags(server_args: ServerArgs, cfg: DraftConfig, settings: AdaptiveEnv) -> SpecFlags:
+    """DFLASH_ADAPTIVE=1: B as for a tree, N = the largest shape the table can pick (or the explicit flag, which
+    every row must fit), k = the largest top-k; the tree constraints apply when any row is a tree."""
+    if server_args.speculative_eagle_topk is not None:
+        _refuse("--speculative-eagle-topk", server_args.speculative_eagle_topk,
+                f"with {ENV_SWITCH}=1 the top-k of each batch size comes from {ENV_TABLE}; drop the flag")
+    block = draft_block_size(server_args, cfg)
+    explicit = server_args.speculative_num_draft_tokens
+    _, largest = adaptive_limits(settings, block, None if explicit is None else int(explicit), cfg.vocab_size,
+                                 server_args.max_running_requests)
+    if largest.topk > 1:
+        source = f"{ENV_TABLE}={settings.table!r} ({largest.nodes} nodes)"
+        if explicit is not None:
+            source = f"--speculative-num-draft-tokens {largest.nodes}"
+        check_tree_serving(server_args, largest.nodes, source, f"tree rows in {ENV_TABLE}")
+    return SpecFlags(block, largest.nodes, largest.topk)
+
+
+def draft_block_size(server_args: ServerArgs, cfg: DraftConfig) -> int:
+    """The drafter block B of tree and adaptive modes: --speculative-dflash-block-size, else the checkpoint's."""
+    alias = server_args.speculative_dflash_block_size
+    block = int(alias if alias is not None else cfg.block_size)
+    if block < 2:
+        _refuse("--speculative-dflash-block-size", block, "the draft block size must be >= 2")
+    return block
+
+
+def check_tree_serving(server_args: ServerArgs, nodes: int, nodes_source: str, tree_source: str) -> None:
+    """What tree verification needs of the server: N within the kernels' limit, page size 1, a target attention
+    backend that takes the tree mask. nodes_source / tree_source name where N / the tree shapes come from."""
     if nodes > MAX_NODES:
-        _refuse("--speculative-num-draft-tokens", nodes, f"the tree kernels verify at most {MAX_NODES} nodes")
+        raise UnsupportedFlagError(f"{nodes_source}: the tree kernels verify at most {MAX_NODES} nodes")
     page_size = int(server_args.page_size or 1)
     if page_size != 1:
         # The accepted path is committed by permuting req_to_token entries, which only a page size of 1 allows.
-        _refuse("--page-size", page_size, "tree verification (--speculative-eagle-topk > 1) needs page size 1")
+        _refuse("--page-size", page_size, f"tree verification ({tree_source}) needs page size 1")
     for flag in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
         backend = getattr(server_args, flag, None)
         if backend is not None and backend not in TREE_ATTENTION_BACKENDS:
             _refuse(f"--{flag.replace('_', '-')}", backend, f"tree verification supports "
                     f"{', '.join(TREE_ATTENTION_BACKENDS)} target attention")
-    return SpecFlags(block, nodes, topk)
 
 
 def resolve_block_size(server_args: ServerArgs, cfg: DraftConfig) -> int:
@@ -175,14 +219,15 @@ def handle_dflash_args(server_args: ServerArgs) -> None:
     """In-place resolution of DFLASH server args (the AROUND hook on `_handle_dflash` calls this)."""
     check_supported_flags(server_args)
     cfg = load_draft_config(server_args)
+    if server_args.max_running_requests is None:  # before the flags: the adaptive token budget is checked against it
+        server_args.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
     flags = resolve_spec_flags(server_args, cfg)
-    # SGLang's KV reservation and buffer sizing read num_draft_tokens (N verify rows per step) and num_steps.
+    # SGLang's KV reservation and buffer sizing read num_draft_tokens (N verify rows per step, the most any
+    # adaptive step verifies) and num_steps.
     server_args.speculative_num_draft_tokens = flags.nodes
     server_args.speculative_dflash_block_size = flags.block_size
     server_args.speculative_eagle_topk = flags.topk
     server_args.speculative_num_steps = 1
-    if server_args.max_running_requests is None:
-        server_args.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
     if server_args.enable_mixed_chunk:
         server_args.enable_mixed_chunk = False
         logger.warning("DFLASH: --enable-mixed-chunk is turned off (decode and prefill run as separate batches)")

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from dflash_sglang.core.checkpoint import load_drafter
+from dflash_sglang.core.config import DraftConfig
 from dflash_sglang.core.drafter import KV, DFlashDrafter
 
 
@@ -52,6 +53,18 @@ class DraftKVPool:
         return [(self.k[layer, slots].transpose(1, 2), self.v[layer, slots].transpose(1, 2)) for layer in range(self.k.shape[0])]
 
 
+@torch.no_grad()
+def random_drafter(cfg: DraftConfig, device, dtype: torch.dtype) -> DFlashDrafter:
+    """A drafter of cfg's shapes with small random weights (SGLang's dummy loader draws U(-1e-3, 1e-3)); norm
+    weights stay at their init of ones, so activations stay finite at any depth."""
+    with torch.device(device):
+        model = DFlashDrafter(cfg).to(dtype)
+    for name, p in model.named_parameters():
+        if not name.endswith("norm.weight"):
+            p.uniform_(-1e-3, 1e-3)
+    return model.eval()
+
+
 class PagedDrafter:
     """A `DFlashDrafter` whose context K/V live in a `DraftKVPool` indexed by target slot ids."""
 
@@ -61,8 +74,13 @@ class PagedDrafter:
         self.pool = pool
 
     @classmethod
-    def load(cls, draft_dir: str | Path, rows: int, dtype: torch.dtype, device) -> PagedDrafter:
-        drafter = load_drafter(draft_dir, device=device, dtype=dtype).eval()
+    def load(cls, draft_dir: str | Path, rows: int, dtype: torch.dtype, device, dummy: bool = False) -> PagedDrafter:
+        """dummy: random weights of the checkpoint's config (`--speculative-draft-load-format dummy`), no weight
+        files read, for capacity planning with simulated acceptance."""
+        if dummy:
+            drafter = random_drafter(DraftConfig.load(draft_dir), device, dtype)
+        else:
+            drafter = load_drafter(draft_dir, device=device, dtype=dtype).eval()
         cfg = drafter.cfg
         pool = DraftKVPool(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, cfg.head_dim, dtype, device)
         return cls(drafter, pool)

@@ -6,20 +6,23 @@ The scheduler contract (SGLang 0.5.17, the same one its builtin DFLASH worker me
 - `forward_batch_generation(batch, on_publish=None, grammar_barrier=None) -> GenerationBatchResult`, called
   synchronously (CPU, `--disable-overlap-schedule`) or on the overlap forward stream (GPU default);
 - the relayed per-request state is SGLang's own `DFlashDraftInputV2` (bonus token + committed length), whose
-  `prepare_for_decode` reserves 2*B KV slots past the committed length before every decode step;
-- results: `next_token_ids` [bs*B] (row i: accepted drafts, then the bonus), `accept_lens` [bs] int32 =
-  tokens committed (bonus included), `speculative_num_draft_tokens` = B as the row stride. The scheduler
+  `prepare_for_decode` reserves 2*N KV slots past the committed length before every decode step
+  (N = server_args.speculative_num_draft_tokens);
+- results: `next_token_ids` [bs*N] (row i: accepted drafts, then the bonus), `accept_lens` [bs] int32 =
+  tokens committed (bonus included), `speculative_num_draft_tokens` = N as the row stride. The scheduler
   appends them and applies stop strings / EOS / max_new_tokens per request, trimming anything after the
   stop, so no extra token is ever emitted; it also counts `spec_verify_ct` etc. for the per-request
   `spec_accept_length` in meta_info.
 
-One decode step: block `[bonus, MASK...]` -> drafter pass over the paged draft KV -> draft logits through the
-target lm_head -> verify rows (chain: the B-1 greedy drafts after the bonus; tree: N best-first nodes from the
-per-position top-k, adapter/tree.py) -> target TARGET_VERIFY (features captured; a tree with its ancestor
-mask) -> accept (greedy or lossless sampling) -> publish new lengths -> (tree: move the accepted path's KV
-slots to the front of the step's req_to_token window) -> commit draft K/V for the accepted rows only. Target
-KV of rejected rows sits in reserved slots past the committed length and is overwritten by the next step.
-Both modes return rows of stride N = `speculative_num_draft_tokens` (the chain: N = B).
+One decode step: pick the step's shape (fixed by the flags, or by batch size with DFLASH_ADAPTIVE=1,
+adapter/adaptive.py) -> block `[bonus, MASK...]` -> drafter pass over the paged draft KV -> draft logits through
+the target lm_head -> verify rows (chain of n: the first n-1 greedy drafts after the bonus; tree: n best-first
+nodes from the per-position top-k, adapter/tree.py) -> target TARGET_VERIFY over those n rows per request
+(features captured; a tree with its ancestor mask) -> accept (greedy or lossless sampling) -> publish new
+lengths -> (tree: move the accepted path's KV slots to the front of the step's req_to_token window) -> commit
+draft K/V for the accepted rows only. Target KV of rejected rows sits in reserved slots past the committed
+length and is overwritten by the next step. Every step returns rows of stride N = `speculative_num_draft_tokens`
+(the chain: N = B; adaptive: the largest shape, n <= N), -1 padded.
 """
 from __future__ import annotations
 
@@ -36,12 +39,15 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
 
 from dflash_sglang import ops
+from dflash_sglang.core.adaptive import SpecShape
 from dflash_sglang.core.block import build_block_inputs
 from dflash_sglang.core.checkpoint import check_fit
 from dflash_sglang.core.config import CheckpointError, DraftConfig
 
+from .adaptive import ShapeSchedule
 from .args import TREE_ATTENTION_BACKENDS, SpecFlags, UnsupportedFlagError
 from .model import PagedDrafter
+from .simulate import SimulatedAcceptance
 from .tree import compact_path_slots, fit_rows, path_rows, propose_tree
 from .verify import accept_block, accept_tree, run_target_verify, sampling_params
 
@@ -86,15 +92,16 @@ def _draft_input(bonus: Tensor, seq_lens: Tensor) -> DFlashDraftInputV2:
 
 @dataclass(frozen=True)
 class _Accepted:
-    """One decode step's verify and acceptance, chain or tree; verify rows are [bs, N] per request."""
+    """One decode step's verify and acceptance, chain or tree: n verify rows per request (the step's shape,
+    n <= N), result rows N wide."""
 
     out_tokens: Tensor  # [bs, N] int64: accepted drafts, the bonus at index accept_len, then -1
     accept_len: Tensor  # [bs] int64: accepted drafts (the step commits accept_len + 1 tokens)
     bonus: Tensor  # [bs] int64: the next step's root
-    keep: Tensor  # [bs, N] bool: verify rows whose draft K/V are committed (root + accepted drafts)
-    positions: Tensor  # [bs, N] int64: position of each verify row
-    slots: Tensor  # [bs, N] int64: KV slot each verify row was written to
-    logits_output: object  # SGLang's LogitsProcessorOutput of the verify (hidden_states [bs*N, F])
+    keep: Tensor  # [bs, n] bool: verify rows whose draft K/V are committed (root + accepted drafts)
+    positions: Tensor  # [bs, n] int64: position of each verify row
+    slots: Tensor  # [bs, n] int64: KV slot each verify row was written to
+    logits_output: object  # SGLang's LogitsProcessorOutput of the verify (hidden_states [bs*n, F])
     can_run_cuda_graph: bool
     tree_result: object = None  # TreeAcceptResult in tree mode: its commit/free slots reorder req_to_token
 
@@ -118,10 +125,24 @@ class DFlashWorker(BaseSpecWorker):
         self.device = target_worker.device
         self.flags = SpecFlags.from_server_args(server_args)
         self.block_size = self.flags.block_size
-        self.stride = self.flags.nodes  # verify rows per request = row stride of next_token_ids
+        self.stride = self.flags.nodes  # N: the most verify rows per request = row stride of next_token_ids
         self.draft_dir = server_args.speculative_draft_model_path
         self.drafter: PagedDrafter | None = None  # set by alloc_memory_pool (needs the slot count)
         self._check_fit()
+        self.schedule = ShapeSchedule.from_env(self.flags.nodes, self.flags.topk, self.block_size, self.cfg.vocab_size,
+                                               server_args.max_running_requests)
+        self.simulation = SimulatedAcceptance.from_env()  # SGLANG_SIMULATE_ACC_LEN: forced commit lengths
+        if self.simulation is not None and (self.schedule.is_adaptive or self.flags.is_tree):
+            raise UnsupportedFlagError(
+                "SGLANG_SIMULATE_ACC_LEN: simulated acceptance forces a chain's commit length; unset it for tree "
+                "verification (--speculative-eagle-topk > 1) and DFLASH_ADAPTIVE=1"
+            )
+
+    @property
+    def speculative_num_draft_tokens(self) -> int:
+        # Read off the spec worker by SGLang's metrics (the `sglang:spec_num_draft_tokens` gauge, "currently
+        # active"): the last step's verify nodes per request. The row stride stays self.stride.
+        return self.schedule.current.nodes if self.schedule.current is not None else self.stride
 
     def _check_fit(self) -> None:
         source = f"{self.draft_dir}/config.json"
@@ -145,12 +166,13 @@ class DFlashWorker(BaseSpecWorker):
             # permuting req_to_token entries, which only a page size of 1 allows.
             raise UnsupportedFlagError(f"--page-size {target_pool.page_size}: tree verification "
                                        f"(--speculative-eagle-topk > 1) needs page size 1")
-        self.drafter = PagedDrafter.load(self.draft_dir, rows, self.model_runner.dtype, self.device)
+        # --speculative-draft-load-format dummy (capacity planning): random weights of the checkpoint's shapes.
+        dummy = getattr(self.server_args, "speculative_draft_load_format", None) == "dummy"
+        self.drafter = PagedDrafter.load(self.draft_dir, rows, self.model_runner.dtype, self.device, dummy=dummy)
         logger.info(
             "DFLASH (dflash-sglang): block_size=%d, %s, draft layers=%d, target layer ids=%s, draft KV %.1f MiB",
-            self.block_size,
-            f"tree of {self.flags.nodes} nodes (top-{self.flags.topk})" if self.flags.is_tree else "chain",
-            self.cfg.num_hidden_layers, list(self.cfg.target_layer_ids), self.drafter.pool.nbytes() / 2**20,
+            self.block_size, self.schedule.describe(), self.cfg.num_hidden_layers, list(self.cfg.target_layer_ids),
+            self.drafter.pool.nbytes() / 2**20,
         )
 
     def init_attention_backends(self) -> None:
@@ -211,8 +233,9 @@ class DFlashWorker(BaseSpecWorker):
         state = batch.spec_info
         assert isinstance(state, DFlashDraftInputV2), "the scheduler relays DFlashDraftInputV2 between steps"
         seq_lens = batch.seq_lens
-        step_fn = self._tree_step if self.flags.is_tree else self._chain_step
-        step = step_fn(batch, state.bonus_tokens)
+        shape = self.schedule.choose(seq_lens.numel())
+        step_fn = self._chain_step if shape.is_chain else self._tree_step
+        step = step_fn(batch, state.bonus_tokens, shape)
 
         commit_lens = (step.accept_len + 1).to(torch.int32)
         new_seq_lens = seq_lens + commit_lens.to(seq_lens.dtype)
@@ -222,7 +245,7 @@ class DFlashWorker(BaseSpecWorker):
         if step.tree_result is not None:
             compact_path_slots(self.req_to_token_pool.req_to_token, batch.req_pool_indices, seq_lens, step.tree_result)
         logits_output = step.logits_output
-        features = logits_output.hidden_states.view(seq_lens.numel(), self.stride, -1)
+        features = logits_output.hidden_states.view(seq_lens.numel(), step.keep.shape[1], -1)
         self.drafter.commit(features[step.keep], step.positions[step.keep], step.slots[step.keep])
         logits_output.hidden_states = None
 
@@ -236,62 +259,67 @@ class DFlashWorker(BaseSpecWorker):
             new_seq_lens=new_seq_lens,
         )
 
-    def _chain_step(self, batch: ScheduleBatch, bonus: Tensor) -> _Accepted:
-        """Verify [bonus, B-1 greedy drafts] causally; accept the longest valid prefix (core/accept.py)."""
-        block, seq_lens = self.block_size, batch.seq_lens
-        inputs = build_block_inputs(
-            bonus, seq_lens, block, self.cfg.mask_token_id, self.req_to_token_pool.req_to_token, batch.req_pool_indices
-        )
-        drafts = self._draft_logits(inputs.input_ids, inputs.positions, seq_lens, batch.req_pool_indices).argmax(-1)
-        verify_ids = torch.cat([inputs.input_ids[:, :1], drafts], dim=1)
-        logits_output, graph = run_target_verify(
-            self.target_worker, batch, verify_ids, inputs.positions, inputs.out_cache_loc
-        )
-        logits = self._verify_logits(logits_output, batch.sampling_info, seq_lens.numel())
-        params = sampling_params(batch.sampling_info, seq_lens.numel())
-        result = accept_block(drafts, logits, params, batch.sampling_info)
-        keep = torch.arange(block, device=self.device)[None] <= result.accept_len[:, None]
-        return _Accepted(result.out_tokens, result.accept_len, result.bonus, keep, inputs.positions,
-                         inputs.out_cache_loc, logits_output, graph)
+    def _chain_step(self, batch: ScheduleBatch, bonus: Tensor, shape: SpecShape) -> _Accepted:
+        """Verify [bonus, the first n-1 greedy drafts of one block pass] causally, n = shape.nodes <= B (n = 1: a
+        plain decoding step, no drafter pass); accept the longest valid prefix (core/accept.py)."""
+        seq_lens, bs, n = batch.seq_lens, batch.seq_lens.numel(), shape.nodes
+        drafts = torch.empty((bs, 0), dtype=torch.int64, device=self.device)
+        if n > 1:
+            drafts = self._draft_logits(batch, bonus)[:, : n - 1].argmax(-1)
+        ids = torch.cat([bonus[:, None].to(torch.int64), drafts], dim=1)
+        depth = torch.arange(n, device=self.device).expand(bs, n).contiguous()  # a chain is a tree of depth i at i
+        req_to_token = self.req_to_token_pool.req_to_token
+        inputs = ops.build_tree_inputs(ids, depth, seq_lens, req_to_token, batch.req_pool_indices)
+        logits_output, graph = run_target_verify(self.target_worker, batch, ids, inputs.positions, inputs.out_cache_loc)
+        logits = self._verify_logits(logits_output, batch.sampling_info, bs, n)
+        result = accept_block(drafts, logits, sampling_params(batch.sampling_info, bs), batch.sampling_info)
+        accept_len, out_tokens, bonus = result.accept_len, result.out_tokens, result.bonus
+        if self.simulation is not None:  # the verify ran as usual (same cost); only its outcome is forced
+            commit = self.simulation.sample_commit_len(n)
+            accept_len, out_tokens, bonus = self.simulation.force(drafts, logits.argmax(-1), commit)
+        keep = torch.arange(n, device=self.device)[None] <= accept_len[:, None]
+        return _Accepted(fit_rows(out_tokens, self.stride), accept_len, bonus, keep,
+                         inputs.positions, inputs.out_cache_loc, logits_output, graph)
 
-    def _tree_step(self, batch: ScheduleBatch, bonus: Tensor) -> _Accepted:
-        """Verify the best-first tree of N nodes with its ancestor mask; accept one root-to-node path."""
-        seq_lens, req_to_token = batch.seq_lens, self.req_to_token_pool.req_to_token
-        # The drafter pass writes no KV, so the block needs no slots (B may exceed the N reserved per step).
-        draft_in = build_block_inputs(bonus, seq_lens, self.block_size, self.cfg.mask_token_id)
-        draft_logits = self._draft_logits(draft_in.input_ids, draft_in.positions, seq_lens, batch.req_pool_indices)
-        tree = propose_tree(bonus, draft_logits, self.flags.topk, self.flags.nodes)
-        inputs = ops.build_tree_inputs(tree.tokens, tree.depth, seq_lens, req_to_token, batch.req_pool_indices)
+    def _tree_step(self, batch: ScheduleBatch, bonus: Tensor, shape: SpecShape) -> _Accepted:
+        """Verify the best-first tree of shape.nodes nodes (top-shape.topk per position) with its ancestor mask;
+        accept one root-to-node path."""
+        seq_lens, bs, n = batch.seq_lens, batch.seq_lens.numel(), shape.nodes
+        tree = propose_tree(bonus, self._draft_logits(batch, bonus), shape.topk, n)
+        inputs = ops.build_tree_inputs(
+            tree.tokens, tree.depth, seq_lens, self.req_to_token_pool.req_to_token, batch.req_pool_indices
+        )
         logits_output, graph = run_target_verify(
             self.target_worker, batch, inputs.input_ids, inputs.positions, inputs.out_cache_loc, tree_mask=tree.mask
         )
-        logits = self._verify_logits(logits_output, batch.sampling_info, seq_lens.numel())
-        params = sampling_params(batch.sampling_info, seq_lens.numel())
+        logits = self._verify_logits(logits_output, batch.sampling_info, bs, n)
+        params = sampling_params(batch.sampling_info, bs)
         result = accept_tree(tree, logits, params, inputs.out_cache_loc, batch.sampling_info)
         return _Accepted(fit_rows(result.out_tokens, self.stride), result.accept_len, result.bonus,
-                         path_rows(result.accept_nodes, self.stride), inputs.positions, inputs.out_cache_loc,
+                         path_rows(result.accept_nodes, n), inputs.positions, inputs.out_cache_loc,
                          logits_output, graph, tree_result=result)
 
-    def _verify_logits(self, logits_output, sampling_info, bs: int) -> Tensor:
-        """next_token_logits [bs*N, V] -> [bs, N, V], with penalties / logit bias / custom processors applied
-        in place as the same bias at every verify row of a request (as the builtin does)."""
+    def _verify_logits(self, logits_output, sampling_info, bs: int, n: int) -> Tensor:
+        """next_token_logits [bs*n, V] (n verify rows per request) -> [bs, n, V], with penalties / logit bias /
+        custom processors applied in place as the same bias at every verify row of a request (as the builtin)."""
         if sampling_info is not None:
             from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
 
             apply_dflash_verify_logits_adjustments(
-                next_token_logits=logits_output.next_token_logits, sampling_info=sampling_info,
-                draft_token_num=self.stride,
+                next_token_logits=logits_output.next_token_logits, sampling_info=sampling_info, draft_token_num=n,
             )
-        return logits_output.next_token_logits.view(bs, self.stride, -1)
+        return logits_output.next_token_logits.view(bs, n, -1)
 
-    def _draft_logits(self, block_ids: Tensor, positions: Tensor, seq_lens: Tensor, req_pool_indices: Tensor) -> Tensor:
-        """block_ids / positions [bs, B] -> draft logits [bs, B-1, V] for block positions 1..B-1 (one pass)."""
-        target = self.model_runner.model
-        embeds = target.get_input_embeddings()(block_ids)
+    def _draft_logits(self, batch: ScheduleBatch, bonus: Tensor) -> Tensor:
+        """One drafter pass over the block [bonus, MASK x (B-1)] at seq_len.. -> draft logits [bs, B-1, V] for
+        block positions 1..B-1. The pass writes no KV, so the block needs no slots (B may exceed N)."""
+        seq_lens, target = batch.seq_lens, self.model_runner.model
+        block = build_block_inputs(bonus, seq_lens, self.block_size, self.cfg.mask_token_id)
+        embeds = target.get_input_embeddings()(block.input_ids)
         if self.cfg.input_embedding_scale != 1.0:
             embeds = embeds * self.cfg.input_embedding_scale
         width = int(seq_lens.max()) if seq_lens.numel() else 0
-        rows = req_pool_indices.to(torch.int64)[:, None]
+        rows = batch.req_pool_indices.to(torch.int64)[:, None]
         ctx_slots = self.req_to_token_pool.req_to_token[rows, torch.arange(width, device=self.device)].to(torch.int64)
-        hidden = self.drafter.draft(embeds, positions, ctx_slots, seq_lens.to(torch.int64))
+        hidden = self.drafter.draft(embeds, block.positions, ctx_slots, seq_lens.to(torch.int64))
         return self.drafter.draft_logits(hidden, target.lm_head.weight[: self.cfg.vocab_size])

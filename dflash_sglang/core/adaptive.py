@@ -65,15 +65,17 @@ class AdaptivePolicy:
     def from_env(cls, token_budget: int | None = None, max_depth: int | None = None) -> AdaptivePolicy:
         return cls.parse(os.environ.get(ENV_TABLE, DEFAULT_TABLE), token_budget, max_depth)
 
+    def row_shapes(self) -> tuple[SpecShape, ...]:
+        """Each row's shape after the max_depth cap. Every `choose` result is one of these or has fewer nodes
+        (the token budget only removes nodes), so their maxima bound a server's per-step reservation."""
+        return tuple(self._depth_capped(s) for _, s in self.rows)
+
     def choose(self, batch_size: int) -> SpecShape:
         """The shape for a step with `batch_size` running requests; batch_size * nodes <= token_budget."""
         if batch_size < 1:
             raise ValueError(f"batch size must be >= 1, got {batch_size}")
-        shape = next(s for limit, s in self.rows if batch_size <= limit)
+        shape = self._depth_capped(next(s for limit, s in self.rows if batch_size <= limit))
         nodes = shape.nodes
-        if self.max_depth is not None:  # a drafter block of B drafts at most B-1 levels
-            limit = self.max_depth + 1 if shape.is_chain else max_tree_nodes(self.max_depth, shape.topk)
-            nodes = min(nodes, limit)
         if self.token_budget is not None:
             if batch_size > self.token_budget:
                 raise ValueError(
@@ -81,5 +83,15 @@ class AdaptivePolicy:
                     f"least one verify token each); raise the budget or lower --max-running-requests"
                 )
             nodes = min(nodes, self.token_budget // batch_size)
-        topk = shape.topk if nodes >= 3 else 1  # a 2-node tree is a chain of one draft
-        return SpecShape(nodes, topk)
+        return _shape(nodes, shape.topk)
+
+    def _depth_capped(self, shape: SpecShape) -> SpecShape:
+        if self.max_depth is None:
+            return shape
+        # a drafter block of B drafts at most B-1 levels
+        limit = self.max_depth + 1 if shape.is_chain else max_tree_nodes(self.max_depth, shape.topk)
+        return _shape(min(shape.nodes, limit), shape.topk)
+
+
+def _shape(nodes: int, topk: int) -> SpecShape:
+    return SpecShape(nodes, topk if nodes >= 3 else 1)  # a 2-node tree is a chain of one draft

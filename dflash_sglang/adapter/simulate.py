@@ -1,0 +1,83 @@
+"""Simulated acceptance (SGLANG_SIMULATE_ACC_*): force each decode step's commit length, for capacity planning.
+
+With random weights (`--load-format dummy`) acceptance is ~1 and says nothing about a real deployment; forcing
+the commit length makes throughput at a given tau measurable before a drafter exists. We read the same
+environment variables as SGLang's builtin DFLASH worker and draw the length with SGLang's own sampler, so both
+workers see the same acceptance distribution in a side-by-side benchmark:
+
+- `SGLANG_SIMULATE_ACC_LEN` (float): mean commit length per step (accepted drafts + bonus); <= 0 or unset: off;
+- `SGLANG_SIMULATE_ACC_METHOD`: `match-expected` (floor/ceil of the mean with the probabilities that make the
+  mean exact) or `multinomial` (round(N(mean, 1))), clamped to [1, B];
+- `SGLANG_SIMULATE_ACC_TOKEN_MODE`: `fixed` (every emitted token is id 100) or `real-draft-token` (the first
+  L-1 drafts, then the target's own token at row L-1).
+
+One length L is drawn per step (on the host) and applied to every request of the batch; KV and draft-KV commits
+follow L exactly as if verification had accepted it. Chain mode only (a tree's accepted path is not a prefix).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+METHODS = ("match-expected", "multinomial")
+TOKEN_MODES = ("fixed", "real-draft-token")
+FIXED_TOKEN_ID = 100  # the builtin's "some legit token id"
+
+
+@dataclass(frozen=True)
+class SimulatedAcceptance:
+    mean: float
+    method: str = "match-expected"
+    token_mode: str = "fixed"
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> SimulatedAcceptance | None:
+        """The configured simulation, or None when SGLANG_SIMULATE_ACC_LEN is unset or <= 0.
+
+        Raises ValueError naming the variable for a malformed value (at worker start-up, not mid-run).
+        """
+        env = os.environ if env is None else env
+        raw = env.get("SGLANG_SIMULATE_ACC_LEN", "").strip()
+        if not raw:
+            return None
+        try:
+            mean = float(raw)
+        except ValueError:
+            raise ValueError(f"SGLANG_SIMULATE_ACC_LEN={raw!r}: expected a number") from None
+        if mean <= 0:
+            return None
+        method = env.get("SGLANG_SIMULATE_ACC_METHOD", "match-expected") or "match-expected"
+        mode = env.get("SGLANG_SIMULATE_ACC_TOKEN_MODE", "fixed") or "fixed"
+        if method not in METHODS:
+            raise ValueError(f"SGLANG_SIMULATE_ACC_METHOD={method!r}: expected one of {', '.join(METHODS)}")
+        if mode not in TOKEN_MODES:
+            raise ValueError(f"SGLANG_SIMULATE_ACC_TOKEN_MODE={mode!r}: expected one of {', '.join(TOKEN_MODES)}")
+        return cls(mean, method, mode)
+
+    def sample_commit_len(self, block_size: int) -> int:
+        """One commit length L in [1, block_size], drawn by SGLang's own sampler (same law as the builtin)."""
+        from sglang.srt.speculative.spec_utils import _sample_simulated_acc_len
+
+        return _sample_simulated_acc_len(self.mean, self.method, block_size)
+
+    def force(self, drafts: Tensor, target_argmax: Tensor, commit_len: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Outcome of a step that commits `commit_len` tokens for every request.
+
+        drafts [bs, B-1] int64, target_argmax [bs, B] int64 (row j: the target's token after block row j).
+        Returns accept_len [bs] int64 (= commit_len - 1), out_tokens [bs, B] int64 (the committed tokens, then
+        -1), bonus [bs] int64 (the last committed token, the next step's root).
+        """
+        bs, block = target_argmax.shape
+        assert 1 <= commit_len <= block and drafts.shape == (bs, block - 1)
+        accepted = commit_len - 1
+        out = torch.full((bs, block), -1, dtype=torch.int64, device=drafts.device)
+        if self.token_mode == "fixed":
+            out[:, :commit_len] = FIXED_TOKEN_ID
+        else:
+            out[:, :accepted] = drafts[:, :accepted]
+            out[:, accepted] = target_argmax[:, accepted]
+        accept_len = torch.full((bs,), accepted, dtype=torch.int64, device=drafts.device)
+        return accept_len, out, out[:, accepted].clone()

@@ -1,0 +1,18 @@
+"""Shared by the SGLang test files: the skip condition (sglang 0.5.17 must be installed)."""
+from __future__ import annotations
+
+import importlib.util
+from importlib.metadata import version
+
+import pytest
+
+
+def sglang_skip_reason() -> str | None:
+    if importlib.util.find_spec("sglang") is None:
+        return "sglang is not installed (bash .ci/install_sglang.sh)"
+    if version("sglang") != "0.5.17":
+        return f"needs sglang 0.5.17, found {version('sglang')}"
+    return None
+
+
+requires_sglang = pytest.mark.skipif(sglang_skip_reason() is not None, reason=str(sglang_skip_reason()))
