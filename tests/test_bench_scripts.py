@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from dflash_sglang.bench import pareto, recipe, roofline
-from dflash_sglang.bench.accept import pooled, summarize
+from dflash_sglang.bench.accept import Arm, pooled, summarize
 from dflash_sglang.bench.datasets import jsonl_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,11 +87,14 @@ def server(pair, sglang_env, tmp_path_factory):
 def test_bench_accept_reference(pair, tmp_path):
     target, draft = pair
     lines, res = _run("bench_accept.py", ["--num-prompts", "2", "--max-new-tokens", "8", "--threads", "1",
-                                          "--batch-size", "2", "--out", str(tmp_path)])
+                                          "--batch-size", "2", "--temperature", "0,1", "--tree-nodes", "0,6",
+                                          "--tree-topk", "2", "--out", str(tmp_path)])
     assert lines[0].startswith("Roofline") and "<- this run" in "\n".join(lines[:8])
     assert res["script"] == "bench_accept" and res["backend"] == "reference" and res["rows"]
+    assert {(r["temperature"], r["tree_nodes"]) for r in res["rows"]} == {(0, 0), (0, 6), (1, 0), (1, 6)}
     for r in res["rows"]:
         assert 1 <= r["tau"] <= r["block_size"] and sum(r["hist"]) == r["steps"] > 0
+        assert r["verify_tokens"] == (r["tree_nodes"] or r["block_size"])
     assert res["spec_ceiling_tok_s"] and Path(res["csv"]).is_file()
     assert res["png"] is None or Path(res["png"]).is_file()
 
@@ -194,10 +197,13 @@ def test_client_args_for_each_dataset(tmp_path):
 
 
 def test_accept_summary_invariants():
-    steps = {("math", 4): [1, 4, 4, 2, 3], ("chat", 4): [1, 1, 2], ("math", 8): [8, 1]}
+    b4, b8, tree = Arm(4), Arm(8), Arm(8, 1.0, 16)
+    steps = {("math", b4): [1, 4, 4, 2, 3], ("chat", b4): [1, 1, 2], ("math", b8): [8, 1], ("math", tree): [3, 5]}
     rows = summarize("d", steps)
     for r in rows:
         assert sum(r["hist"]) == r["steps"] and len(r["hist"]) == r["block_size"] and 1 <= r["tau"] <= r["block_size"]
     pool = pooled(rows)
-    assert pool[4]["steps"] == 8 and pool[4]["tau"] == pytest.approx(18 / 8) and pool[4]["hist"] == [3, 2, 1, 2]
-    assert pool[8]["hist"][-1] == 1
+    assert set(pool) == {"b4 T0 chain", "b8 T0 chain", "b8 T1 tree16"}
+    assert pool["b4 T0 chain"]["steps"] == 8 and pool["b4 T0 chain"]["tau"] == pytest.approx(18 / 8)
+    assert pool["b4 T0 chain"]["hist"] == [3, 2, 1, 2] and pool["b8 T0 chain"]["hist"][-1] == 1
+    assert [r["verify_tokens"] for r in rows if r["tree_nodes"]] == [16]

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from . import recipe as recipes
 from . import roofline
+from .plotting import pyplot
 from .server import Server
 
 ARMS = ("ours", "builtin", "none")
@@ -237,13 +238,8 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
 
 def plot(path: Path, rows: list[dict], title: str, roof: roofline.Roofline, tau: float | None) -> Path | None:
     """tokens/s/GPU vs tokens/s/user, one line per arm, with the batch-1 ceilings as vertical lines."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no PNG (pip install matplotlib)", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(7, 5))
     for arm in ARMS:

@@ -24,7 +24,17 @@ from pathlib import Path
 
 from . import _abi
 
-CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
+
+
+def _cuda_dir() -> Path:
+    """The kernel sources: the checkout's cuda/ (editable installs), else the copy shipped as dflash_sglang._cuda."""
+    checkout = Path(__file__).resolve().parents[2] / "cuda"
+    if (checkout / "common.cuh").is_file():
+        return checkout
+    return Path(__file__).resolve().parents[1] / "_cuda"
+
+
+CUDA_DIR = _cuda_dir()
 NVCC_FLAGS = ("-std=c++17", "-O3", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
 HOST_FLAGS = ("-std=c++17", "-O2", "-ffp-contract=off", "-shared", "-fPIC")
 
@@ -87,6 +97,8 @@ def cuda_library(capability: tuple[int, int]) -> KernelLibrary:
     arch = cuda_arch(capability)
     flags = (*NVCC_FLAGS, f"-gencode=arch=compute_{arch[3:]},code={arch}")
     sources = sorted(CUDA_DIR.glob("*.cu"))
+    if not sources:
+        raise RuntimeError(f"no CUDA kernel sources in {CUDA_DIR}: reinstall dflash-sglang (the wheel ships them)")
     lib = KernelLibrary(_build([nvcc, *flags], sources, arch, _version(nvcc)), "dflash_")
     for op in ("block_inputs", "build_tree", "verify_tree"):
         getattr(lib._lib, f"dflash_{op}").argtypes = [ctypes.POINTER(_abi.PARAMS[op]), ctypes.c_void_p]

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The GPU checks of the project, one stage per argument, each ending with a short table. Needs a CUDA torch
+# (DFLASH_KEEP_TORCH=1 bash scripts/setup.sh) and, for `sglang`, sglang 0.5.17 with its CUDA deps.
+#
+#   ops     CUDA kernels == core/ references (eager + CUDA-graph replay); scripts/bench_ops.py table
+#   train   convert the SmolLM2 testbed target, regenerate responses + train a drafter (GPU time budgets)
+#   accept  tau of $DRAFT_DIR on 200 held-out eval prompts x 128 new tokens (reference decoder): block 8/16
+#           chains and 16/32/64-node trees, T=0 and T=1
+#   sglang  SGLang Engine e2e on CUDA (tests/test_sglang_gpu.py: chain, tree, adaptive vs no speculation)
+#   pareto  scripts/bench_pareto.py on the testbed pair, concurrency 1/8/32: ours / builtin / no speculation
+#           (chain), then ours with a 32-node tree and adaptive (PARETO_MODES picks among chain tree adaptive)
+#
+# Results land in $RESULTS (default gpu_results/); record the tables in docs/benchmarks.md with the date.
+# Knobs (env): TRAIN_SAMPLES (6144), TRAIN_NEW_TOKENS (192), TRAIN_BATCH (32), DATA_MIN (3), TRAIN_MIN (4),
+# DRAFT_DIR (train: where the drafter goes, default $RESULTS/smollm2_135m_dflash; accept/sglang: the drafter
+# measured, default the shipped one), EVAL_PROMPTS (200), EVAL_NEW_TOKENS (128).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RESULTS=${RESULTS:-gpu_results}
+mkdir -p "$RESULTS"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+PY=${PYTHON:-python3}
+status=0
+testbed_target() { $PY -c 'from dflash_sglang.testbed.target import target_dir; print(target_dir())'; }
+
+stage_ops() {
+  $PY -m pytest -q -ra tests/test_ops_gpu.py 2>&1 | tee "$RESULTS/ops_tests.log" || status=1
+  $PY scripts/bench_ops.py --dispatch 2>&1 | tee "$RESULTS/bench_ops.log" || status=1
+}
+
+stage_train() {
+  local out=${DRAFT_DIR:-$RESULTS/smollm2_135m_dflash}
+  $PY - <<'EOF' || { status=1; return; }
+from dflash_sglang.testbed.target import convert_target
+print("target:", convert_target())
+EOF
+  # Same recipe as the CPU bootstrap (recipes/training.md), scaled by samples / time budget.
+  local schedule=(--time-budget-min "${TRAIN_MIN:-4}")
+  [ -n "${TRAIN_STEPS:-}" ] && schedule=(--max-steps "$TRAIN_STEPS")
+  $PY -m dflash_sglang train --data sharegpt --out "$out" --cache-dir "${CACHE_DIR:-$out.cache}" \
+      --num-samples "${TRAIN_SAMPLES:-6144}" --max-new-tokens "${TRAIN_NEW_TOKENS:-192}" --gen-batch-size 512 \
+      --data-time-budget-min "${DATA_MIN:-3}" --block-size 16 --num-layers 2 --num-features 5 \
+      --batch-size "${TRAIN_BATCH:-32}" --num-anchors 48 --lr 1e-3 --epochs 40 "${schedule[@]}" \
+      --save-every 1000000 2>&1 | grep -v "it/s\]" | tee "$RESULTS/train.log" || { status=1; return; }
+  $PY -m dflash_sglang inspect "$out" || status=1
+}
+
+stage_accept() {
+  local draft=${DRAFT_DIR:-dflash_sglang/assets/smollm2_135m_dflash} n=${EVAL_PROMPTS:-200}
+  local common=(--target "$(testbed_target)" --draft "$draft" --num-prompts "$n" --max-new-tokens "${EVAL_NEW_TOKENS:-128}" --batch-size "$n"
+                --temperature 0,1)
+  $PY scripts/bench_accept.py "${common[@]}" --block-sizes 8,16 --out "$RESULTS/accept_chain" 2>&1 \
+      | tee "$RESULTS/accept_chain.log" || status=1
+  $PY scripts/bench_accept.py "${common[@]}" --block-sizes 16 --tree-nodes 0,16,32,64 --tree-topk 4 \
+      --out "$RESULTS/accept_tree" 2>&1 | tee "$RESULTS/accept_tree.log" || status=1
+}
+
+stage_sglang() {
+  $PY -m pytest -q -ra tests/test_sglang_gpu.py 2>&1 | tee "$RESULTS/sglang_gpu_tests.log" || status=1
+}
+
+stage_pareto() {
+  local draft=${DRAFT_DIR:-dflash_sglang/assets/smollm2_135m_dflash} attn="--attention-backend flashinfer --cuda-graph-max-bs-decode 32"
+  local common=(--target "$(testbed_target)" --draft "$draft" --dataset sharegpt --output-len 128 --num-prompts 64
+                --concurrency 1,8,32 --max-running-requests 32 --hardware auto)
+  # Every arm gets the same attention backend; tree verification needs flashinfer or triton.
+  for mode in ${PARETO_MODES:-chain tree adaptive}; do
+    case $mode in
+      chain) $PY scripts/bench_pareto.py "${common[@]}" --arms ours,builtin,none --server-args="$attn" \
+               --out "$RESULTS/pareto_chain" 2>&1 | tee "$RESULTS/pareto_chain.log" || status=1 ;;
+      tree) $PY scripts/bench_pareto.py "${common[@]}" --arms ours \
+              --server-args="$attn --speculative-eagle-topk 4 --speculative-num-draft-tokens 32" \
+              --out "$RESULTS/pareto_tree" 2>&1 | tee "$RESULTS/pareto_tree.log" || status=1 ;;
+      adaptive) DFLASH_ADAPTIVE=1 $PY scripts/bench_pareto.py "${common[@]}" --arms ours --server-args="$attn" \
+                  --out "$RESULTS/pareto_adaptive" 2>&1 | tee "$RESULTS/pareto_adaptive.log" || status=1 ;;
+    esac
+  done
+}
+
+for stage in "${@:-ops}"; do
+  echo "=== stage $stage ($(date -u +%FT%TZ))"
+  "stage_$stage"
+done
+exit $status
