@@ -21,7 +21,6 @@ picked, from its debug log (SGLANG_LOGGING_CONFIG_PATH puts the dflash_sglang lo
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import itertools
 import json
 import os
@@ -29,11 +28,11 @@ import random
 import subprocess
 import sys
 import time
-from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 import torch
+from sglang_support import requires_sglang
 
 HERE = Path(__file__).resolve().parent
 SHIMS = HERE / "sglang_shims"
@@ -57,15 +56,7 @@ SIM_ACC_LEN = 3  # an integer mean: match-expected then commits exactly this man
 CHILD_TIMEOUT_S = 900
 
 
-def _skip_reason() -> str | None:
-    if importlib.util.find_spec("sglang") is None:
-        return "sglang is not installed (bash .ci/install_sglang.sh)"
-    if version("sglang") != "0.5.17":
-        return f"needs sglang 0.5.17, found {version('sglang')}"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+pytestmark = requires_sglang
 
 
 # ---------------------------------------------------------------------------------------------- scenario

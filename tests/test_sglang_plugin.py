@@ -7,30 +7,22 @@ runs this file again with DFLASH_SGLANG_TEST_CHILD=1 and the shims first on PYTH
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-from importlib.metadata import entry_points, version
+from importlib.metadata import entry_points
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from sglang_support import requires_sglang
 
 SHIMS = str(Path(__file__).resolve().parent / "sglang_shims")
 
 
-def _skip_reason() -> str | None:
-    if importlib.util.find_spec("sglang") is None:
-        return "sglang is not installed (bash .ci/install_sglang.sh)"
-    if version("sglang") != "0.5.17":
-        return f"needs sglang 0.5.17, found {version('sglang')}"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+pytestmark = requires_sglang
 IN_CHILD = os.environ.get("DFLASH_SGLANG_TEST_CHILD") == "1"
 child_only = pytest.mark.skipif(not IN_CHILD, reason="runs in the child process of test_plugin_suite_in_a_child_process")
 
