@@ -11,8 +11,9 @@
 #           (chain), then ours with a 32-node tree and adaptive (PARETO_MODES picks among chain tree adaptive)
 #
 # Results land in $RESULTS (default gpu_results/); record the tables in docs/benchmarks.md with the date.
-# Knobs (env): TRAIN_SAMPLES (6144), TRAIN_NEW_TOKENS (192), TRAIN_BATCH (32), DATA_MIN (3), TRAIN_MIN (4),
-# DRAFT_DIR (train: where the drafter goes, default $RESULTS/smollm2_135m_dflash; accept/sglang: the drafter
+# Knobs (env): TRAIN_SAMPLES (6144), TRAIN_NEW_TOKENS (192), TRAIN_BATCH (32), DATA_MIN (3), TRAIN_MIN (4; the
+# schedule is fitted to this budget from the first steps' time), TRAIN_STEPS (a fixed step count instead of
+# TRAIN_MIN), CACHE_DIR (feature cache, default $DRAFT_DIR.cache), DRAFT_DIR (train: where the drafter goes, default $RESULTS/smollm2_135m_dflash; accept/sglang: the drafter
 # measured, default the shipped one), EVAL_PROMPTS (200), EVAL_NEW_TOKENS (128).
 set -uo pipefail
 cd "$(dirname "$0")/.."
