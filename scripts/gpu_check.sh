@@ -6,7 +6,8 @@
 #   train   convert the SmolLM2 testbed target, regenerate responses + train a drafter (GPU time budgets)
 #   accept  tau of $DRAFT_DIR on 200 held-out eval prompts x 128 new tokens (reference decoder): block 8/16
 #           chains and 16/32/64-node trees, T=0 and T=1
-#   sglang  SGLang Engine e2e on CUDA (tests/test_sglang_gpu.py: chain, tree, adaptive vs no speculation)
+#   sglang  FlashInfer draft attention == torch reference (tests/test_draft_attention.py), then SGLang Engine e2e
+#           on CUDA (tests/test_sglang_gpu.py: chain, tree, adaptive vs no speculation)
 #   pareto  scripts/bench_pareto.py on the testbed pair, concurrency 1/8/32: ours / builtin / no speculation
 #           (chain), then ours with a 32-node tree and adaptive (PARETO_MODES picks among chain tree adaptive)
 #
@@ -57,7 +58,7 @@ stage_accept() {
 }
 
 stage_sglang() {
-  $PY -m pytest -q -ra tests/test_sglang_gpu.py 2>&1 | tee "$RESULTS/sglang_gpu_tests.log" || status=1
+  $PY -m pytest -q -ra tests/test_draft_attention.py tests/test_sglang_gpu.py 2>&1 | tee "$RESULTS/sglang_gpu_tests.log" || status=1
 }
 
 stage_pareto() {

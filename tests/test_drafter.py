@@ -3,6 +3,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from dflash_sglang.core.drafter import dense_attend
 from dflash_sglang.core.features import target_layer_features
 from factories import draft_config_for, tiny_drafter, tiny_target
 
@@ -92,8 +93,9 @@ def test_sliding_window_limits_context():
     layer = d_sliding.layers[0]
     masks = d_sliding._layer_masks(torch.ones(1, 4, 16, dtype=torch.bool), pos, torch.cat([ctx_pos, pos], 1))
     cos, sin = d_sliding.rotary(pos, torch.float32)
-    h1 = layer(block, cos, sin, kv1[0], masks[0], d_sliding.attention)
-    h2 = layer(block, cos, sin, kv2[0], masks[0], d_sliding.attention)
+    scale = cfg.head_dim**-0.5
+    h1 = layer(block, cos, sin, dense_attend(kv1[0], masks[0], d_sliding.attention, scale))
+    h2 = layer(block, cos, sin, dense_attend(kv2[0], masks[0], d_sliding.attention, scale))
     torch.testing.assert_close(h1, h2)
     assert masks[0][0, 0, 0, 12] and not masks[0][0, 0, 0, 13]  # sliding layers are causal by default
     assert not torch.allclose(_run(d_full, ctx, ctx_pos, block, pos), _run(d_full, ctx2, ctx_pos, block, pos))

@@ -3,7 +3,8 @@
 Importing this package checks the installed SGLang version first, so an unsupported SGLang fails at
 plugin import with one clear line (SGLang logs it and keeps its builtin DFLASH) instead of failing
 later inside the scheduler. Modules: plugin (entry point + hooks), args (server-arg handling for
-DFLASH), model (the drafter over a paged draft KV pool), verify (target verify forward + acceptance),
+DFLASH), model (the drafter over a paged draft KV pool), draft_attention (its paged attention:
+FlashInfer on CUDA, torch on CPU), verify (target verify forward + acceptance),
 tree / tree_attention (tree verification: the step's tree pieces, the tree mask), adaptive (per-step shapes
 by batch size, DFLASH_ADAPTIVE=1), worker (the spec-v2 worker the scheduler drives), cpu (torch stand-ins for
 Triton-only helpers).

@@ -9,8 +9,10 @@ and is dead when the slot is freed.
   then each layer's k_proj/k_norm/RoPE and v_proj, i.e. `DFlashDrafter.context_kv`) and writes them at
   the tokens' slots.
 - `draft` runs one non-causal block pass whose keys/values are [the request's committed context rows |
-  the block rows]. The attention here is plain torch over rows gathered through `req_to_token`
-  (the CPU path, and a correct but memory-hungry fallback on GPU).
+  the block rows]: the block's K/V go to per-request scratch rows past the target's slots and each layer
+  is one ragged paged prefill over the pool (adapter/draft_attention.py: FlashInfer on CUDA, torch on
+  CPU). Drafters with causal or sliding-window layers take the dense path instead: context rows gathered
+  through `req_to_token` into padded tensors and the core drafter's masked attention.
 
 The weights come from the z-lab checkpoint through `dflash_sglang.core.checkpoint.load_drafter`, with
 the same parameter names, so what SGLang serves is exactly what the reference decoder runs.
@@ -24,7 +26,9 @@ from torch import Tensor
 
 from dflash_sglang.core.checkpoint import load_drafter
 from dflash_sglang.core.config import DraftConfig
-from dflash_sglang.core.drafter import KV, DFlashDrafter
+from dflash_sglang.core.drafter import KV, Attend, DFlashDrafter
+
+from .draft_attention import DraftLayout, build_layout, select_backend
 
 
 class DraftKVPool:
@@ -66,24 +70,40 @@ def random_drafter(cfg: DraftConfig, device, dtype: torch.dtype) -> DFlashDrafte
 
 
 class PagedDrafter:
-    """A `DFlashDrafter` whose context K/V live in a `DraftKVPool` indexed by target slot ids."""
+    """A `DFlashDrafter` whose context K/V live in a `DraftKVPool` indexed by target slot ids.
 
-    def __init__(self, drafter: DFlashDrafter, pool: DraftKVPool) -> None:
+    Pool rows [0, scratch_base) mirror the target's KV slots; rows scratch_base + r*B .. + B-1 are the block
+    scratch of request-pool slot r (B = block size), written by every paged drafter pass.
+    """
+
+    def __init__(self, drafter: DFlashDrafter, pool: DraftKVPool, scratch_base: int, block: int) -> None:
         self.drafter = drafter
         self.cfg = drafter.cfg
         self.pool = pool
+        self.scratch_base, self.block = scratch_base, block
+        cfg = self.cfg
+        plain = all(not cfg.layer_is_causal(i) and cfg.layer_window(i) is None for i in range(cfg.num_hidden_layers))
+        self.attention = (select_backend(pool.k.device, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                         cfg.head_dim, pool.k.dtype) if plain else None)
 
     @classmethod
-    def load(cls, draft_dir: str | Path, rows: int, dtype: torch.dtype, device, dummy: bool = False) -> PagedDrafter:
-        """dummy: random weights of the checkpoint's config (`--speculative-draft-load-format dummy`), no weight
+    def load(cls, draft_dir: str | Path, slots: int, req_slots: int, block: int, dtype: torch.dtype, device,
+             dummy: bool = False) -> PagedDrafter:
+        """slots: target KV slots (pool rows mirrored), req_slots: request-pool slots (block scratch owners).
+        dummy: random weights of the checkpoint's config (`--speculative-draft-load-format dummy`), no weight
         files read, for capacity planning with simulated acceptance."""
         if dummy:
             drafter = random_drafter(DraftConfig.load(draft_dir), device, dtype)
         else:
             drafter = load_drafter(draft_dir, device=device, dtype=dtype).eval()
         cfg = drafter.cfg
-        pool = DraftKVPool(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, cfg.head_dim, dtype, device)
-        return cls(drafter, pool)
+        pool = DraftKVPool(cfg.num_hidden_layers, slots + req_slots * block, cfg.num_key_value_heads, cfg.head_dim,
+                           dtype, device)
+        return cls(drafter, pool, slots, block)
+
+    @property
+    def backend_name(self) -> str:
+        return self.attention.name if self.attention is not None else "dense (causal / sliding-window layers)"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -103,18 +123,49 @@ class PagedDrafter:
         self.pool.write(self.drafter.context_kv(ctx, positions.to(torch.int64)[None]), slots.to(torch.int64))
 
     @torch.inference_mode()
-    def draft(self, block_embeds: Tensor, positions: Tensor, ctx_slots: Tensor, ctx_lens: Tensor) -> Tensor:
+    def draft(self, block_embeds: Tensor, positions: Tensor, req_to_token: Tensor, req_pool_indices: Tensor,
+              seq_lens: Tensor) -> Tensor:
         """One drafter pass per request.
 
-        block_embeds [bs, B, H]  target embeddings of [bonus, MASK...] (times input_embedding_scale)
-        positions    [bs, B] int64  absolute positions of the block rows (seq_len + j)
-        ctx_slots    [bs, S] int64  KV slots of each request's committed tokens 0..S-1 (padded rows: any slot)
-        ctx_lens     [bs] int64     committed tokens per request (rows >= ctx_len are padding)
-        returns      [bs, B, H] final-normed drafter states
+        block_embeds     [bs, B, H]  target embeddings of [bonus, MASK...] (times input_embedding_scale)
+        positions        [bs, B] int64  absolute positions of the block rows (seq_len + j)
+        req_to_token     SGLang's [pool_reqs, max_ctx] slot table; req_pool_indices [bs]
+        seq_lens         [bs] committed tokens per request (the context is slots 0..seq_len-1)
+        returns          [bs, B, H] final-normed drafter states
         """
-        bs, s_len = ctx_slots.shape
-        ctx_pos = torch.arange(s_len, device=ctx_slots.device).expand(bs, s_len)
-        ctx_valid = ctx_pos < ctx_lens[:, None]
+        assert block_embeds.shape[1] == self.block, "the block size the scratch rows were sized for"
+        seq_lens_cpu = seq_lens.to("cpu", torch.int64)  # the one host sync of the pass: ragged sizes
+        if self.attention is None:
+            return self._draft_dense(block_embeds, positions, req_to_token, req_pool_indices, seq_lens_cpu)
+        layout = build_layout(req_to_token, req_pool_indices, seq_lens_cpu, self.block, self.scratch_base)
+        self.attention.plan(layout)
+        bs, b, hidden = block_embeds.shape
+        attends = [self._paged_attend(i, layout) for i in range(self.cfg.num_hidden_layers)]
+        # The whole batch as one sequence of bs*B rows: the layout says which keys each row sees.
+        out = self.drafter.run_layers(block_embeds.to(self.dtype).reshape(1, bs * b, hidden),
+                                      positions.reshape(1, bs * b), attends)
+        return out.view(bs, b, hidden)
+
+    def _paged_attend(self, layer: int, layout: DraftLayout) -> Attend:
+        k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
+
+        def attend(q: Tensor, k_blk: Tensor, v_blk: Tensor) -> Tensor:
+            # q [1, h, T, d], k_blk / v_blk [1, kvh, T, d] -> [1, h, T, d]
+            k_pool[layout.block_rows] = k_blk[0].transpose(0, 1)
+            v_pool[layout.block_rows] = v_blk[0].transpose(0, 1)
+            return self.attention.run(q[0].transpose(0, 1), k_pool, v_pool).transpose(0, 1)[None]
+
+        return attend
+
+    def _draft_dense(self, block_embeds: Tensor, positions: Tensor, req_to_token: Tensor, req_pool_indices: Tensor,
+                     seq_lens_cpu: Tensor) -> Tensor:
+        """Context rows gathered into [bs, S] padded tensors, the core drafter's masked attention (any layer
+        type; memory grows with bs x the longest context)."""
+        device = block_embeds.device
+        bs, width = seq_lens_cpu.numel(), int(seq_lens_cpu.max()) if seq_lens_cpu.numel() else 0
+        ctx_pos = torch.arange(width, device=device).expand(bs, width)
+        ctx_slots = req_to_token[req_pool_indices.to(torch.int64)[:, None], ctx_pos].to(torch.int64)
+        ctx_valid = ctx_pos < seq_lens_cpu.to(device)[:, None]
         ctx_kv = self.pool.gather(ctx_slots)
         return self.drafter(block_embeds.to(self.dtype), positions, ctx_kv, ctx_pos, ctx_valid=ctx_valid)
 

@@ -168,11 +168,13 @@ class DFlashWorker(BaseSpecWorker):
                                        f"(--speculative-eagle-topk > 1) needs page size 1")
         # --speculative-draft-load-format dummy (capacity planning): random weights of the checkpoint's shapes.
         dummy = getattr(self.server_args, "speculative_draft_load_format", None) == "dummy"
-        self.drafter = PagedDrafter.load(self.draft_dir, rows, self.model_runner.dtype, self.device, dummy=dummy)
+        req_slots = int(req_to_token_pool.req_to_token.shape[0])
+        self.drafter = PagedDrafter.load(self.draft_dir, rows, req_slots, self.block_size, self.model_runner.dtype,
+                                         self.device, dummy=dummy)
         logger.info(
-            "DFLASH (dflash-sglang): block_size=%d, %s, draft layers=%d, target layer ids=%s, draft KV %.1f MiB",
-            self.block_size, self.schedule.describe(), self.cfg.num_hidden_layers, list(self.cfg.target_layer_ids),
-            self.drafter.pool.nbytes() / 2**20,
+            "DFLASH (dflash-sglang): block_size=%d, %s, draft layers=%d, target layer ids=%s, draft attention %s, "
+            "draft KV %.1f MiB", self.block_size, self.schedule.describe(), self.cfg.num_hidden_layers,
+            list(self.cfg.target_layer_ids), self.drafter.backend_name, self.drafter.pool.nbytes() / 2**20,
         )
 
     def init_attention_backends(self) -> None:
@@ -318,8 +320,6 @@ class DFlashWorker(BaseSpecWorker):
         embeds = target.get_input_embeddings()(block.input_ids)
         if self.cfg.input_embedding_scale != 1.0:
             embeds = embeds * self.cfg.input_embedding_scale
-        width = int(seq_lens.max()) if seq_lens.numel() else 0
-        rows = batch.req_pool_indices.to(torch.int64)[:, None]
-        ctx_slots = self.req_to_token_pool.req_to_token[rows, torch.arange(width, device=self.device)].to(torch.int64)
-        hidden = self.drafter.draft(embeds, block.positions, ctx_slots, seq_lens.to(torch.int64))
+        hidden = self.drafter.draft(embeds, block.positions, self.req_to_token_pool.req_to_token,
+                                    batch.req_pool_indices, seq_lens)
         return self.drafter.draft_logits(hidden, target.lm_head.weight[: self.cfg.vocab_size])

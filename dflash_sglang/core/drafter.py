@@ -25,6 +25,17 @@ class AttentionFn(Protocol):
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor: ...
 
 
+class Attend(Protocol):
+    """One layer's attention over [context | block]: the callable owns where the context K/V live.
+
+    q [bs, h, Q, d] (q_norm + RoPE applied), k_blk / v_blk [bs, kvh, Q, d] the block rows' own K/V
+    -> out [bs, h, Q, d]. The dense path (`dense_attend`) concatenates in-memory context K/V; the SGLang
+    adapter attends over its paged draft pool instead.
+    """
+
+    def __call__(self, q: Tensor, k_blk: Tensor, v_blk: Tensor) -> Tensor: ...
+
+
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
     """Reference attention. q [bs, h, Q, d], k/v [bs, kvh, K, d], mask [bs, 1|h, Q, K] bool (True = attend).
 
@@ -35,6 +46,17 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: 
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def dense_attend(ctx: KV, mask: Tensor, attn: AttentionFn, scale: float) -> Attend:
+    """Attend over in-memory context K/V ctx [bs, kvh, S, d] then the block, under mask [bs, 1, Q, S + Q]."""
+
+    def attend(q: Tensor, k_blk: Tensor, v_blk: Tensor) -> Tensor:
+        k = torch.cat([ctx[0], k_blk], dim=2)
+        v = torch.cat([ctx[1], v_blk], dim=2)
+        return attn(q, k, v, mask, scale)
+
+    return attend
 
 
 class RMSNorm(nn.Module):
@@ -112,14 +134,12 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).view(bs, t, self.n_kv, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: KV, mask: Tensor, attn: AttentionFn) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
         bs, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(bs, q_len, self.n_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k_blk, v_blk = self.project_kv(x, cos, sin)
-        k = torch.cat([ctx[0], k_blk], dim=2)
-        v = torch.cat([ctx[1], v_blk], dim=2)
-        out = attn(q, k, v, mask, self.head_dim**-0.5)
+        out = attend(q, k_blk, v_blk)
         return self.o_proj(out.transpose(1, 2).reshape(bs, q_len, -1))
 
 
@@ -142,8 +162,8 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DraftMLP(cfg)
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, ctx: KV, mask: Tensor, attn: AttentionFn) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx, mask, attn)
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -200,10 +220,17 @@ class DFlashDrafter(nn.Module):
             mask = mask & torch.cat([ctx_valid, ctx_valid.new_ones(bs, q_len)], dim=1)[:, None, :]
         key_pos = torch.cat([ctx_pos, positions], dim=1)
         layer_masks = self._layer_masks(mask, positions, key_pos)
+        scale = self.cfg.head_dim**-0.5
+        attends = [dense_attend(ctx_kv[i], layer_masks[i], self.attention, scale) for i in range(len(self.layers))]
+        return self.run_layers(block_embeds, positions, attends)
+
+    def run_layers(self, block_embeds: Tensor, positions: Tensor, attends: list[Attend]) -> Tensor:
+        """The layer stack with one `Attend` per layer: block_embeds [bs, Q, H], positions [bs, Q] int64
+        -> [bs, Q, H] final-normed hidden states. `forward` is this with dense context K/V."""
         cos, sin = self.rotary(positions, block_embeds.dtype)
         h = block_embeds
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, ctx_kv[i], layer_masks[i], self.attention)
+        for layer, attend in zip(self.layers, attends, strict=True):
+            h = layer(h, cos, sin, attend)
         return self.norm(h)
 
     def _layer_masks(self, mask: Tensor, q_pos: Tensor, k_pos: Tensor) -> list[Tensor]:

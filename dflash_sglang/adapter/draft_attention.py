@@ -1,0 +1,152 @@
+"""The drafter's attention over the paged draft KV pool: FlashInfer on CUDA, a plain-torch reference on CPU.
+
+One drafter pass attends, for request i, to the draft K/V of its committed tokens (pool rows = the target's
+KV slots, read through `req_to_token`) and to its own B block rows. The block's K/V are written to scratch
+rows of the pool (`DraftLayout.block_rows`, one set of B rows per request-pool slot) so that both live in
+one paged cache: the pass is a single ragged, non-causal paged prefill (page size 1), which is what
+FlashInfer's `BatchPrefillWithPagedKVCacheWrapper` runs with `causal=False`. Both backends read the same
+`DraftLayout`, so the CPU Engine tests exercise the exact indices the GPU kernel gets.
+
+The layout is built once per decode step and shared by every draft layer (the same rows in each layer's
+pool slice), so FlashInfer plans once per step.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+ENV_BACKEND = "DFLASH_DRAFT_ATTENTION"  # auto (FlashInfer on CUDA, torch on CPU) | flashinfer | torch
+_WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended split-k workspace
+
+
+@dataclass(frozen=True)
+class DraftLayout:
+    """Where the queries and keys of one drafter pass live (bs requests, block B, page size 1).
+
+    qo_indptr_cpu [bs+1] int32 (host)  request i's queries are rows i*B .. i*B+B-1 of the flattened block
+    kv_indptr_cpu [bs+1] int32 (host)  request i's keys are kv_indices[kv_indptr[i]:kv_indptr[i+1]]
+    kv_indices    [sum(seq_lens) + bs*B] int32  pool rows: the committed context slots, then the block rows
+    block_rows    [bs*B] int64  scratch pool rows that receive the block's own K/V
+    """
+
+    qo_indptr_cpu: Tensor
+    kv_indptr_cpu: Tensor
+    kv_indices: Tensor
+    block_rows: Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.qo_indptr_cpu.numel() - 1
+
+
+def build_layout(req_to_token: Tensor, req_pool_indices: Tensor, seq_lens_cpu: Tensor, block: int,
+                 scratch_base: int) -> DraftLayout:
+    """req_to_token [pool_reqs, max_ctx] int32 (SGLang's table), req_pool_indices [bs], seq_lens_cpu [bs] int
+    committed tokens per request (host), scratch_base: first scratch row; request-pool slot r owns scratch
+    rows scratch_base + r*B .. + B-1."""
+    device = req_to_token.device
+    bs = seq_lens_cpu.numel()
+    kv_lens_cpu = seq_lens_cpu.to(torch.int64) + block
+    kv_indptr_cpu = torch.zeros(bs + 1, dtype=torch.int64)
+    torch.cumsum(kv_lens_cpu, 0, out=kv_indptr_cpu[1:])
+    total = int(kv_indptr_cpu[-1])
+    slot = req_pool_indices.to(device=device, dtype=torch.int64)
+    block_rows = (scratch_base + slot[:, None] * block + torch.arange(block, device=device)).reshape(-1)
+    # One flat pass over every key row: owner request, offset inside it, context slot or scratch row.
+    kv_lens = kv_lens_cpu.to(device, non_blocking=True)
+    owner = torch.repeat_interleave(torch.arange(bs, device=device), kv_lens, output_size=total)
+    offset = torch.arange(total, device=device) - kv_indptr_cpu[:-1].to(device, non_blocking=True)[owner]
+    ctx_len = kv_lens[owner] - block
+    ctx_slot = req_to_token[slot[owner], offset.clamp(max=req_to_token.shape[1] - 1)].to(torch.int64)
+    blk_row = scratch_base + slot[owner] * block + (offset - ctx_len).clamp(min=0)
+    kv_indices = torch.where(offset < ctx_len, ctx_slot, blk_row).to(torch.int32)
+    qo_indptr_cpu = torch.arange(bs + 1, dtype=torch.int32) * block
+    return DraftLayout(qo_indptr_cpu, kv_indptr_cpu.to(torch.int32), kv_indices, block_rows)
+
+
+def paged_attention_reference(q: Tensor, k_rows: Tensor, v_rows: Tensor, layout: DraftLayout,
+                              scale: float) -> Tensor:
+    """The plain-torch definition: q [T, h, d] (T = bs*B), k_rows / v_rows [rows, kvh, d] one layer's pool
+    -> out [T, h, d]; every query of request i attends to all of request i's key rows (non-causal)."""
+    out = torch.empty_like(q)
+    rep = q.shape[1] // k_rows.shape[1]
+    kv_indices = layout.kv_indices.to(torch.int64)
+    qo, kv = layout.qo_indptr_cpu.tolist(), layout.kv_indptr_cpu.tolist()
+    for i in range(layout.batch_size):
+        rows = kv_indices[kv[i]:kv[i + 1]]
+        k = k_rows[rows].transpose(0, 1).repeat_interleave(rep, dim=0)  # [h, K, d]
+        v = v_rows[rows].transpose(0, 1).repeat_interleave(rep, dim=0)
+        o = F.scaled_dot_product_attention(q[qo[i]:qo[i + 1]].transpose(0, 1), k, v, scale=scale)
+        out[qo[i]:qo[i + 1]] = o.transpose(0, 1)
+    return out
+
+
+class TorchPagedAttention:
+    """`paged_attention_reference` behind the backend interface (CPU, or `DFLASH_DRAFT_ATTENTION=torch`)."""
+
+    name = "torch"
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+        self.layout: DraftLayout | None = None
+
+    def plan(self, layout: DraftLayout) -> None:
+        self.layout = layout
+
+    def run(self, q: Tensor, k_rows: Tensor, v_rows: Tensor) -> Tensor:
+        assert self.layout is not None, "plan() before run()"
+        return paged_attention_reference(q, k_rows, v_rows, self.layout, self.scale)
+
+
+class FlashInferPagedAttention:
+    """FlashInfer's ragged paged prefill, non-causal, page size 1, no positional encoding (q and the pooled
+    keys carry RoPE already)."""
+
+    name = "flashinfer"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device,
+                 scale: float) -> None:
+        import flashinfer  # GPU-only dependency, checked at worker start-up (select_backend)
+
+        workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self.shape = (num_heads, num_kv_heads, head_dim)
+        self.dtype, self.device, self.scale = dtype, device, scale
+
+    def plan(self, layout: DraftLayout) -> None:
+        h, kvh, d = self.shape
+        # Host indptrs: plan() reads them on the host anyway (no device sync) and copies them over itself.
+        last_page_len = torch.ones(layout.batch_size, dtype=torch.int32)
+        self.wrapper.plan(
+            layout.qo_indptr_cpu, layout.kv_indptr_cpu, layout.kv_indices, last_page_len,
+            h, kvh, d, 1, causal=False, pos_encoding_mode="NONE", sm_scale=self.scale,
+            q_data_type=self.dtype, kv_data_type=self.dtype,
+        )
+
+    def run(self, q: Tensor, k_rows: Tensor, v_rows: Tensor) -> Tensor:
+        # NHD paged cache: [pages, page_size=1, kvh, d], a view of the layer's pool slice.
+        return self.wrapper.run(q.contiguous(), (k_rows.unsqueeze(1), v_rows.unsqueeze(1)))
+
+
+def select_backend(device, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+    """The paged attention backend for `device` (raises at start-up: a wrong DFLASH_DRAFT_ATTENTION value, or
+    `flashinfer` asked for without a CUDA device or without the package)."""
+    choice = os.environ.get(ENV_BACKEND, "auto").strip().lower()
+    if choice not in ("auto", "flashinfer", "torch"):
+        raise ValueError(f"{ENV_BACKEND}={choice!r}: expected auto, flashinfer or torch")
+    scale = head_dim**-0.5
+    on_cuda = torch.device(device).type == "cuda"
+    if choice == "torch" or (choice == "auto" and not on_cuda):
+        return TorchPagedAttention(scale)
+    if not on_cuda:
+        raise ValueError(f"{ENV_BACKEND}=flashinfer needs a CUDA device, the drafter runs on {device}")
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"DFLASH draft attention on CUDA needs FlashInfer (pip install flashinfer-python), "
+                          f"or set {ENV_BACKEND}=torch: {e}") from None
+    return FlashInferPagedAttention(num_heads, num_kv_heads, head_dim, dtype, device, scale)

@@ -1,0 +1,148 @@
+"""The drafter's paged attention (adapter/draft_attention.py, adapter/model.py): layout indices, the paged pass
+against the core drafter on in-memory context, backend selection; FlashInfer vs the torch reference on a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from factories import draft_config_for, tiny_drafter, tiny_target
+from sglang_support import requires_sglang
+
+pytestmark = requires_sglang
+
+SEQ_LENS = (5, 1, 12, 7)  # mixed committed lengths
+POOL_IDX = (3, 0, 5, 2)  # request-pool slots, not in batch order
+BLOCK = 4
+
+
+def _req_to_token(slots_total: int, seed: int = 0) -> torch.Tensor:
+    """[6 pool reqs, 16] int32: every request's context slots, disjoint, shuffled over the KV pool."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(slots_total, generator=g)[: 6 * 16].view(6, 16).to(torch.int32)
+
+
+def test_layout_indices():
+    from dflash_sglang.adapter.draft_attention import build_layout
+
+    r2t = _req_to_token(200)
+    layout = build_layout(r2t, torch.tensor(POOL_IDX), torch.tensor(SEQ_LENS), BLOCK, scratch_base=200)
+    assert layout.qo_indptr_cpu.tolist() == [0, 4, 8, 12, 16]
+    assert layout.kv_indptr_cpu.tolist() == [0, 9, 14, 30, 41]
+    kv = layout.kv_indices.tolist()
+    for i, (n, r) in enumerate(zip(SEQ_LENS, POOL_IDX)):
+        seg = kv[layout.kv_indptr_cpu[i]:layout.kv_indptr_cpu[i + 1]]
+        scratch = [200 + r * BLOCK + j for j in range(BLOCK)]
+        assert seg == r2t[r, :n].tolist() + scratch
+        assert layout.block_rows[i * BLOCK:(i + 1) * BLOCK].tolist() == scratch
+    assert layout.kv_indices.dtype == torch.int32 and layout.block_rows.dtype == torch.int64
+
+
+def _paged_vs_core(cfg, monkeypatch, backend: str = "torch"):
+    """Commit random context features into a PagedDrafter's pool, draft a mixed-length batch through the paged
+    path, and draft the same batch with the core drafter on in-memory context. Returns both [bs, B, H]."""
+    from dflash_sglang.adapter.model import DraftKVPool, PagedDrafter
+
+    monkeypatch.setenv("DFLASH_DRAFT_ATTENTION", backend)
+    torch.manual_seed(0)
+    core = tiny_drafter(cfg)
+    r2t = _req_to_token(200)
+    pool = DraftKVPool(cfg.num_hidden_layers, 200 + 6 * BLOCK, cfg.num_key_value_heads, cfg.head_dim,
+                       torch.float32, "cpu")
+    paged = PagedDrafter(core, pool, scratch_base=200, block=BLOCK)
+    hidden = cfg.hidden_size
+    feats = [torch.randn(n, cfg.n_features * hidden) for n in SEQ_LENS]
+    for f, n, r in zip(feats, SEQ_LENS, POOL_IDX):
+        paged.commit(f, torch.arange(n), r2t[r, :n].to(torch.int64))
+    embeds = torch.randn(len(SEQ_LENS), BLOCK, hidden)
+    positions = torch.tensor(SEQ_LENS)[:, None] + torch.arange(BLOCK)
+    got = paged.draft(embeds, positions, r2t, torch.tensor(POOL_IDX), torch.tensor(SEQ_LENS))
+    want = []
+    with torch.no_grad():
+        for i, (f, n) in enumerate(zip(feats, SEQ_LENS)):
+            ctx_pos = torch.arange(n)[None]
+            ctx_kv = core.context_kv(core.fuse(f)[None], ctx_pos)
+            want.append(core(embeds[i:i + 1], positions[i:i + 1], ctx_kv, ctx_pos)[0])
+    return paged, got, torch.stack(want)
+
+
+def test_paged_pass_equals_core_drafter(monkeypatch):
+    cfg = draft_config_for(tiny_target("qwen3"), block_size=BLOCK)
+    paged, got, want = _paged_vs_core(cfg, monkeypatch)
+    assert paged.backend_name == "torch"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_window_drafter_takes_dense_path(monkeypatch):
+    cfg = draft_config_for(tiny_target("llama"), block_size=BLOCK,
+                           layer_types=("sliding_attention", "full_attention"), sliding_window=3)
+    paged, got, want = _paged_vs_core(cfg, monkeypatch)
+    assert paged.attention is None and paged.backend_name.startswith("dense")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_backend_selection_errors(monkeypatch):
+    from dflash_sglang.adapter.draft_attention import TorchPagedAttention, select_backend
+
+    monkeypatch.setenv("DFLASH_DRAFT_ATTENTION", "sdpa")
+    with pytest.raises(ValueError, match="DFLASH_DRAFT_ATTENTION='sdpa'"):
+        select_backend("cpu", 4, 2, 8, torch.float32)
+    monkeypatch.setenv("DFLASH_DRAFT_ATTENTION", "flashinfer")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        select_backend("cpu", 4, 2, 8, torch.float32)
+    monkeypatch.delenv("DFLASH_DRAFT_ATTENTION")
+    assert isinstance(select_backend("cpu", 4, 2, 8, torch.float32), TorchPagedAttention)
+
+
+def _flashinfer_ready() -> bool:
+    import importlib.util
+
+    return torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None
+
+
+@pytest.mark.skipif(not _flashinfer_ready(), reason="needs a CUDA GPU and flashinfer")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flashinfer_matches_reference_on_gpu(dtype):
+    from dflash_sglang.adapter.draft_attention import FlashInferPagedAttention, build_layout, paged_attention_reference
+
+    torch.manual_seed(0)
+    h, kvh, d, rows = 8, 2, 64, 4096
+    seq_lens = torch.tensor([1, 37, 300, 129, 2, 1000])
+    pool_idx = torch.tensor([7, 0, 3, 5, 1, 2])
+    r2t = torch.randperm(rows - 8 * BLOCK, device="cuda")[: 8 * 1024].view(8, 1024).to(torch.int32)
+    layout = build_layout(r2t, pool_idx.cuda(), seq_lens, BLOCK, scratch_base=rows - 8 * BLOCK)
+    k = torch.randn(rows, kvh, d, device="cuda", dtype=dtype)
+    v = torch.randn(rows, kvh, d, device="cuda", dtype=dtype)
+    q = torch.randn(len(seq_lens) * BLOCK, h, d, device="cuda", dtype=dtype)
+    fi = FlashInferPagedAttention(h, kvh, d, dtype, "cuda", d**-0.5)
+    fi.plan(layout)
+    got = fi.run(q, k, v)
+    want = paged_attention_reference(q.float(), k.float(), v.float(), layout, d**-0.5)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not _flashinfer_ready(), reason="needs a CUDA GPU and flashinfer")
+def test_paged_drafter_flashinfer_equals_torch_on_gpu(monkeypatch):
+    """The whole paged pass on the GPU: FlashInfer backend vs the torch backend, same pool and layout."""
+    cfg = draft_config_for(tiny_target("qwen3", hidden=256), block_size=BLOCK)  # head_dim 64
+    from dflash_sglang.adapter.model import DraftKVPool, PagedDrafter
+
+    torch.manual_seed(0)
+    core = tiny_drafter(cfg).cuda().to(torch.bfloat16)
+    r2t = _req_to_token(200).cuda()
+    pool = DraftKVPool(cfg.num_hidden_layers, 200 + 6 * BLOCK, cfg.num_key_value_heads, cfg.head_dim,
+                       torch.bfloat16, "cuda")
+    outs = {}
+    for backend in ("torch", "flashinfer"):
+        monkeypatch.setenv("DFLASH_DRAFT_ATTENTION", backend)
+        paged = PagedDrafter(core, pool, scratch_base=200, block=BLOCK)
+        assert paged.backend_name == backend
+        for n, r in zip(SEQ_LENS, POOL_IDX):
+            torch.manual_seed(n)
+            paged.commit(torch.randn(n, cfg.n_features * cfg.hidden_size, device="cuda"), torch.arange(n).cuda(),
+                         r2t[r, :n].to(torch.int64))
+        torch.manual_seed(1)
+        embeds = torch.randn(len(SEQ_LENS), BLOCK, cfg.hidden_size, device="cuda")
+        positions = (torch.tensor(SEQ_LENS)[:, None] + torch.arange(BLOCK)).cuda()
+        outs[backend] = paged.draft(embeds, positions, r2t, torch.tensor(POOL_IDX).cuda(),
+                                    torch.tensor(SEQ_LENS).cuda()).float()
+    torch.testing.assert_close(outs["flashinfer"], outs["torch"], rtol=3e-2, atol=3e-2)
