@@ -21,14 +21,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("family", choices=recipes.names())
     p.add_argument("hw", choices=recipes.HARDWARE)
-    p.add_argument("--impl", choices=recipes.IMPLS, default="ours",
-                   help="DFLASH worker: ours (default), builtin (SGLang's), none (no speculation baseline)")
+    p.add_argument("--impl", choices=recipes.IMPLS,
+                   help="DFLASH worker: ours, builtin (SGLang's), none (no speculation baseline); default: ours "
+                        "where our worker supports the table (TP 1), else builtin")
     p.add_argument("--target", help="local copy of the target (default: the recipe's hub repo)")
     p.add_argument("--draft", help="local copy of the draft (default: the recipe's hub repo)")
     p.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
     args = p.parse_args(argv)
     r = recipes.load(args.family)
     print(f"# {r.name} on {args.hw}: measured: {r.on(args.hw).measured}", file=sys.stderr)
+    if args.impl is None:
+        args.impl = r.default_impl(args.hw)
+        why = r.ours_refusal(args.hw)
+        print(f"# impl: {args.impl}" + (f" ({why})" if why else ""), file=sys.stderr)
+    try:
+        r.server_args(args.hw, args.impl)
+    except recipes.RecipeError as e:
+        raise SystemExit(str(e)) from None
     kw = dict(target=args.target, draft=args.draft, extra=extra)
     if args.dry_run:
         print(r.command(args.hw, args.impl, **kw))

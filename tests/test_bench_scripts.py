@@ -26,6 +26,15 @@ SHIMS = ROOT / "tests" / "sglang_shims"
 CPU_SERVER_ARGS = ["--device", "cpu", "--cuda-graph-backend-prefill", "disabled", "--cuda-graph-backend-decode",
                    "disabled", "--max-total-tokens", "4096", "--max-running-requests", "2", "--skip-server-warmup"]
 HAS_ADAPTER = importlib.util.find_spec("dflash_sglang.adapter") is not None
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def _check_png(res: dict) -> None:
+    """With matplotlib installed (CI installs it) the plot must exist; without it the scripts say so and write None."""
+    if HAS_MATPLOTLIB:
+        assert res["png"] and Path(res["png"]).is_file() and Path(res["png"]).stat().st_size > 1000
+    else:
+        assert res["png"] is None
 
 
 def _run(script: str, args: list[str], env: dict | None = None, timeout: int = 600) -> tuple[list[str], dict]:
@@ -96,7 +105,7 @@ def test_bench_accept_reference(pair, tmp_path):
         assert 1 <= r["tau"] <= r["block_size"] and sum(r["hist"]) == r["steps"] > 0
         assert r["verify_tokens"] == (r["tree_nodes"] or r["block_size"])
     assert res["spec_ceiling_tok_s"] and Path(res["csv"]).is_file()
-    assert res["png"] is None or Path(res["png"]).is_file()
+    _check_png(res)
 
 
 @pytest.mark.slow
@@ -118,7 +127,37 @@ def test_bench_pareto_on_cpu_server(pair, sglang_env, server, tmp_path):
     if arm == "ours":  # per-request acceptance from meta_info: completion tokens / verify steps, bonus included
         assert all(1.0 <= float(r["accept_length"]) <= 4.0 for r in reqs)
         assert all(p["accept_len_mean"] >= 1.0 for p in res["points"])
-    assert res["png"] is None or Path(res["png"]).is_file()
+    _check_png(res)
+
+
+@pytest.mark.slow
+def test_bench_pareto_launches_each_arm_with_simulated_acceptance(pair, sglang_env, tmp_path):
+    """No --base-url: the script launches one server per arm itself (none, then ours), on dummy weights with a
+    forced acceptance length, on SGLang's random dataset; it confirms our worker from its log and checks that
+    the per-request acceptance follows the simulated mean."""
+    if not HAS_ADAPTER:
+        pytest.skip("the ours arm needs dflash_sglang.adapter")
+    target, draft = pair
+    i = CPU_SERVER_ARGS.index("--max-running-requests")  # the script passes its own, to every arm
+    server_args = " ".join(CPU_SERVER_ARGS[:i] + CPU_SERVER_ARGS[i + 2:])
+    lines, res = _run("bench_pareto.py", [
+        "--arms", "none,ours", "--target", str(target), "--draft", str(draft), "--max-running-requests", "2",
+        "--server-args", server_args, "--simulate-acc-len", "3", "--dataset", "random", "--input-len", "16",
+        "--output-len", "12", "--concurrency", "2", "--num-prompts", "4", "--startup-timeout", "600",
+        "--out", str(tmp_path)], env=sglang_env, timeout=1200)
+    assert lines[0].startswith("Roofline")
+    assert res["simulated_acc_len"] == 3 and not res["failed"] and not res["skipped"], res
+    assert {p["arm"] for p in res["points"]} == {"none", "ours"}
+    for p in res["points"]:
+        assert p["completed"] == 4 and p["tok_s_gpu"] > 0
+    assert res["arms"]["ours"]["impl_confirmed"] and res["arms"]["ours"]["simulation_honoured"]
+    launches = {ln.split("]")[0][1:]: ln for ln in lines if "launch_server" in ln}
+    assert "--load-format dummy" in launches["none"] and "--speculative-algorithm" not in launches["none"]
+    assert "SGLANG_SIMULATE_ACC_LEN=3" in launches["ours"] and "--speculative-draft-load-format dummy" in launches["ours"]
+    with open(res["requests_csv"]) as f:
+        ours = [float(r["accept_length"]) for r in csv.DictReader(f) if r["arm"] == "ours"]
+    assert len(ours) == 4 and all(1.0 <= a <= 12 for a in ours)
+    _check_png(res)
 
 
 @pytest.mark.slow
@@ -167,6 +206,14 @@ def test_arm_server_args_share_everything_but_the_worker():
         assert env["SGLANG_SIMULATE_ACC_LEN"] == "3.5" and env["SGLANG_SIMULATE_ACC_METHOD"] == "match-expected"
         assert "--speculative-draft-load-format" in argv and argv[argv.index("--load-format") + 1] == "dummy"
     assert "--speculative-algorithm" not in none[0] and "SGLANG_SIMULATE_ACC_LEN" not in none[1]
+
+
+def test_ours_arm_is_skipped_on_a_recipe_table_our_worker_refuses():
+    args = pareto.build_parser().parse_args(["--recipe", "qwen3-coder-30b-a3b:h100"])
+    why = pareto.skip_reason(args, "ours")
+    assert why is not None and "field 'tp' = 2" in why
+    assert pareto.skip_reason(args, "builtin") is None
+    assert pareto.skip_reason(pareto.build_parser().parse_args(["--recipe", "qwen3-8b:h100"]), "ours") is None
 
 
 def test_simulated_acceptance_needs_the_declared_contract(monkeypatch):

@@ -41,7 +41,8 @@ ServerArgs.add_cli_args(parser)
 hidden = {o for a in parser._actions for o in a.option_strings
           if a.help == argparse.SUPPRESS or (a.help or "").lower().startswith("deprecated")}
 out = []
-for argv in json.load(sys.stdin):
+for job in json.load(sys.stdin):
+    argv = job["argv"]
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
@@ -63,6 +64,17 @@ for argv in json.load(sys.stdin):
             probe = types.SimpleNamespace(speculative_draft_attention_backend=backend)
             resolve_draft(probe)
             rec["draft_backend_kept"] = probe.speculative_draft_attention_backend == backend
+    if job["ours"]:
+        # Our worker's own start-up flag checks on what SGLang parsed (device set to cpu: the flags, not this
+        # machine's missing GPU packages, are under test).
+        from dflash_sglang.adapter.args import check_supported_flags
+        probe = copy.copy(ns)
+        probe.device = "cpu"
+        try:
+            check_supported_flags(probe)
+            rec["ours_error"] = None
+        except Exception as e:
+            rec["ours_error"] = f"{type(e).__name__}: {e}"
     out.append(rec)
 print("RESULT " + json.dumps(out))
 """
@@ -74,9 +86,10 @@ def parsed() -> dict[tuple[str, str, str], dict]:
     keys, argvs = [], []
     for name, hw in ALL:
         r = recipes.load(name)
-        for impl in ("ours", "none"):
+        for impl in ("spec", "none"):  # spec: the table's default DFLASH worker (ours, or builtin where ours can't)
             keys.append((name, hw, impl))
-            argvs.append(r.server_args(hw, impl))
+            chosen = r.default_impl(hw) if impl == "spec" else "none"
+            argvs.append({"argv": r.server_args(hw, chosen), "ours": chosen == "ours"})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SHIMS), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-c", _PARSE], input=json.dumps(argvs), env=env,
                           capture_output=True, text=True, timeout=300)
@@ -98,12 +111,12 @@ def test_recipes_exist_for_every_published_pair_and_hardware():
 @pytest.mark.parametrize("name,hw", ALL)
 def test_recipe_parses_with_sglang(parsed, name, hw):
     r = recipes.load(name)
-    for impl in ("ours", "none"):
+    for impl in ("spec", "none"):
         got = parsed[(name, hw, impl)]
         assert got["error"] is None, f"{name}:{hw} ({impl}): SGLang rejected the argv: {got['error']}"
         assert got["hidden_flags"] == [], f"{name}:{hw}: deprecated/hidden SGLang flags {got['hidden_flags']}"
         assert got["model_path"] == r.target and got["tp_size"] == r.on(hw).tp
-    spec, base = parsed[(name, hw, "ours")], parsed[(name, hw, "none")]
+    spec, base = parsed[(name, hw, "spec")], parsed[(name, hw, "none")]
     assert spec["algorithm"] == "DFLASH" and spec["algorithm_ok"]
     assert spec["draft"] == r.draft and spec["block_size"] == r.block_size
     assert spec["draft_backend_kept"] in (True, None), f"SGLang would replace draft backend {r.on(hw).draft_attention_backend}"
@@ -113,8 +126,33 @@ def test_recipe_parses_with_sglang(parsed, name, hw):
 @pytest.mark.parametrize("name,hw", ALL)
 def test_recipe_uses_a_known_pair(parsed, name, hw):
     """The pairing rules are checked on the values SGLang parsed, i.e. on what would be served."""
-    got = parsed[(name, hw, "ours")]
+    got = parsed[(name, hw, "spec")]
     assert check_deployment(got["draft"], got["model_path"], got["block_size"], got["tp_size"]) == []
+
+
+@pytest.mark.parametrize("name,hw", ALL)
+def test_default_worker_accepts_the_recipe(parsed, name, hw):
+    """Where a table defaults to our worker, our start-up flag checks accept what SGLang parsed; where our worker
+    refuses the table (TP > 1), the default is the builtin and asking for ours is a RecipeError naming the field."""
+    r = recipes.load(name)
+    if r.default_impl(hw) == "ours":
+        assert parsed[(name, hw, "spec")]["ours_error"] is None, parsed[(name, hw, "spec")]["ours_error"]
+        assert r.server_env(hw)[recipes.IMPL_ENV] == "ours"
+    else:
+        assert r.on(hw).tp > 1 and r.server_env(hw)[recipes.IMPL_ENV] == "builtin"
+        with pytest.raises(recipes.RecipeError, match=r"\[hw\.%s\]: field 'tp' = %d.*--impl builtin" % (hw, r.on(hw).tp)):
+            r.server_args(hw, "ours")
+
+
+@pytest.mark.parametrize("hw,backend", [("h100", "fa4"), ("h200", "trtllm_mha"), ("b200", "fa3")])
+def test_backend_must_run_on_the_hardware(tmp_path, hw, backend):
+    text = recipes.load("qwen3-8b").path.read_text()
+    table = text.index(f"[hw.{hw}]")
+    line = text.index("attention_backend", table)
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text[:line] + f'attention_backend = "{backend}"' + text[text.index("\n", line):])
+    with pytest.raises(recipes.RecipeError, match=rf"\[hw\.{hw}\]: field 'attention_backend' = '{backend}' does not run"):
+        recipes.load(bad)
 
 
 @pytest.mark.parametrize("name,hw", ALL)

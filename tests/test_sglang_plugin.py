@@ -265,6 +265,29 @@ def test_draft_that_does_not_fit_fails_naming_file_and_field(plugin, pair, monke
 
 
 @child_only
+def test_hub_draft_id_resolves_to_its_snapshot(plugin, pair, monkeypatch, tmp_path):
+    """--speculative-draft-model-path ORG/NAME is fetched (here: found offline in a hub cache laid out like
+    huggingface_hub's, under --download-dir) and replaced by the local snapshot before the draft is read."""
+    from dflash_sglang.core.config import CheckpointError
+
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo = tmp_path / "hub" / "models--acme--tiny-dflash"
+    snap = repo / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    for f in ("config.json", "model.safetensors"):
+        (snap / f).write_bytes((pair / "draft" / f).read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    args = _server_args(pair, speculative_draft_model_path="acme/tiny-dflash", download_dir=str(tmp_path / "hub"))
+    assert Path(args.speculative_draft_model_path) == snap and args.speculative_num_draft_tokens == 6
+    with pytest.raises(CheckpointError, match=r"^--speculative-draft-model-path acme/missing: not a local directory, "
+                                              r"and fetching it as a hub repo failed") as err:
+        _server_args(pair, speculative_draft_model_path="acme/missing", download_dir=str(tmp_path / "hub"))
+    assert "\n" not in str(err.value)
+
+
+@child_only
 def test_missing_gpu_dependency_on_cuda(plugin, monkeypatch):
     from dflash_sglang.adapter import args as args_mod
 

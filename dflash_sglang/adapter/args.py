@@ -4,8 +4,8 @@ Replaces SGLang's `_handle_dflash` (which refuses CPU). Runs in the process that
 before any scheduler starts, so every startup error is one line naming the flag or file:
 
 - flags this adapter does not support yet (tp/pp/dp > 1, DP attention, draft window) are refused;
-- the draft checkpoint is parsed and checked against the target config (`CheckpointError` names the
-  file and field);
+- a hub repo id as the draft is fetched to its local snapshot (`resolve_draft_path`), then the draft
+  checkpoint is parsed and checked against the target config (`CheckpointError` names the file and field);
 - on CUDA the GPU-only dependency (flashinfer) must be importable.
 
 `precheck` runs before SGLang's generic speculative handling, `handle_dflash_args` replaces `_handle_dflash`.
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -208,10 +209,44 @@ def resolve_block_size(server_args: ServerArgs, cfg: DraftConfig) -> int:
     return block
 
 
+def resolve_draft_path(server_args: ServerArgs) -> None:
+    """A hub repo id in --speculative-draft-model-path becomes its local snapshot, in place.
+
+    SGLang's builtin downloads the draft inside its draft model loader; we read the draft's config.json at
+    start-up, so the id is resolved here, once, in the process that builds ServerArgs (the scheduler processes
+    get the local path). HF_HUB_OFFLINE / HF_HOME / --download-dir / --speculative-draft-model-revision apply.
+    """
+    path = server_args.speculative_draft_model_path
+    if path is None or os.path.isdir(path) or not _looks_like_repo_id(path):
+        return  # a local path: DraftConfig.load names what is missing in it
+    if os.path.exists(path):
+        raise CheckpointError(f"--speculative-draft-model-path {path}: a file; expected a draft directory "
+                              f"(config.json + model.safetensors) or a hub repo id")
+    from huggingface_hub import snapshot_download
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").strip().upper() in ("1", "ON", "YES", "TRUE")
+    try:
+        local = snapshot_download(path, revision=server_args.speculative_draft_model_revision,
+                                  cache_dir=server_args.download_dir, allow_patterns=["*.json", "*.safetensors"],
+                                  local_files_only=offline)
+    except Exception as e:  # hub errors come in many types; the one line must name the flag and the cause
+        raise CheckpointError(f"--speculative-draft-model-path {path}: not a local directory, and fetching it as a "
+                              f"hub repo failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                              ) from None
+    logger.info("DFLASH (dflash-sglang): draft %s -> %s", path, local)
+    server_args.speculative_draft_model_path = local
+
+
+def _looks_like_repo_id(path: str) -> bool:
+    """`name` or `org/name` (what the hub accepts); absolute, ./ ../ ~ and deeper paths are local."""
+    return not (os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1 or "\\" in path)
+
+
 def precheck(server_args: ServerArgs) -> None:
-    """Before SGLang's own speculative-arg handling (which reads the draft dir as a hub repo id and would
-    fail with a hub error): refuse unsupported flags and an unreadable draft config with one line."""
+    """Before SGLang's own speculative-arg handling: refuse unsupported flags, fetch a hub draft, and fail on an
+    unreadable draft config with one line."""
     check_supported_flags(server_args)
+    resolve_draft_path(server_args)
     DraftConfig.load(server_args.speculative_draft_model_path)
 
 
@@ -228,6 +263,10 @@ def handle_dflash_args(server_args: ServerArgs) -> None:
     server_args.speculative_dflash_block_size = flags.block_size
     server_args.speculative_eagle_topk = flags.topk
     server_args.speculative_num_steps = 1
+    draft_backend = getattr(server_args, "speculative_draft_attention_backend", None)
+    if draft_backend not in (None, "flashinfer") and str(server_args.device) != "cpu":
+        logger.warning("DFLASH (dflash-sglang): --speculative-draft-attention-backend %s is not used: the drafter "
+                       "attends with FlashInfer (DFLASH_DRAFT_ATTENTION=torch for the torch reference)", draft_backend)
     if server_args.enable_mixed_chunk:
         server_args.enable_mixed_chunk = False
         logger.warning("DFLASH: --enable-mixed-chunk is turned off (decode and prefill run as separate batches)")

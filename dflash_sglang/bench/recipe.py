@@ -4,8 +4,11 @@ One parametrized builder serves the launcher (`recipes/launch.py`), the benchmar
 recipe test, so what is tested is what is launched. A recipe file holds the model pair and one `[hw.<name>]`
 table per hardware (h100, h200, b200, b300) with `tp`, `attention_backend`, `draft_attention_backend`,
 `mem_fraction_static`, `cuda_graph_bs`, `max_running_requests`, optional `args`/`env`, and `measured` (the
-result line, or "not yet measured"). `--impl` picks the DFLASH worker: ours (this package, the default),
-builtin (SGLang's own, via DFLASH_SGLANG_IMPL=builtin) or none (no speculation: the baseline).
+result line, or "not yet measured"). `--impl` picks the DFLASH worker: ours (this package), builtin (SGLang's
+own, via DFLASH_SGLANG_IMPL=builtin) or none (no speculation: the baseline). The default is ours wherever our
+worker supports the table (`ours_refusal`: TP 1 only yet), else builtin; asking for ours on a table it cannot
+serve is a RecipeError naming the file, table and field. Attention backends are checked against the hardware
+generation at load (FA3 is Hopper-only, FA4 and TRT-LLM MHA Blackwell-only).
 """
 from __future__ import annotations
 
@@ -20,6 +23,9 @@ HARDWARE = ("h100", "h200", "b200", "b300")
 _HW_KEYS = {"tp", "attention_backend", "draft_attention_backend", "mem_fraction_static", "cuda_graph_bs",
             "max_running_requests", "args", "env", "measured"}
 _TOP_KEYS = {"name", "target", "draft", "block_size", "args", "env", "hw"}
+GENERATION = {"h100": "hopper", "h200": "hopper", "b200": "blackwell", "b300": "blackwell"}
+# SGLang 0.5.17 attention backends per GPU generation (fa3 needs sm90; fa4 and trtllm_mha need sm100).
+BACKENDS = {"hopper": ("flashinfer", "fa3", "triton"), "blackwell": ("flashinfer", "fa4", "trtllm_mha", "triton")}
 
 
 class RecipeError(ValueError):
@@ -51,11 +57,25 @@ class Recipe:
     args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
 
-    def server_args(self, hw: str, impl: str = "ours", target: str | None = None, draft: str | None = None,
+    def ours_refusal(self, hw: str) -> str | None:
+        """Why dflash-sglang's worker cannot serve this table (None: it can). Mirrors adapter/args.py's checks."""
+        h = self.on(hw)
+        if h.tp != 1:
+            return f"{self.path} [hw.{hw}]: field 'tp' = {h.tp}: dflash-sglang's DFLASH worker runs TP 1 only yet"
+        return None
+
+    def default_impl(self, hw: str) -> str:
+        return "builtin" if self.ours_refusal(hw) else "ours"
+
+    def server_args(self, hw: str, impl: str | None = None, target: str | None = None, draft: str | None = None,
                     extra: list[str] | tuple[str, ...] = (), max_running_requests: int | None = None) -> list[str]:
-        """`sglang.launch_server` arguments for this recipe on `hw` (model paths and the request cap overridable)."""
+        """`sglang.launch_server` arguments for this recipe on `hw` (model paths and the request cap overridable);
+        impl None: `default_impl(hw)`."""
+        impl = impl or self.default_impl(hw)
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        if impl == "ours" and (why := self.ours_refusal(hw)):
+            raise RecipeError(f"{why}; use --impl builtin (SGLang's DFLASH) for this table")
         h = self.on(hw)
         argv = ["--model-path", target or self.target, "--tp-size", str(h.tp),
                 "--attention-backend", h.attention_backend,
@@ -69,14 +89,15 @@ class Recipe:
                      "--speculative-draft-attention-backend", h.draft_attention_backend]
         return argv + list(self.args) + list(h.args) + list(extra)
 
-    def server_env(self, hw: str, impl: str = "ours") -> dict[str, str]:
+    def server_env(self, hw: str, impl: str | None = None) -> dict[str, str]:
         """Environment additions; the worker choice is DFLASH_SGLANG_IMPL (unset for the no-speculation arm)."""
+        impl = impl or self.default_impl(hw)
         env = {**self.env, **self.on(hw).env}
         if impl != "none":
             env[IMPL_ENV] = impl
         return env
 
-    def command(self, hw: str, impl: str = "ours", **kw) -> str:
+    def command(self, hw: str, impl: str | None = None, **kw) -> str:
         """A copy-pasteable shell command."""
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.server_env(hw, impl).items()))
         argv = shlex.join(["python", "-m", "sglang.launch_server", *self.server_args(hw, impl, **kw)])
@@ -151,6 +172,11 @@ def load(name_or_path: str | Path) -> Recipe:
             max_running_requests=_get(t, "max_running_requests", int, w), measured=_get(t, "measured", str, w),
             args=_strs(t, "args", w), env=_env(t, w),
         )
+        allowed = BACKENDS[GENERATION[hw]]
+        for key in ("attention_backend", "draft_attention_backend"):
+            if t[key] not in allowed:
+                raise RecipeError(f"{w}: field '{key}' = {t[key]!r} does not run on {GENERATION[hw]} GPUs; "
+                                  f"use one of {allowed}")
     header = []
     for line in path.read_text().splitlines():
         if not line.startswith("#"):
