@@ -99,21 +99,47 @@ def _flashinfer_ready() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None
 
 
+def _random_case(device: str, dtype: torch.dtype):
+    """A ragged batch over a shuffled pool (contexts 1..1000 rows, GQA 8/2, head_dim 64): q, k, v, layout."""
+    from dflash_sglang.adapter.draft_attention import build_layout
+
+    torch.manual_seed(0)
+    h, kvh, d = 8, 2, 64
+    scratch = 8 * BLOCK
+    rows = 8 * 1024 + scratch
+    seq_lens = torch.tensor([1, 37, 300, 129, 2, 1000])
+    pool_idx = torch.tensor([7, 0, 3, 5, 1, 2], device=device)
+    r2t = torch.randperm(rows - scratch, device=device).view(8, 1024).to(torch.int32)
+    layout = build_layout(r2t, pool_idx, seq_lens, BLOCK, scratch_base=rows - scratch)
+    k = torch.randn(rows, kvh, d, device=device, dtype=dtype)
+    v = torch.randn(rows, kvh, d, device=device, dtype=dtype)
+    q = torch.randn(len(seq_lens) * BLOCK, h, d, device=device, dtype=dtype)
+    return q, k, v, layout
+
+
+def test_reference_equals_explicit_softmax():
+    """The reference on the GPU test's case, against attention written out by hand (CPU, float64)."""
+    from dflash_sglang.adapter.draft_attention import paged_attention_reference
+
+    q, k, v, layout = _random_case("cpu", torch.float64)
+    got = paged_attention_reference(q, k, v, layout, 0.125)
+    kv, qo = layout.kv_indptr_cpu.tolist(), layout.qo_indptr_cpu.tolist()
+    for i in range(layout.batch_size):
+        rows = layout.kv_indices[kv[i]:kv[i + 1]].long()
+        kk, vv = k[rows].repeat_interleave(4, dim=1), v[rows].repeat_interleave(4, dim=1)  # [K, h, d]
+        qq = q[qo[i]:qo[i + 1]]  # [B, h, d]
+        w = torch.softmax(torch.einsum("qhd,khd->hqk", qq, kk) * 0.125, dim=-1)
+        torch.testing.assert_close(got[qo[i]:qo[i + 1]], torch.einsum("hqk,khd->qhd", w, vv))
+
+
 @pytest.mark.skipif(not _flashinfer_ready(), reason="needs a CUDA GPU and flashinfer")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_flashinfer_matches_reference_on_gpu(dtype):
-    from dflash_sglang.adapter.draft_attention import FlashInferPagedAttention, build_layout, paged_attention_reference
+    from dflash_sglang.adapter.draft_attention import FlashInferPagedAttention, paged_attention_reference
 
-    torch.manual_seed(0)
-    h, kvh, d, rows = 8, 2, 64, 4096
-    seq_lens = torch.tensor([1, 37, 300, 129, 2, 1000])
-    pool_idx = torch.tensor([7, 0, 3, 5, 1, 2])
-    r2t = torch.randperm(rows - 8 * BLOCK, device="cuda")[: 8 * 1024].view(8, 1024).to(torch.int32)
-    layout = build_layout(r2t, pool_idx.cuda(), seq_lens, BLOCK, scratch_base=rows - 8 * BLOCK)
-    k = torch.randn(rows, kvh, d, device="cuda", dtype=dtype)
-    v = torch.randn(rows, kvh, d, device="cuda", dtype=dtype)
-    q = torch.randn(len(seq_lens) * BLOCK, h, d, device="cuda", dtype=dtype)
-    fi = FlashInferPagedAttention(h, kvh, d, dtype, "cuda", d**-0.5)
+    q, k, v, layout = _random_case("cuda", dtype)
+    d = q.shape[-1]
+    fi = FlashInferPagedAttention(q.shape[1], k.shape[1], d, dtype, "cuda", d**-0.5)
     fi.plan(layout)
     got = fi.run(q, k, v)
     want = paged_attention_reference(q.float(), k.float(), v.float(), layout, d**-0.5)

@@ -300,3 +300,54 @@ def test_missing_gpu_dependency_on_cuda(plugin, monkeypatch):
         args_mod.check_supported_flags(fake)
     with pytest.raises(args_mod.UnsupportedFlagError, match=r"^--device xpu: only cuda and cpu"):
         args_mod.check_supported_flags(SimpleNamespace(**{**vars(fake), "device": "xpu"}))
+    # flashinfer present, no nvcc: refused at start-up (the kernels are built when the worker starts)
+    monkeypatch.setattr(args_mod.importlib.util, "find_spec", lambda name: object())
+
+    def no_nvcc():
+        raise RuntimeError("dflash_sglang CUDA ops need nvcc (set CUDA_HOME or put nvcc on PATH) to build cuda/*.cu")
+
+    monkeypatch.setattr(args_mod, "find_nvcc", no_nvcc)
+    with pytest.raises(args_mod.UnsupportedFlagError, match=r"^--device cuda: dflash_sglang CUDA ops need nvcc"):
+        args_mod.check_supported_flags(fake)
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("disaggregation_mode", "prefill", r"^--disaggregation-mode prefill: the draft KV pool cannot be transferred"),
+        ("enable_hierarchical_cache", True, r"^--enable-hierarchical-cache: the draft KV pool cannot be transferred"),
+        ("kv_cache_dtype", "fp8_e4m3", r"^--kv-cache-dtype fp8_e4m3: the draft KV pool is kept in the model dtype"),
+    ],
+)
+@child_only
+def test_flags_that_would_silently_degrade_are_refused(plugin, field, value, match):
+    from dflash_sglang.adapter import args as args_mod
+
+    fake = SimpleNamespace(
+        device="cpu", tp_size=1, pp_size=1, dp_size=1, enable_dp_attention=False, speculative_draft_window_size=None,
+        speculative_draft_model_path="/some/draft", disaggregation_mode="null", enable_hierarchical_cache=False,
+        kv_cache_dtype="auto",
+    )
+    args_mod.check_supported_flags(fake)  # the defaults pass
+    with pytest.raises(args_mod.UnsupportedFlagError, match=match) as err:
+        args_mod.check_supported_flags(SimpleNamespace(**{**vars(fake), field: value}))
+    assert "\n" not in str(err.value)
+
+
+@child_only
+def test_tree_checks_read_what_sglang_picked(plugin):
+    """SGLang 0.5.17 stashes its own choices (e.g. fa3 on Hopper when --attention-backend is unset) until the end of
+    ServerArgs resolution; the tree checks read them through its resolved view and say so."""
+    from dflash_sglang.adapter import args as args_mod
+
+    def fake(**declared):
+        return SimpleNamespace(page_size=None, attention_backend=None, prefill_attention_backend=None,
+                               decode_attention_backend=None, _resolved_overrides=[("sglang pass", declared)])
+
+    args_mod.check_tree_serving(fake(attention_backend="flashinfer"), 10, "N", "trees")
+    with pytest.raises(args_mod.UnsupportedFlagError,
+                       match=r"^--attention-backend fa3: tree verification supports torch_native, flashinfer, triton "
+                             r"target attention \(SGLang chose it for this model/GPU; pass --attention-backend"):
+        args_mod.check_tree_serving(fake(attention_backend="fa3"), 10, "N", "trees")
+    with pytest.raises(args_mod.UnsupportedFlagError, match=r"^--page-size 64: .* needs page size 1 \(SGLang chose it"):
+        args_mod.check_tree_serving(fake(attention_backend="flashinfer", page_size=64), 10, "N", "trees")

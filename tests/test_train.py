@@ -64,6 +64,43 @@ def test_training_mask_layout():
     assert batch.weights[0, 0] == 0 and batch.weights[0, 4] == 0 and (batch.weights[0, [1, 2, 3]] > 0).all()
 
 
+def _block_batch_loop(tokens, anchors, big_b, mask_id, gamma):
+    """The per-block definition build_block_batch vectorises (its earlier implementation)."""
+    bs, t_max, n_max = len(tokens), max(len(t) for t in tokens), max(1, max(len(a) for a in anchors))
+    q, w_pos, k = n_max * big_b, position_weights(big_b, gamma), torch.arange(big_b)
+    block_ids = torch.full((bs, q), mask_id, dtype=torch.long)
+    block_pos, labels = torch.zeros(bs, q, dtype=torch.long), torch.zeros(bs, q, dtype=torch.long)
+    weights, mask = torch.zeros(bs, q), torch.zeros(bs, q, t_max + q, dtype=torch.bool)
+    for r, (tok, anc) in enumerate(zip(tokens, anchors)):
+        for b, a in enumerate(anc.tolist()):
+            sl, pos = slice(b * big_b, (b + 1) * big_b), a + k
+            inside = pos < len(tok)
+            block_ids[r, b * big_b] = tok[a]
+            block_pos[r, sl] = pos
+            labels[r, sl] = torch.where(inside, tok[pos.clamp_max(len(tok) - 1)], 0)
+            weights[r, sl] = w_pos * inside
+            mask[r, sl, :a] = True
+            mask[r, sl, t_max + b * big_b: t_max + (b + 1) * big_b] = True
+        for b in range(len(anc), n_max):
+            mask[r, b * big_b: (b + 1) * big_b, t_max + b * big_b] = True
+    return block_ids, block_pos, labels, weights, mask
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_vectorised_block_batch_equals_the_per_block_definition(seed):
+    """Mixed lengths, anchor counts 0..n (unused slots), anchors near the end (labels past the sequence end)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(4, VOCAB, (int(n),), generator=gen) for n in torch.randint(3, 40, (5,), generator=gen)]
+    anchors = [sample_anchors(int(torch.randint(0, len(t), (1,), generator=gen)), len(t), int(n), gen)
+               for t, n in zip(tokens, torch.randint(0, 9, (5,), generator=gen))]
+    got = build_block_batch(tokens, anchors, 4, MASK_ID, 2.5)
+    want = _block_batch_loop(tokens, anchors, 4, MASK_ID, 2.5)
+    for name, g, w in zip(("block_ids", "block_pos", "labels", "weights", "mask"),
+                          (got.block_ids, got.block_pos, got.labels, got.weights, got.mask), want):
+        assert torch.equal(g, w), name
+    assert torch.equal(got.ctx_pos[0], torch.arange(max(len(t) for t in tokens)))
+
+
 def test_block_outputs_ignore_future_context_and_other_blocks():
     """Through the real drafter: block b's outputs depend on nothing the mask hides."""
     torch.manual_seed(0)

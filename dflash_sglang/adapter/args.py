@@ -6,7 +6,9 @@ before any scheduler starts, so every startup error is one line naming the flag 
 - flags this adapter does not support yet (tp/pp/dp > 1, DP attention, draft window) are refused;
 - a hub repo id as the draft is fetched to its local snapshot (`resolve_draft_path`), then the draft
   checkpoint is parsed and checked against the target config (`CheckpointError` names the file and field);
-- on CUDA the GPU-only dependency (flashinfer) must be importable.
+- on CUDA the GPU-only dependency (flashinfer) must be importable and nvcc findable (our kernels are built at
+  worker start-up); PD disaggregation, HiCache and quantized KV are refused (no transferable draft KV pool yet);
+- tree checks read the values SGLang picked itself (attention backend, page size), not only the flags.
 
 `precheck` runs before SGLang's generic speculative handling, `handle_dflash_args` replaces `_handle_dflash`.
 
@@ -36,7 +38,7 @@ from typing import TYPE_CHECKING
 from dflash_sglang.core.checkpoint import check_fit
 from dflash_sglang.core.config import CheckpointError, DraftConfig
 from dflash_sglang.core.tree import max_tree_nodes
-from dflash_sglang.ops import MAX_NODES
+from dflash_sglang.ops import MAX_NODES, find_nvcc
 
 from .adaptive import ENV_SWITCH, ENV_TABLE, AdaptiveEnv, adaptive_limits
 
@@ -57,9 +59,8 @@ class UnsupportedFlagError(ValueError):
 
 
 def _refuse(flag: str, value, why: str) -> None:
-    raise UnsupportedFlagError(
-        f"{flag} {value}: {why} (dflash-sglang DFLASH; set DFLASH_SGLANG_IMPL=builtin for SGLang's own)"
-    )
+    shown = f"{flag} {value}" if value != "" else flag
+    raise UnsupportedFlagError(f"{shown}: {why} (dflash-sglang DFLASH; set DFLASH_SGLANG_IMPL=builtin for SGLang's own)")
 
 
 def check_supported_flags(server_args: ServerArgs) -> None:
@@ -83,6 +84,20 @@ def check_supported_flags(server_args: ServerArgs) -> None:
         raise UnsupportedFlagError("--speculative-algorithm DFLASH needs --speculative-draft-model-path DIR")
     if device.startswith("cuda") and importlib.util.find_spec("flashinfer") is None:
         raise ImportError("--device cuda: DFLASH needs the GPU-only package flashinfer (pip install flashinfer-python)")
+    if device.startswith("cuda"):
+        try:
+            find_nvcc()  # our kernels are built at worker start-up (cached); a missing compiler fails here, not mid-run
+        except RuntimeError as e:
+            raise UnsupportedFlagError(f"--device cuda: {e}") from None
+    for flag, name, ok in (("--disaggregation-mode", "disaggregation_mode", (None, "null")),
+                           ("--enable-hierarchical-cache", "enable_hierarchical_cache", (None, False))):
+        value = getattr(server_args, name, None)
+        if value not in ok:
+            # We expose no draft KV pool to transfer or offload: the draft KV would go stale (lossless, but tau drops).
+            _refuse(flag, "" if value is True else value, "the draft KV pool cannot be transferred or offloaded yet")
+    kv_dtype = str(getattr(server_args, "kv_cache_dtype", "auto") or "auto")
+    if kv_dtype not in ("auto", "bfloat16", "float16", "float32"):
+        _refuse("--kv-cache-dtype", kv_dtype, "the draft KV pool is kept in the model dtype (quantized KV not yet)")
 
 
 def load_draft_config(server_args: ServerArgs) -> DraftConfig:
@@ -179,15 +194,34 @@ def check_tree_serving(server_args: ServerArgs, nodes: int, nodes_source: str, t
     backend that takes the tree mask. nodes_source / tree_source name where N / the tree shapes come from."""
     if nodes > MAX_NODES:
         raise UnsupportedFlagError(f"{nodes_source}: the tree kernels verify at most {MAX_NODES} nodes")
-    page_size = int(server_args.page_size or 1)
+    view = resolved(server_args)  # what SGLang picked by itself so far (backend and page size for this GPU/model)
+    page_size = int(view.page_size or 1)
     if page_size != 1:
         # The accepted path is committed by permuting req_to_token entries, which only a page size of 1 allows.
-        _refuse("--page-size", page_size, f"tree verification ({tree_source}) needs page size 1")
+        _refuse("--page-size", page_size, f"tree verification ({tree_source}) needs page size 1"
+                + _picked(server_args, view, "page_size"))
     for flag in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
-        backend = getattr(server_args, flag, None)
+        backend = getattr(view, flag, None)
         if backend is not None and backend not in TREE_ATTENTION_BACKENDS:
             _refuse(f"--{flag.replace('_', '-')}", backend, f"tree verification supports "
-                    f"{', '.join(TREE_ATTENTION_BACKENDS)} target attention")
+                    f"{', '.join(TREE_ATTENTION_BACKENDS)} target attention" + _picked(server_args, view, flag))
+
+
+def resolved(server_args: ServerArgs):
+    """ServerArgs as resolved so far: SGLang 0.5.17 stashes its own choices (the attention backend for the GPU,
+    the page size) as declarations it applies only at the end of resolution, after our hooks ran."""
+    try:
+        from sglang.srt.arg_groups.overrides import resolved_view
+    except ImportError:
+        return server_args
+    return resolved_view(server_args)
+
+
+def _picked(server_args: ServerArgs, view, field: str) -> str:
+    """A hint when the value is SGLang's own choice, not what the user passed."""
+    if getattr(server_args, field, None) != getattr(view, field, None):
+        return f" (SGLang chose it for this model/GPU; pass --{field.replace('_', '-')} explicitly)"
+    return ""
 
 
 def resolve_block_size(server_args: ServerArgs, cfg: DraftConfig) -> int:

@@ -168,6 +168,9 @@ class DFlashWorker(BaseSpecWorker):
                                        f"(--speculative-eagle-topk > 1) needs page size 1")
         # --speculative-draft-load-format dummy (capacity planning): random weights of the checkpoint's shapes.
         dummy = getattr(self.server_args, "speculative_draft_load_format", None) == "dummy"
+        kernels = ops.load_kernels(self.device)  # nvcc build (cached) now, not in the first decode step
+        if kernels is not None:
+            logger.info("DFLASH (dflash-sglang): CUDA ops %s", kernels)
         req_slots = int(req_to_token_pool.req_to_token.shape[0])
         self.drafter = PagedDrafter.load(self.draft_dir, rows, req_slots, self.block_size, self.model_runner.dtype,
                                          self.device, dummy=dummy)

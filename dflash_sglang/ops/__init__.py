@@ -7,8 +7,9 @@ Ops: build_block_inputs, build_tree_inputs (block.py); build_tree, verify_tree_g
 """
 from __future__ import annotations
 
+from ._lib import find_nvcc, load_kernels
 from .block import build_block_inputs, build_tree_inputs
 from .tree import MAX_NODES, build_tree, verify_tree_greedy, verify_tree_sampling
 
-__all__ = ["MAX_NODES", "build_block_inputs", "build_tree", "build_tree_inputs", "verify_tree_greedy",
-           "verify_tree_sampling"]
+__all__ = ["MAX_NODES", "build_block_inputs", "build_tree", "build_tree_inputs", "find_nvcc", "load_kernels",
+           "verify_tree_greedy", "verify_tree_sampling"]

@@ -85,6 +85,17 @@ def launch(backend: str, op: str, params: ctypes.Structure, device) -> None:
         host_library().call(op, params)
 
 
+def load_kernels(device) -> Path | None:
+    """Build (or find cached) and load the CUDA library for `device` now, e.g. at server start-up, so the first
+    decode step neither compiles nor fails on a missing compiler. None on non-CUDA devices (the references run)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return cuda_library(torch.cuda.get_device_capability(device)).path
+
+
 def cuda_arch(capability: tuple[int, int]) -> str:
     """sm_90a / sm_100a on Hopper / Blackwell (arch-specific SASS, no PTX JIT), sm_XY elsewhere."""
     major, minor = capability
@@ -93,7 +104,7 @@ def cuda_arch(capability: tuple[int, int]) -> str:
 
 @functools.cache
 def cuda_library(capability: tuple[int, int]) -> KernelLibrary:
-    nvcc = _find_nvcc()
+    nvcc = find_nvcc()
     arch = cuda_arch(capability)
     flags = (*NVCC_FLAGS, f"-gencode=arch=compute_{arch[3:]},code={arch}")
     sources = sorted(CUDA_DIR.glob("*.cu"))
@@ -122,7 +133,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DFLASH_SGLANG_HOME", "~/.cache/dflash_sglang")).expanduser() / "kernels"
 
 
-def _find_nvcc() -> str:
+def find_nvcc() -> str:
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     nvcc = str(Path(home) / "bin" / "nvcc") if home else shutil.which("nvcc")
     if not nvcc or not Path(nvcc).exists():

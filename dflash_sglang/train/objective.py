@@ -73,38 +73,45 @@ def build_block_batch(
     block_size: int,
     mask_token_id: int,
     gamma: float,
+    device: torch.device | str | None = None,
 ) -> BlockBatch:
-    """Assemble a padded BlockBatch from per-sequence tokens [T_i] and anchors [n_i] (n_i may be 0)."""
+    """Assemble a padded BlockBatch from per-sequence tokens [T_i] and anchors [n_i] (n_i may be 0), on `device`.
+
+    Vectorised over sequences and blocks (no per-block Python loop): on a GPU the batch, its [bs, N*B, T+N*B]
+    mask included, is built where it is used instead of on the host and copied every step.
+    """
     if len(tokens) != len(anchors) or not tokens:
         raise ValueError("need one anchor tensor per sequence and at least one sequence")
+    dev = torch.device(device) if device is not None else tokens[0].device
     bs, big_b = len(tokens), block_size
-    t_max = max(len(t) for t in tokens)
+    lens = torch.tensor([len(t) for t in tokens], device=dev)
+    t_max = int(lens.max())
     n_max = max(1, max(len(a) for a in anchors))
     q = n_max * big_b
-    w_pos = position_weights(big_b, gamma)
-    k = torch.arange(big_b)
-    ctx_pos = torch.arange(t_max).expand(bs, t_max).clone()
-    block_ids = torch.full((bs, q), mask_token_id, dtype=torch.long)
-    block_pos = torch.zeros(bs, q, dtype=torch.long)
-    labels = torch.zeros(bs, q, dtype=torch.long)
-    weights = torch.zeros(bs, q)
-    mask = torch.zeros(bs, q, t_max + q, dtype=torch.bool)
-    for r, (tok, anc) in enumerate(zip(tokens, anchors)):
-        seq_len = len(tok)
-        for b, a in enumerate(anc.tolist()):
-            sl = slice(b * big_b, (b + 1) * big_b)
-            pos = a + k
-            inside = pos < seq_len
-            block_ids[r, b * big_b] = tok[a]
-            block_pos[r, sl] = pos
-            labels[r, sl] = torch.where(inside, tok[pos.clamp_max(seq_len - 1)], 0)
-            weights[r, sl] = w_pos * inside
-            mask[r, sl, :a] = True  # context strictly before the anchor
-            mask[r, sl, t_max + b * big_b : t_max + (b + 1) * big_b] = True  # own block, bidirectional
-        # Unused block slots (n_i < n_max) keep weight 0; give them one visible key so softmax stays finite.
-        for b in range(len(anc), n_max):
-            mask[r, b * big_b : (b + 1) * big_b, t_max + b * big_b] = True
-    return BlockBatch(ctx_pos, block_ids, block_pos, labels, weights, mask, block_size)
+    tok = torch.nn.utils.rnn.pad_sequence([t.to(dev, torch.long) for t in tokens], batch_first=True)
+    anc = torch.full((bs, n_max), -1, dtype=torch.long, device=dev)
+    for r, a in enumerate(anchors):  # bs small copies; everything below is batched
+        anc[r, : len(a)] = a.to(dev)
+    valid = anc >= 0  # [bs, n]: unused block slots (n_i < n_max) keep weight 0
+    a = anc.clamp_min(0)
+    k = torch.arange(big_b, device=dev)
+    pos = a[..., None] + k  # [bs, n, B]
+    inside = (pos < lens[:, None, None]) & valid[..., None]
+    labels = torch.where(inside, tok.gather(1, pos.clamp_max(t_max - 1).reshape(bs, -1)).view(bs, n_max, big_b), 0)
+    weights = position_weights(big_b, gamma).to(dev) * inside
+    block_ids = torch.full((bs, n_max, big_b), mask_token_id, dtype=torch.long, device=dev)
+    block_ids[..., 0] = torch.where(valid, tok.gather(1, a), mask_token_id)
+    block_pos = torch.where(valid[..., None], pos, 0)
+    # Visibility: query row j of block b sees context rows strictly before its anchor and its own block
+    # (bidirectionally); an unused block slot sees only its own first row, so its softmax stays finite.
+    qb = torch.arange(q, device=dev) // big_b  # block of each query row
+    ctx_vis = (torch.arange(t_max, device=dev)[None, None, :] < a[:, qb, None]) & valid[:, qb, None]
+    kb = torch.arange(q, device=dev)
+    own = (kb[None, None, :] // big_b == qb[None, :, None]) & (valid[:, qb, None] | (kb % big_b == 0)[None, None, :])
+    mask = torch.cat([ctx_vis, own], dim=2)
+    ctx_pos = torch.arange(t_max, device=dev).expand(bs, t_max).clone()
+    return BlockBatch(ctx_pos, block_ids.view(bs, q), block_pos.view(bs, q), labels.view(bs, q),
+                      weights.view(bs, q), mask, block_size)
 
 
 def weighted_block_loss(hidden: Tensor, lm_head_weight: Tensor, batch: BlockBatch, logits_fn) -> tuple[Tensor, Tensor]:
