@@ -115,7 +115,8 @@ def run_child(job: dict) -> None:
     engine = sgl.Engine(
         model_path=target, device=job.get("device", "cpu"), dtype=job.get("dtype", "float32"),
         attention_backend=job.get("attention_backend", "torch_native"), log_level="warning", random_seed=0,
-        max_total_tokens=16384, chunked_prefill_size=job.get("chunk", CHUNK), **spec, **job.get("engine_kwargs", {}),
+        max_total_tokens=16384, chunked_prefill_size=job.get("chunk", CHUNK), **spec,
+        **{"decode_log_interval": 1, **job.get("engine_kwargs", {})},  # every decode batch reaches the metrics
     )
     res: dict = {"timings": {"startup_s": time.perf_counter() - t0}}
     try:
@@ -125,6 +126,7 @@ def run_child(job: dict) -> None:
         )
         res["greedy"] = [{"ids": o["output_ids"], "meta": _meta(o)} for o in greedy]
         res["timings"]["greedy_s"] = time.perf_counter() - t0
+        res["server_avg_accept"] = engine.get_server_info()["internal_states"][0].get("avg_spec_accept_length")
         if job["full"]:
             _full_scenario(engine, job, res)
     finally:
@@ -336,6 +338,17 @@ def test_greedy_matches_plain_engine(runs, mode):
     assert min(ct) < GREEDY_NEW - 1 and sum(ct) < len(spec) * (GREEDY_NEW - 1)
     # (adaptive: 40 running requests verify 2-token chains under the budget, so a request's mean stays below 2)
     assert max(r["meta"]["spec_accept_length"] for r in spec) >= (1.5 if mode == "adaptive" else 2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_server_metrics_report_acceptance(runs, mode):
+    """The scheduler's accept-length metric (get_server_info, the `sglang:spec_accept_length` source) is fed by our
+    accept_lens: over the greedy phase it equals committed tokens per request-step (the last step of a request may
+    commit tokens that max_new_tokens then trims, which the metric still counts)."""
+    greedy, server = runs[mode]["greedy"], runs[mode]["server_avg_accept"]
+    per_request = sum(r["meta"]["completion_tokens"] - 1 for r in greedy) / sum(r["meta"]["spec_verify_ct"] for r in greedy)
+    assert server is not None and runs["plain"]["server_avg_accept"] is None
+    assert per_request <= server <= per_request * 1.15, (server, per_request)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -238,6 +238,8 @@ class DFlashWorker(BaseSpecWorker):
         state = batch.spec_info
         assert isinstance(state, DFlashDraftInputV2), "the scheduler relays DFlashDraftInputV2 between steps"
         seq_lens = batch.seq_lens
+        if seq_lens.is_cuda:  # carried over from the previous overlap iteration, maybe made on another stream
+            seq_lens.record_stream(torch.cuda.current_stream(seq_lens.device))
         shape = self.schedule.choose(seq_lens.numel())
         step_fn = self._chain_step if shape.is_chain else self._tree_step
         step = step_fn(batch, state.bonus_tokens, shape)
