@@ -109,6 +109,25 @@ def test_bench_accept_reference(pair, tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_accept_per_category_and_block_size(pair, tmp_path):
+    """A local SPEED-Bench-style JSONL with two categories: one row per category x block size, with histograms."""
+    rows = [{"category": "coding", "turns": ["Write a Python function that reverses a list."]},
+            {"category": "writing", "turns": ["Write a haiku about the sea."]},
+            {"category": "coding", "turns": ["Explain what a hash map is."]}]
+    path = tmp_path / "speed.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    lines, res = _run("bench_accept.py", ["--dataset", "speed-bench", "--dataset-path", str(path), "--num-prompts", "1",
+                                          "--max-new-tokens", "6", "--threads", "1", "--block-sizes", "4,8",
+                                          "--out", str(tmp_path / "out")])
+    assert lines[0].startswith("Roofline")
+    got = {(r["category"], r["block_size"]) for r in res["rows"]}
+    assert {("coding", 4), ("coding", 8), ("writing", 4), ("writing", 8)} <= got, got
+    for r in res["rows"]:
+        assert sum(r["hist"]) == r["steps"] > 0 and len(r["hist"]) <= r["block_size"]
+    _check_png(res)
+
+
+@pytest.mark.slow
 def test_bench_pareto_on_cpu_server(pair, sglang_env, server, tmp_path):
     arm, srv = server
     target, draft = pair
