@@ -60,7 +60,9 @@ class UnsupportedFlagError(ValueError):
 
 def _refuse(flag: str, value, why: str) -> None:
     shown = f"{flag} {value}" if value != "" else flag
-    raise UnsupportedFlagError(f"{shown}: {why} (dflash-sglang DFLASH; set DFLASH_SGLANG_IMPL=builtin for SGLang's own)")
+    raise UnsupportedFlagError(
+        f"{shown}: {why} (dflash-sglang DFLASH; set DFLASH_SGLANG_IMPL=builtin for SGLang's own)"
+    )
 
 
 def check_supported_flags(server_args: ServerArgs) -> None:
