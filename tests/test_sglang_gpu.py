@@ -4,7 +4,8 @@ the target verify). Skipped without a GPU; on a GPU machine sglang must be insta
 
 Same tiny pair and greedy prompts as tests/test_sglang_e2e.py, bf16, for the chain, for tree verification
 (`--speculative-eagle-topk 3`, 10 nodes) with the tree mask passed as SGLang's TARGET_VERIFY `custom_mask` to
-FlashInfer and to Triton, and for adaptive shapes (the e2e test's table: verify widths below the captured
+FlashInfer and to Triton (eager), and to FlashInfer under verify CUDA graphs captured with the mask buffers
+(`DFLASH_TREE_CUDA_GRAPH=1`, not yet run on a GPU), and for adaptive shapes (the e2e test's table: verify widths below the captured
 CUDA-graph width run eagerly). Speculative and plain bf16 decoding are not bit-identical in general (different
 kernels and batch shapes for the same tokens), so this checks that nearly all requests match exactly and that
 every request agrees on its first tokens.
@@ -24,6 +25,9 @@ ENGINES = {
     "chain": (True, "flashinfer", {}),
     "tree": (True, "flashinfer", {"block": TREE_NODES, "topk": TREE_TOPK}),
     "tree_triton": (True, "triton", {"block": TREE_NODES, "topk": TREE_TOPK}),
+    # opt-in: verify CUDA graphs captured with the custom-mask buffers, so tree verifies replay graphs
+    "tree_graph": (True, "flashinfer",
+                   {"block": TREE_NODES, "topk": TREE_TOPK, "env": {"DFLASH_TREE_CUDA_GRAPH": "1"}}),
     "adaptive": (True, "flashinfer", {}),  # env: adaptive_env (set in the fixture, it needs the pair's dir)
     "plain": (False, "flashinfer", {}),
 }

@@ -265,6 +265,27 @@ def test_draft_that_does_not_fit_fails_naming_file_and_field(plugin, pair, monke
 
 
 @child_only
+def test_verify_graph_mask_policy_hook(plugin, monkeypatch):
+    """The applied hook on SGLang's resolve_dflash_verify_mask_policy (what the verify graph capture calls): FlashInfer
+    skips the custom mask unless DFLASH_TREE_CUDA_GRAPH=1 with trees on CUDA and our worker serving."""
+    import sglang.srt.server_args as sa
+    from sglang.srt.speculative import dflash_utils
+
+    class FlashInferAttnBackend:  # the policy keys on the class name
+        pass
+
+    backend = FlashInferAttnBackend()
+    monkeypatch.setattr(sa, "get_global_server_args", lambda: SimpleNamespace(device="cuda", speculative_eagle_topk=4))
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    monkeypatch.delenv("DFLASH_TREE_CUDA_GRAPH", raising=False)
+    assert dflash_utils.resolve_dflash_verify_mask_policy(backend) == ("FlashInferAttnBackend", False)
+    monkeypatch.setenv("DFLASH_TREE_CUDA_GRAPH", "1")
+    assert dflash_utils.resolve_dflash_verify_mask_policy(backend) == ("FlashInferAttnBackend", True)
+    monkeypatch.setenv(plugin.IMPL_ENV, "builtin")
+    assert dflash_utils.resolve_dflash_verify_mask_policy(backend) == ("FlashInferAttnBackend", False)
+
+
+@child_only
 def test_hub_draft_id_resolves_to_its_snapshot(plugin, pair, monkeypatch, tmp_path):
     """--speculative-draft-model-path ORG/NAME is fetched (here: found offline in a hub cache laid out like
     huggingface_hub's, under --download-dir) and replaced by the local snapshot before the draft is read."""

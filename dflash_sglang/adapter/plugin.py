@@ -14,6 +14,8 @@ AROUND hooks:
   checkpoints fail with one line before SGLang's generic handling touches the draft path.
 - `dflash_utils.validate_dflash_request`: also refuse grammar-constrained requests (not supported yet),
   so they are aborted with a message instead of decoding unconstrained.
+- `dflash_utils.resolve_dflash_verify_mask_policy`: with `DFLASH_TREE_CUDA_GRAPH=1` and trees configured, the
+  target's verify CUDA graphs are captured with the custom-mask buffers (adapter/verify.py).
 - on CPU only, two helpers that the speculative path runs as Triton kernels (adapter/cpu.py): the KV-copy
   warm-up of the target pool and `assign_req_to_token_pool_func` (used by `prepare_for_decode`).
 
@@ -36,6 +38,7 @@ VALIDATE_REQUEST = "sglang.srt.speculative.dflash_utils.validate_dflash_request"
 GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 KV_COPY_WARMUP = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup"
 ASSIGN_REQ_TO_TOKEN = "sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func"
+MASK_POLICY = "sglang.srt.speculative.dflash_utils.resolve_dflash_verify_mask_policy"
 
 
 def impl() -> str:
@@ -70,6 +73,20 @@ def _handle_speculative_decoding(original, server_args):
     return original(server_args)
 
 
+def _verify_mask_policy(original, attn_backend):
+    """(backend name, build_custom_mask) for the target's verify graph capture: with DFLASH_TREE_CUDA_GRAPH=1 and
+    trees configured, capture with the mask buffers so tree verifies replay graphs (adapter/verify.py)."""
+    name, build = original(attn_backend)
+    if not build and impl() == "ours":
+        from sglang.srt.server_args import get_global_server_args
+
+        from .verify import masked_verify_graphs
+
+        if masked_verify_graphs(get_global_server_args()):
+            return name, True
+    return name, build
+
+
 def _validate_request(original, req, enable_overlap):
     error = original(req, enable_overlap)
     if error is None and impl() == "ours":
@@ -98,6 +115,7 @@ def register() -> None:
     HookRegistry.register(HANDLE_SPEC, _handle_speculative_decoding, HookType.AROUND)
     HookRegistry.register(HANDLE_ARGS, _handle_dflash, HookType.AROUND)
     HookRegistry.register(VALIDATE_REQUEST, _validate_request, HookType.AROUND)
+    HookRegistry.register(MASK_POLICY, _verify_mask_policy, HookType.AROUND)
     from .cpu import assign_req_to_token_pool_hook, kv_copy_warmup_hook
 
     HookRegistry.register(KV_COPY_WARMUP, kv_copy_warmup_hook, HookType.AROUND)

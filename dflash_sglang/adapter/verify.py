@@ -14,6 +14,7 @@ sampling of point-mass drafts against the target's temperature/top-k/top-p(/min-
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,9 +33,35 @@ if TYPE_CHECKING:
     from sglang.srt.managers.tp_worker import TpModelWorker
 
 
+TREE_GRAPH_ENV = "DFLASH_TREE_CUDA_GRAPH"
+
+
+def masked_verify_graphs(server_args) -> bool:
+    """Whether the target's TARGET_VERIFY CUDA graphs are captured with a custom mask: opt-in
+    (`DFLASH_TREE_CUDA_GRAPH=1`), CUDA, tree rows configured (`speculative_eagle_topk` > 1 as `handle_dflash_args`
+    resolved it).
+
+    SGLang 0.5.17 captures DFLASH verify graphs without a mask on FlashInfer / Triton, so a tree verify runs
+    eagerly unless the capture takes the mask buffers (the plugin's hook on `resolve_dflash_verify_mask_policy`
+    asks for them from this switch). Then every verify that may replay a graph passes a mask, chains included (a
+    lower-triangular tree). Not yet validated on a GPU, hence off by default.
+    """
+    if os.environ.get(TREE_GRAPH_ENV, "0").strip() != "1" or server_args is None:
+        return False
+    return str(server_args.device).startswith("cuda") and int(server_args.speculative_eagle_topk or 1) > 1
+
+
+def verify_mask(tree_mask: Tensor | None, bs: int, width: int, masked_graphs: bool, device) -> Tensor | None:
+    """The [bs, width, width] bool mask a verify passes to a GPU backend: the tree's, a chain's causal one when the
+    verify graphs were captured with mask buffers, else None (a plain causal chain)."""
+    if tree_mask is not None or not masked_graphs:
+        return tree_mask
+    return torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(bs, width, width)
+
+
 def run_target_verify(
     target_worker: TpModelWorker, batch: ScheduleBatch, ids: Tensor, positions: Tensor, slots: Tensor,
-    tree_mask: Tensor | None = None,
+    tree_mask: Tensor | None = None, masked_graphs: bool = False,
 ) -> tuple[LogitsProcessorOutput, bool]:
     """TARGET_VERIFY forward of `ids` [bs, T] at `positions` [bs, T], writing target KV to `slots` [bs, T].
 
@@ -61,16 +88,18 @@ def run_target_verify(
         capture_hidden_mode=CaptureHiddenMode.FULL,
     )
     seq_lens_cpu, seq_lens_sum = batch.seq_lens_cpu, batch.seq_lens_sum
-    if tree_mask is not None and not cpu_backend:
+    gpu_mask = None if cpu_backend else verify_mask(tree_mask, bs, width, masked_graphs, ids.device)
+    if gpu_mask is not None:
         prefix_sum = int(seq_lens_cpu.sum()) if seq_lens_cpu is not None else int(batch.seq_lens.sum())
-        verify_input.custom_mask = flat_custom_mask(batch.seq_lens, tree_mask, prefix_sum)
+        verify_input.custom_mask = flat_custom_mask(batch.seq_lens, gpu_mask, prefix_sum)
     batch.out_cache_loc = slots.reshape(-1)
     # Host-side length bounds used for planning: committed prefix + the verify rows (as the builtin does).
     if seq_lens_cpu is not None:
         batch.seq_lens_cpu = seq_lens_cpu + width
         batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
-    # SGLang 0.5.17 captures the DFLASH verify CUDA graph without a custom mask, so a tree verify runs eagerly.
-    eager = _without_verify_graph(runner) if tree_mask is not None else contextlib.nullcontext()
+    # SGLang 0.5.17 captures the DFLASH verify CUDA graph without a custom mask, so a tree verify runs eagerly,
+    # unless the graphs were captured with mask buffers (masked_verify_graphs).
+    eager = _without_verify_graph(runner) if tree_mask is not None and not masked_graphs else contextlib.nullcontext()
     with eager:
         try:
             forward_batch, _ = verify_input.prepare_for_verify(batch, target_worker)

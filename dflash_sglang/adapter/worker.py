@@ -49,7 +49,7 @@ from .args import TREE_ATTENTION_BACKENDS, SpecFlags, UnsupportedFlagError
 from .model import PagedDrafter
 from .simulate import SimulatedAcceptance
 from .tree import compact_path_slots, fit_rows, path_rows, propose_tree
-from .verify import accept_block, accept_tree, run_target_verify, sampling_params
+from .verify import accept_block, accept_tree, masked_verify_graphs, run_target_verify, sampling_params
 
 logger = logging.getLogger(__name__)
 _TREE_BACKEND_CLASSES = ("TorchNativeAttnBackend", "FlashInferAttnBackend", "TritonAttnBackend")
@@ -132,6 +132,7 @@ class DFlashWorker(BaseSpecWorker):
         self.schedule = ShapeSchedule.from_env(self.flags.nodes, self.flags.topk, self.block_size, self.cfg.vocab_size,
                                                server_args.max_running_requests)
         self.simulation = SimulatedAcceptance.from_env()  # SGLANG_SIMULATE_ACC_LEN: forced commit lengths
+        self.masked_graphs = masked_verify_graphs(server_args)  # DFLASH_TREE_CUDA_GRAPH=1: tree verify graphs
         if self.simulation is not None and (self.schedule.is_adaptive or self.flags.is_tree):
             raise UnsupportedFlagError(
                 "SGLANG_SIMULATE_ACC_LEN: simulated acceptance forces a chain's commit length; unset it for tree "
@@ -176,8 +177,9 @@ class DFlashWorker(BaseSpecWorker):
                                          self.device, dummy=dummy)
         logger.info(
             "DFLASH (dflash-sglang): block_size=%d, %s, draft layers=%d, target layer ids=%s, draft attention %s, "
-            "draft KV %.1f MiB", self.block_size, self.schedule.describe(), self.cfg.num_hidden_layers,
+            "draft KV %.1f MiB%s", self.block_size, self.schedule.describe(), self.cfg.num_hidden_layers,
             list(self.cfg.target_layer_ids), self.drafter.backend_name, self.drafter.pool.nbytes() / 2**20,
+            ", verify CUDA graphs with the tree mask" if self.masked_graphs else "",
         )
 
     def init_attention_backends(self) -> None:
@@ -277,7 +279,8 @@ class DFlashWorker(BaseSpecWorker):
         depth = torch.arange(n, device=self.device).expand(bs, n).contiguous()  # a chain is a tree of depth i at i
         req_to_token = self.req_to_token_pool.req_to_token
         inputs = ops.build_tree_inputs(ids, depth, seq_lens, req_to_token, batch.req_pool_indices)
-        logits_output, graph = run_target_verify(self.target_worker, batch, ids, inputs.positions, inputs.out_cache_loc)
+        logits_output, graph = run_target_verify(self.target_worker, batch, ids, inputs.positions, inputs.out_cache_loc,
+                                                 masked_graphs=self.masked_graphs)
         logits = self._verify_logits(logits_output, batch.sampling_info, bs, n)
         result = accept_block(drafts, logits, sampling_params(batch.sampling_info, bs), batch.sampling_info)
         accept_len, out_tokens, bonus = result.accept_len, result.out_tokens, result.bonus
@@ -297,7 +300,8 @@ class DFlashWorker(BaseSpecWorker):
             tree.tokens, tree.depth, seq_lens, self.req_to_token_pool.req_to_token, batch.req_pool_indices
         )
         logits_output, graph = run_target_verify(
-            self.target_worker, batch, inputs.input_ids, inputs.positions, inputs.out_cache_loc, tree_mask=tree.mask
+            self.target_worker, batch, inputs.input_ids, inputs.positions, inputs.out_cache_loc, tree_mask=tree.mask,
+            masked_graphs=self.masked_graphs,
         )
         logits = self._verify_logits(logits_output, batch.sampling_info, bs, n)
         params = sampling_params(batch.sampling_info, bs)
