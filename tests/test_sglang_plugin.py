@@ -102,11 +102,19 @@ def test_register_is_idempotent(plugin):
 
 @child_only
 def test_unsupported_sglang_version_fails_at_import(monkeypatch):
-    import dflash_sglang.adapter as adapter
+    """Importing the entry point module (what SGLang's plugin loader does) fails with one line on another SGLang."""
+    import importlib
+    import importlib.metadata
+    import sys
 
-    monkeypatch.setattr(adapter, "version", lambda name: "0.5.23")
-    with pytest.raises(adapter.UnsupportedSGLangError, match=r"supports sglang==0\.5\.17 only, found sglang==0\.5\.23"):
-        adapter.require_supported_sglang()
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.5.23" if name == "sglang" else real(name))
+    for name in [m for m in sys.modules if m == "dflash_sglang.adapter" or m.startswith("dflash_sglang.adapter.")]:
+        monkeypatch.delitem(sys.modules, name)  # restored after the test
+    with pytest.raises(ImportError, match=r"^dflash_sglang\.adapter supports sglang==0\.5\.17 only, found "
+                                          r"sglang==0\.5\.23: install sglang==0\.5\.17, or uninstall") as err:
+        importlib.import_module("dflash_sglang.adapter.plugin")
+    assert type(err.value).__name__ == "UnsupportedSGLangError" and "\n" not in str(err.value)
 
 
 def _server_args(pair: Path, **kw):
