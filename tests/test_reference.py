@@ -134,3 +134,17 @@ def test_tree_mask_matches_per_path_forward(pair):
             with torch.no_grad():
                 ref = target(ids).logits[0, -1]
             torch.testing.assert_close(logits[b, node], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_prompts_that_do_not_fit_the_context_are_refused_up_front(pair):
+    """A verify writes up to a block past the last token: prompt + max_new_tokens + block must fit the target's
+    max_position_embeddings (512 here); the error names the prompt and the numbers, before any decoding."""
+    target, drafter = pair
+    dec = ReferenceDecoder(target, drafter)
+    fits, too_long = [1, 2, 3] * 10, [1, 2] * 240  # 30 and 480 tokens
+    with pytest.raises(ValueError, match=r"prompt 1 has 480 tokens; with max_new_tokens=32 and block size 16 it "
+                                         r"needs 528 positions, the target's context is 512"):
+        dec.generate([fits, too_long], 32, block_size=16)
+    with pytest.raises(ValueError, match=r"prompt 0 is empty"):
+        dec.generate([[]], 4)
+    assert len(dec.generate([too_long], 16, block_size=16)[0].tokens) == 16  # exactly fits: 480 + 16 + 16
