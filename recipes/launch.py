@@ -34,15 +34,15 @@ def main(argv: list[str] | None = None) -> int:
         args.impl = r.default_impl(args.hw)
         why = r.ours_refusal(args.hw)
         print(f"# impl: {args.impl}" + (f" ({why})" if why else ""), file=sys.stderr)
+    kw = dict(target=args.target, draft=args.draft, extra=extra)
     try:
-        r.server_args(args.hw, args.impl)
+        argv = r.server_args(args.hw, args.impl, **kw)
     except recipes.RecipeError as e:
         raise SystemExit(str(e)) from None
-    kw = dict(target=args.target, draft=args.draft, extra=extra)
     if args.dry_run:
         print(r.command(args.hw, args.impl, **kw))
         return 0
-    cmd = [sys.executable, "-m", "sglang.launch_server", *r.server_args(args.hw, args.impl, **kw)]
+    cmd = [sys.executable, "-m", "sglang.launch_server", *argv]
     os.execvpe(cmd[0], cmd, {**os.environ, **r.server_env(args.hw, args.impl)})
 
 

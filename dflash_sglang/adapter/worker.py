@@ -323,7 +323,8 @@ class DFlashWorker(BaseSpecWorker):
 
     def _draft_logits(self, batch: ScheduleBatch, bonus: Tensor) -> Tensor:
         """One drafter pass over the block [bonus, MASK x (B-1)] at seq_len.. -> draft logits [bs, B-1, V] for
-        block positions 1..B-1. The pass writes no KV, so the block needs no slots (B may exceed N)."""
+        block positions 1..B-1. The pass writes no target KV (only the draft pool's per-request scratch rows), so
+        the block needs no KV slots (B may exceed N)."""
         seq_lens, target = batch.seq_lens, self.model_runner.model
         block = build_block_inputs(bonus, seq_lens, self.block_size, self.cfg.mask_token_id)
         embeds = target.get_input_embeddings()(block.input_ids)

@@ -286,8 +286,10 @@ def sweep(args, arm: str, url: str, concurrency: list[int], roof: roofline.Roofl
 def skip_reason(args, arm: str) -> str | None:
     if arm != "ours" or args.base_url:
         return None
-    if args.recipe and (why := recipes.parse_ref(args.recipe)[0].ours_refusal(args.recipe.partition(":")[2])):
-        return why
+    if args.recipe:
+        r, hw = recipes.parse_ref(args.recipe)
+        if (why := r.ours_refusal(hw)) is not None:
+            return why
     if importlib.util.find_spec("dflash_sglang.adapter") is None:
         return "dflash_sglang.adapter is not installed: the arm would silently run SGLang's builtin worker"
     if args.simulate_acc_len is not None:

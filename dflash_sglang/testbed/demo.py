@@ -70,12 +70,3 @@ def run(args: argparse.Namespace) -> int:
         return 1
     return 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="dflash-sglang demo", description=__doc__)
-    add_arguments(p)
-    return run(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
