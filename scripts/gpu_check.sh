@@ -9,7 +9,8 @@
 #   sglang  FlashInfer draft attention == torch reference (tests/test_draft_attention.py), then SGLang Engine e2e
 #           on CUDA (tests/test_sglang_gpu.py: chain, tree, adaptive vs no speculation)
 #   pareto  scripts/bench_pareto.py on the testbed pair, concurrency 1/8/32: ours / builtin / no speculation
-#           (chain), then ours with a 32-node tree and adaptive (PARETO_MODES picks among chain tree adaptive)
+#           (chain), then ours with a 32-node tree (eager verify; tree_graph: verify CUDA graphs with the mask,
+#           DFLASH_TREE_CUDA_GRAPH=1) and adaptive (PARETO_MODES picks among chain tree tree_graph adaptive)
 #
 # Results land in $RESULTS (default gpu_results/); record the tables in docs/benchmarks.md with the date.
 # Knobs (env): TRAIN_SAMPLES (6144), SAVE_EVERY (500: resumable checkpoints; a rerun with the same DRAFT_DIR resumes), TRAIN_NEW_TOKENS (192), TRAIN_BATCH (32), DATA_MIN (3), TRAIN_MIN (4; the
@@ -62,7 +63,10 @@ stage_sglang() {
 }
 
 stage_pareto() {
-  local draft=${DRAFT_DIR:-dflash_sglang/assets/smollm2_135m_dflash} attn="--attention-backend flashinfer --cuda-graph-max-bs-decode 32"
+  # bf16 for every arm: the converted target's config says float32, which SGLang serves as float16, and the
+  # builtin DFLASH (0.5.17) then fails on the bf16 drafter (Half vs BFloat16 in project_target_hidden)
+  local draft=${DRAFT_DIR:-dflash_sglang/assets/smollm2_135m_dflash}
+  local attn="--dtype bfloat16 --attention-backend flashinfer --cuda-graph-max-bs-decode 32"
   local common=(--target "$(testbed_target)" --draft "$draft" --dataset sharegpt --output-len 128 --num-prompts 64
                 --concurrency 1,8,32 --max-running-requests 32 --hardware auto)
   # Every arm gets the same attention backend; tree verification needs flashinfer or triton.
@@ -73,6 +77,9 @@ stage_pareto() {
       tree) $PY scripts/bench_pareto.py "${common[@]}" --arms ours \
               --server-args="$attn --speculative-eagle-topk 4 --speculative-num-draft-tokens 32" \
               --out "$RESULTS/pareto_tree" 2>&1 | tee "$RESULTS/pareto_tree.log" || status=1 ;;
+      tree_graph) DFLASH_TREE_CUDA_GRAPH=1 $PY scripts/bench_pareto.py "${common[@]}" --arms ours \
+                    --server-args="$attn --speculative-eagle-topk 4 --speculative-num-draft-tokens 32" \
+                    --out "$RESULTS/pareto_tree_graph" 2>&1 | tee "$RESULTS/pareto_tree_graph.log" || status=1 ;;
       adaptive) DFLASH_ADAPTIVE=1 $PY scripts/bench_pareto.py "${common[@]}" --arms ours --server-args="$attn" \
                   --out "$RESULTS/pareto_adaptive" 2>&1 | tee "$RESULTS/pareto_adaptive.log" || status=1 ;;
     esac

@@ -5,10 +5,11 @@ the target verify). Skipped without a GPU; on a GPU machine sglang must be insta
 Same tiny pair and greedy prompts as tests/test_sglang_e2e.py, bf16, for the chain, for tree verification
 (`--speculative-eagle-topk 3`, 10 nodes) with the tree mask passed as SGLang's TARGET_VERIFY `custom_mask` to
 FlashInfer and to Triton (eager), and to FlashInfer under verify CUDA graphs captured with the mask buffers
-(`DFLASH_TREE_CUDA_GRAPH=1`, not yet run on a GPU), and for adaptive shapes (the e2e test's table: verify widths below the captured
-CUDA-graph width run eagerly). Speculative and plain bf16 decoding are not bit-identical in general (different
-kernels and batch shapes for the same tokens), so this checks that nearly all requests match exactly and that
-every request agrees on its first tokens.
+(`DFLASH_TREE_CUDA_GRAPH=1`; all ran without error on an H100, 2026-11-23), and for adaptive shapes (the e2e test's
+table: verify widths below the captured CUDA-graph width run eagerly). Speculative and plain bf16 decoding are not
+bit-identical (different kernels and batch shapes for the same tokens): on the H100, 8 or 9 of the 40 requests left
+the plain output in every mode, and the CPU Engine in bf16 does the same. So this checks that every request
+equals the plain output or first leaves it where the plain Engine's top two tokens nearly tie.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_sglang_e2e import GREEDY_NEW, TREE_NODES, TREE_TOPK, adaptive_env, greedy_prompts, run_children, write_pair
+from test_sglang_e2e import TREE_NODES, TREE_TOPK, adaptive_env, assert_close_to_plain_bf16, run_children, write_pair
 
 # job name -> (speculative, attention backend, extra job fields)
 ENGINES = {
@@ -29,7 +30,7 @@ ENGINES = {
     "tree_graph": (True, "flashinfer",
                    {"block": TREE_NODES, "topk": TREE_TOPK, "env": {"DFLASH_TREE_CUDA_GRAPH": "1"}}),
     "adaptive": (True, "flashinfer", {}),  # env: adaptive_env (set in the fixture, it needs the pair's dir)
-    "plain": (False, "flashinfer", {}),
+    "plain": (False, "flashinfer", {"top2": True}),  # top-2 logprobs: where bf16 may flip a choice
 }
 
 pytestmark = [
@@ -55,13 +56,5 @@ def gpu_runs(tmp_path_factory) -> dict[str, dict]:
 
 @pytest.mark.parametrize("mode", [name for name, (spec, _, _) in ENGINES.items() if spec])
 def test_greedy_close_to_plain_engine_on_gpu(gpu_runs, mode):
-    spec = [r["ids"] for r in gpu_runs[mode]["greedy"]]
-    plain = [r["ids"] for r in gpu_runs["plain"]["greedy"]]
-    assert len(spec) == len(greedy_prompts())
-    assert all(len(s) == GREEDY_NEW for s in spec)
-    same = sum(s == p for s, p in zip(spec, plain))
-    assert same >= 0.9 * len(spec), same
-    assert all(s[:4] == p[:4] for s, p in zip(spec, plain))
-    # (adaptive: mostly 2-token chains at 40 running requests, see test_sglang_e2e.ADAPTIVE_TABLE)
-    best = max(r["meta"]["spec_accept_length"] for r in gpu_runs[mode]["greedy"])
-    assert best >= (1.5 if mode == "adaptive" else 2)
+    # (test_sglang_e2e.test_bf16_diverges_from_plain_only_at_near_ties checks the same criterion on the CPU)
+    assert_close_to_plain_bf16(gpu_runs[mode]["greedy"], gpu_runs["plain"]["greedy"])

@@ -103,7 +103,7 @@ def test_tree_attention_matches_brute_force():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_compact_path_slots_matches_brute_force(seed):
-    from dflash_sglang.adapter.tree import compact_path_slots, fit_rows, path_rows
+    from dflash_sglang.adapter.tree import compact_path_slots, fit_rows
 
     g = torch.Generator().manual_seed(seed)
     bs, n, width = 5, 9, 40
@@ -127,8 +127,6 @@ def test_compact_path_slots_matches_brute_force(seed):
         expected[row, s : s + n] = torch.stack([before[row, s + j] for j in order])
         assert len(path) == int(result.accept_len[b]) + 1
     assert torch.equal(req_to_token, expected)
-    keep = path_rows(result.accept_nodes, n)
-    assert keep.tolist() == [[j in [int(x) for x in result.accept_nodes[b]] for j in range(n)] for b in range(bs)]
     rows = fit_rows(result.out_tokens, n)  # D + 1 = 5 columns padded to the stride N = 9
     assert rows.shape == (bs, n)
     for b in range(bs):

@@ -222,3 +222,26 @@ def test_warm_start_refuses_mismatched_shapes():
     cfg = DraftConfig(**{**draft_cfg().__dict__, "intermediate_size": 48})
     with pytest.raises(ValueError, match="target layer 3 mlp.gate_proj.weight"):
         warm_start_from_target(DFlashDrafter(cfg), tiny_target(), torch.randn(4, HIDDEN * len(LAYER_IDS)))
+
+
+def test_time_budget_is_fitted_on_steps_after_warmup(tmp_path, monkeypatch):
+    """Slow first steps (CUDA warm-up) must not shrink the schedule: the budget is fitted to the steady step time.
+    Fake clock: WARMUP_STEPS steps of 1 s, then 0.1 s per step; a 10 s budget then holds 5 + 50 steps."""
+    from dflash_sglang.train import trainer as trainer_mod
+
+    frozen, data = _tiny_cache(tmp_path, n=8)
+    tcfg = TrainConfig(epochs=100, batch_size=4, num_anchors=4, lr=1e-3, seed=0, save_every=1000, bf16=False)
+    trainer = Trainer(draft_cfg(), tcfg, frozen, data, tmp_path / "out")
+    assert trainer.total_steps == 200
+    now = [0.0]
+    monkeypatch.setattr(trainer_mod, "clock", lambda: now[0])
+    real_loss_on = trainer.loss_on
+
+    def timed_loss_on(seqs, gen):
+        now[0] += 1.0 if trainer.step < trainer_mod.WARMUP_STEPS else 0.1
+        return real_loss_on(seqs, gen)
+
+    monkeypatch.setattr(trainer, "loss_on", timed_loss_on)
+    trainer.train(progress=False, time_budget_s=10.0)
+    assert 54 <= trainer.total_steps <= 56, trainer.total_steps  # the first 10 steps' mean would give 18
+    assert trainer.step == trainer.total_steps  # the schedule ended inside the budget: no hard stop

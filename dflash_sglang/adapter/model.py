@@ -124,17 +124,19 @@ class PagedDrafter:
 
     @torch.inference_mode()
     def draft(self, block_embeds: Tensor, positions: Tensor, req_to_token: Tensor, req_pool_indices: Tensor,
-              seq_lens: Tensor) -> Tensor:
+              seq_lens: Tensor, seq_lens_cpu: Tensor | None = None) -> Tensor:
         """One drafter pass per request.
 
         block_embeds     [bs, B, H]  target embeddings of [bonus, MASK...] (times input_embedding_scale)
         positions        [bs, B] int64  absolute positions of the block rows (seq_len + j)
         req_to_token     SGLang's [pool_reqs, max_ctx] slot table; req_pool_indices [bs]
         seq_lens         [bs] committed tokens per request (the context is slots 0..seq_len-1)
+        seq_lens_cpu     [bs] the same on the host when the scheduler has it (SGLang's exact mirror), else None
         returns          [bs, B, H] final-normed drafter states
         """
         assert block_embeds.shape[1] == self.block, "the block size the scratch rows were sized for"
-        seq_lens_cpu = seq_lens.to("cpu", torch.int64)  # the one host sync of the pass: ragged sizes
+        if seq_lens_cpu is None:
+            seq_lens_cpu = seq_lens.to("cpu", torch.int64)  # a host sync: the ragged sizes plan the pass
         if self.attention is None:
             return self._draft_dense(block_embeds, positions, req_to_token, req_pool_indices, seq_lens_cpu)
         layout = build_layout(req_to_token, req_pool_indices, seq_lens_cpu, self.block, self.scratch_base)

@@ -26,12 +26,6 @@ def propose_tree(bonus: Tensor, draft_logits: Tensor, topk: int, nodes: int) -> 
     return ops.build_tree(bonus.to(torch.int64), topk_tokens.contiguous(), topk_logp.contiguous(), nodes)
 
 
-def path_rows(accept_nodes: Tensor, nodes: int) -> Tensor:
-    """accept_nodes [bs, D+1] int64 (root, accepted path node ids, then -1) -> [bs, N] bool rows on the path."""
-    ids = torch.arange(nodes, device=accept_nodes.device)
-    return (accept_nodes[:, :, None] == ids[None, None, :]).any(1)
-
-
 def fit_rows(out_tokens: Tensor, width: int) -> Tensor:
     """out_tokens [bs, D+1] (accepted tokens, bonus, then -1) -> [bs, width], cropped or -1 padded.
 

@@ -20,8 +20,8 @@ the target lm_head -> verify rows (chain of n: the first n-1 greedy drafts after
 nodes from the per-position top-k, adapter/tree.py) -> target TARGET_VERIFY over those n rows per request
 (features captured; a tree with its ancestor mask) -> accept (greedy or lossless sampling) -> publish new
 lengths -> (tree: move the accepted path's KV slots to the front of the step's req_to_token window) -> commit
-draft K/V for the accepted rows only. Target KV of rejected rows sits in reserved slots past the committed
-length and is overwritten by the next step. Every step returns rows of stride N = `speculative_num_draft_tokens`
+draft K/V for every verify row. Target and draft KV of rejected rows sit in reserved slots past the committed
+length, which the drafter never reads, and the next step overwrites them. Every step returns rows of stride N = `speculative_num_draft_tokens`
 (the chain: N = B; adaptive: the largest shape, n <= N), -1 padded.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ from .adaptive import ShapeSchedule
 from .args import TREE_ATTENTION_BACKENDS, SpecFlags, UnsupportedFlagError
 from .model import PagedDrafter
 from .simulate import SimulatedAcceptance
-from .tree import compact_path_slots, fit_rows, path_rows, propose_tree
+from .tree import compact_path_slots, fit_rows, propose_tree
 from .verify import accept_block, accept_tree, masked_verify_graphs, run_target_verify, sampling_params
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,6 @@ class _Accepted:
     out_tokens: Tensor  # [bs, N] int64: accepted drafts, the bonus at index accept_len, then -1
     accept_len: Tensor  # [bs] int64: accepted drafts (the step commits accept_len + 1 tokens)
     bonus: Tensor  # [bs] int64: the next step's root
-    keep: Tensor  # [bs, n] bool: verify rows whose draft K/V are committed (root + accepted drafts)
     positions: Tensor  # [bs, n] int64: position of each verify row
     slots: Tensor  # [bs, n] int64: KV slot each verify row was written to
     logits_output: object  # SGLang's LogitsProcessorOutput of the verify (hidden_states [bs*n, F])
@@ -254,8 +253,9 @@ class DFlashWorker(BaseSpecWorker):
         if step.tree_result is not None:
             compact_path_slots(self.req_to_token_pool.req_to_token, batch.req_pool_indices, seq_lens, step.tree_result)
         logits_output = step.logits_output
-        features = logits_output.hidden_states.view(seq_lens.numel(), step.keep.shape[1], -1)
-        self.drafter.commit(features[step.keep], step.positions[step.keep], step.slots[step.keep])
+        # Every verify row's draft K/V goes to that row's own slot: rejected rows land past the new committed
+        # length (reserved slots the next step rewrites), so none is filtered out (a boolean gather = a host sync).
+        self.drafter.commit(logits_output.hidden_states, step.positions.reshape(-1), step.slots.reshape(-1))
         logits_output.hidden_states = None
 
         return GenerationBatchResult(
@@ -287,8 +287,7 @@ class DFlashWorker(BaseSpecWorker):
         if self.simulation is not None:  # the verify ran as usual (same cost); only its outcome is forced
             commit = self.simulation.sample_commit_len(n)
             accept_len, out_tokens, bonus = self.simulation.force(drafts, logits.argmax(-1), commit)
-        keep = torch.arange(n, device=self.device)[None] <= accept_len[:, None]
-        return _Accepted(fit_rows(out_tokens, self.stride), accept_len, bonus, keep,
+        return _Accepted(fit_rows(out_tokens, self.stride), accept_len, bonus,
                          inputs.positions, inputs.out_cache_loc, logits_output, graph)
 
     def _tree_step(self, batch: ScheduleBatch, bonus: Tensor, shape: SpecShape) -> _Accepted:
@@ -307,7 +306,7 @@ class DFlashWorker(BaseSpecWorker):
         params = sampling_params(batch.sampling_info, bs)
         result = accept_tree(tree, logits, params, inputs.out_cache_loc, batch.sampling_info)
         return _Accepted(fit_rows(result.out_tokens, self.stride), result.accept_len, result.bonus,
-                         path_rows(result.accept_nodes, n), inputs.positions, inputs.out_cache_loc,
+                         inputs.positions, inputs.out_cache_loc,
                          logits_output, graph, tree_result=result)
 
     def _verify_logits(self, logits_output, sampling_info, bs: int, n: int) -> Tensor:
@@ -330,6 +329,7 @@ class DFlashWorker(BaseSpecWorker):
         embeds = target.get_input_embeddings()(block.input_ids)
         if self.cfg.input_embedding_scale != 1.0:
             embeds = embeds * self.cfg.input_embedding_scale
+        # batch.seq_lens_cpu: the scheduler's host mirror (it resolves it on its own stream), so no sync here
         hidden = self.drafter.draft(embeds, block.positions, self.req_to_token_pool.req_to_token,
-                                    batch.req_pool_indices, seq_lens)
+                                    batch.req_pool_indices, seq_lens, batch.seq_lens_cpu)
         return self.drafter.draft_logits(hidden, target.lm_head.weight[: self.cfg.vocab_size])
