@@ -273,3 +273,12 @@ def test_accept_summary_invariants():
     assert pool["b4 T0 chain"]["steps"] == 8 and pool["b4 T0 chain"]["tau"] == pytest.approx(18 / 8)
     assert pool["b4 T0 chain"]["hist"] == [3, 2, 1, 2] and pool["b8 T0 chain"]["hist"][-1] == 1
     assert [r["verify_tokens"] for r in rows if r["tree_nodes"]] == [16]
+
+
+def test_count_draft_ops():
+    """The eager op count of our draft pass and commit: every batch size counted; the commit is batched (the same
+    op count for 2 and 8 requests, so no per-request loop crept in)."""
+    _, out = _run("count_draft_ops.py", ["--batch-sizes", "2,8", "--context", "20"])
+    assert [r["bs"] for r in out["rows"]] == [2, 8]
+    assert all(r["draft_ops"] > 0 and r["commit_ops"] > 0 for r in out["rows"])
+    assert out["rows"][0]["commit_ops"] == out["rows"][1]["commit_ops"]
