@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_sglang.adapter.model import PagedDrafter  # noqa: E402  (imports no sglang)
+from dflash_sglang.core.config import DraftConfig  # noqa: E402
 
 DEFAULT_DRAFT = Path(__file__).resolve().parents[1] / "dflash_sglang/assets/smollm2_135m_dflash"
 
@@ -38,8 +39,8 @@ class OpCounter(TorchDispatchMode):
 
 def count(draft: Path, bs: int, context: int) -> tuple[OpCounter, OpCounter]:
     """(ops of one draft pass, ops of one commit of bs*B rows) for `bs` requests with `context` committed tokens."""
-    probe = PagedDrafter.load(draft, 1, 1, 1, torch.float32, "cpu", dummy=True)
-    block, cfg = probe.drafter.cfg.block_size, probe.drafter.cfg
+    cfg = DraftConfig.load(draft)
+    block = cfg.block_size
     width = context + block
     drafter = PagedDrafter.load(draft, bs * width, bs, block, torch.float32, "cpu", dummy=True)
     req_to_token = torch.arange(bs * width, dtype=torch.int32).view(bs, width)

@@ -74,12 +74,10 @@ stage_pareto() {
     case $mode in
       chain) $PY scripts/bench_pareto.py "${common[@]}" --arms ours,builtin,none --server-args="$attn" \
                --out "$RESULTS/pareto_chain" 2>&1 | tee "$RESULTS/pareto_chain.log" || status=1 ;;
-      tree) $PY scripts/bench_pareto.py "${common[@]}" --arms ours \
+      tree|tree_graph) DFLASH_TREE_CUDA_GRAPH=$([ "$mode" = tree_graph ] && echo 1 || echo 0) \
+              $PY scripts/bench_pareto.py "${common[@]}" --arms ours \
               --server-args="$attn --speculative-eagle-topk 4 --speculative-num-draft-tokens 32" \
-              --out "$RESULTS/pareto_tree" 2>&1 | tee "$RESULTS/pareto_tree.log" || status=1 ;;
-      tree_graph) DFLASH_TREE_CUDA_GRAPH=1 $PY scripts/bench_pareto.py "${common[@]}" --arms ours \
-                    --server-args="$attn --speculative-eagle-topk 4 --speculative-num-draft-tokens 32" \
-                    --out "$RESULTS/pareto_tree_graph" 2>&1 | tee "$RESULTS/pareto_tree_graph.log" || status=1 ;;
+              --out "$RESULTS/pareto_$mode" 2>&1 | tee "$RESULTS/pareto_$mode.log" || status=1 ;;
       adaptive) DFLASH_ADAPTIVE=1 $PY scripts/bench_pareto.py "${common[@]}" --arms ours --server-args="$attn" \
                   --out "$RESULTS/pareto_adaptive" 2>&1 | tee "$RESULTS/pareto_adaptive.log" || status=1 ;;
     esac
