@@ -59,7 +59,7 @@ stage_accept() {
 }
 
 stage_sglang() {
-  $PY -m pytest -q -ra tests/test_draft_attention.py tests/test_sglang_gpu.py 2>&1 | tee "$RESULTS/sglang_gpu_tests.log" || status=1
+  $PY -m pytest -q -ra tests/test_draft_attention.py tests/test_draft_graphs.py tests/test_sglang_gpu.py 2>&1 | tee "$RESULTS/sglang_gpu_tests.log" || status=1
 }
 
 stage_pareto() {

@@ -282,3 +282,7 @@ def test_count_draft_ops():
     assert [r["bs"] for r in out["rows"]] == [2, 8]
     assert all(r["draft_ops"] > 0 and r["commit_ops"] > 0 for r in out["rows"])
     assert out["rows"][0]["commit_ops"] == out["rows"][1]["commit_ops"]
+    # with draft graphs, what stays eager around the replays is small and does not grow with the batch
+    for row in out["rows"]:
+        assert row["graph_draft_ops"] < row["draft_ops"] / 3 and row["graph_commit_ops"] < row["commit_ops"] / 5
+    assert out["rows"][0]["graph_draft_ops"] == out["rows"][1]["graph_draft_ops"]

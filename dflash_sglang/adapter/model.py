@@ -19,11 +19,14 @@ the same parameter names, so what SGLang serves is exactly what the reference de
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from dflash_sglang.core.block import build_block_inputs
 from dflash_sglang.core.checkpoint import load_drafter
 from dflash_sglang.core.config import DraftConfig
 from dflash_sglang.core.drafter import KV, Attend, DFlashDrafter
@@ -69,18 +72,33 @@ def random_drafter(cfg: DraftConfig, device, dtype: torch.dtype) -> DFlashDrafte
     return model.eval()
 
 
+@dataclass(frozen=True)
+class TargetHead:
+    """What the drafter borrows from the target: its token embedding and its LM head."""
+
+    embed: Callable[[Tensor], Tensor]  # [bs, B] int64 ids -> [bs, B, H] (the target's embed_tokens)
+    lm_head_weight: Tensor  # [V, H] (the draft's vocabulary rows of the target lm_head)
+    mask_token_id: int
+    embed_scale: float = 1.0  # the draft config's input_embedding_scale
+
+
 class PagedDrafter:
     """A `DFlashDrafter` whose context K/V live in a `DraftKVPool` indexed by target slot ids.
 
     Pool rows [0, scratch_base) mirror the target's KV slots; rows scratch_base + r*B .. + B-1 are the block
-    scratch of request-pool slot r (B = block size), written by every paged drafter pass.
+    scratch of request-pool slot r (B = block size), written by every paged drafter pass. `pad_slot` (when the
+    pool has one more scratch block than request slots) owns the scratch of the padded requests of a CUDA-graph
+    replay (adapter/draft_graphs.py), so they never write a real request's rows.
     """
 
-    def __init__(self, drafter: DFlashDrafter, pool: DraftKVPool, scratch_base: int, block: int) -> None:
+    def __init__(self, drafter: DFlashDrafter, pool: DraftKVPool, scratch_base: int, block: int,
+                 pad_slot: int | None = None) -> None:
         self.drafter = drafter
         self.cfg = drafter.cfg
         self.pool = pool
-        self.scratch_base, self.block = scratch_base, block
+        self.scratch_base, self.block, self.pad_slot = scratch_base, block, pad_slot
+        assert pad_slot is None or scratch_base + (pad_slot + 1) * block <= pool.rows, "the padding scratch fits"
+        self._offsets = torch.arange(block, device=pool.k.device)
         cfg = self.cfg
         plain = all(not cfg.layer_is_causal(i) and cfg.layer_window(i) is None for i in range(cfg.num_hidden_layers))
         self.attention = (select_backend(pool.k.device, cfg.num_attention_heads, cfg.num_key_value_heads,
@@ -89,17 +107,18 @@ class PagedDrafter:
     @classmethod
     def load(cls, draft_dir: str | Path, slots: int, req_slots: int, block: int, dtype: torch.dtype, device,
              dummy: bool = False) -> PagedDrafter:
-        """slots: target KV slots (pool rows mirrored), req_slots: request-pool slots (block scratch owners).
-        dummy: random weights of the checkpoint's config (`--speculative-draft-load-format dummy`), no weight
-        files read, for capacity planning with simulated acceptance."""
+        """slots: target KV slots (pool rows mirrored), req_slots: request-pool slots (block scratch owners; one
+        more scratch block is the padding slot). dummy: random weights of the checkpoint's config
+        (`--speculative-draft-load-format dummy`), no weight files read, for capacity planning with simulated
+        acceptance."""
         if dummy:
             drafter = random_drafter(DraftConfig.load(draft_dir), device, dtype)
         else:
             drafter = load_drafter(draft_dir, device=device, dtype=dtype).eval()
         cfg = drafter.cfg
-        pool = DraftKVPool(cfg.num_hidden_layers, slots + req_slots * block, cfg.num_key_value_heads, cfg.head_dim,
-                           dtype, device)
-        return cls(drafter, pool, slots, block)
+        pool = DraftKVPool(cfg.num_hidden_layers, slots + (req_slots + 1) * block, cfg.num_key_value_heads,
+                           cfg.head_dim, dtype, device)
+        return cls(drafter, pool, slots, block, pad_slot=req_slots)
 
     @property
     def backend_name(self) -> str:
@@ -111,7 +130,7 @@ class PagedDrafter:
 
     @torch.inference_mode()
     def commit(self, target_hidden: Tensor, positions: Tensor, slots: Tensor) -> None:
-        """Write the context K/V of committed tokens.
+        """Write the context K/V of committed tokens (no host sync: CUDA-graph capturable).
 
         target_hidden [N, n_features * H]  target layer outputs at the draft's layer ids, concatenated
         positions     [N] int64            absolute positions of the tokens
@@ -122,10 +141,55 @@ class PagedDrafter:
         ctx = self.drafter.fuse(target_hidden.to(self.dtype))[None]
         self.pool.write(self.drafter.context_kv(ctx, positions.to(torch.int64)[None]), slots.to(torch.int64))
 
+    def scratch_rows(self, req_pool_indices: Tensor) -> Tensor:
+        """[bs] request-pool slots -> [bs*B] int64 pool rows of their block scratch (as `DraftLayout.block_rows`)."""
+        rows = self.scratch_base + req_pool_indices.to(torch.int64)[:, None] * self.block + self._offsets
+        return rows.reshape(-1)
+
+    def plan(self, req_to_token: Tensor, req_pool_indices: Tensor, seq_lens_cpu: Tensor) -> DraftLayout:
+        """Build the step's ragged layout and plan the attention backend on it (eager: the layout's length, the sum
+        of the context lengths, is data dependent). seq_lens_cpu [bs] host committed lengths."""
+        assert self.attention is not None, "the dense path has no paged layout"
+        layout = build_layout(req_to_token, req_pool_indices, seq_lens_cpu, self.block, self.scratch_base)
+        self.attention.plan(layout)
+        return layout
+
+    @torch.inference_mode()
+    def block_logits(self, head: TargetHead, bonus: Tensor, seq_lens: Tensor, req_pool_indices: Tensor,
+                     attention, out: Tensor | None = None) -> Tensor:
+        """One paged drafter pass over planned attention -> draft logits [bs, B-1, V] for block positions 1..B-1
+        (into `out` when given).
+
+        bonus [bs] int64, seq_lens [bs] int64 (device), req_pool_indices [bs]; `attention` was planned on this
+        batch's layout (`plan`, or the graph runner's padded one). No host sync and no data-dependent shape: this
+        is the body adapter/draft_graphs.py captures.
+        """
+        embeds, positions = self._embed_block(head, bonus, seq_lens)
+        hidden = self.run_block(embeds, positions, self.scratch_rows(req_pool_indices), attention)
+        return self.draft_logits(hidden, head.lm_head_weight, out=out)
+
+    @torch.inference_mode()
+    def eager_block_logits(self, head: TargetHead, bonus: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor | None,
+                           req_to_token: Tensor, req_pool_indices: Tensor) -> Tensor:
+        """`block_logits` with the step's planning, for any drafter (the dense path too) -> [bs, B-1, V].
+        seq_lens_cpu: the scheduler's host mirror of seq_lens when it has one, else None (then a host sync)."""
+        embeds, positions = self._embed_block(head, bonus, seq_lens)
+        hidden = self.draft(embeds, positions, req_to_token, req_pool_indices, seq_lens, seq_lens_cpu)
+        return self.draft_logits(hidden, head.lm_head_weight)
+
+    def _embed_block(self, head: TargetHead, bonus: Tensor, seq_lens: Tensor) -> tuple[Tensor, Tensor]:
+        """[bonus, MASK x (B-1)] at seq_len.. -> embeddings [bs, B, H] (times the embedding scale), positions
+        [bs, B] int64."""
+        block = build_block_inputs(bonus, seq_lens, self.block, head.mask_token_id)
+        embeds = head.embed(block.input_ids)
+        if head.embed_scale != 1.0:
+            embeds = embeds * head.embed_scale
+        return embeds, block.positions
+
     @torch.inference_mode()
     def draft(self, block_embeds: Tensor, positions: Tensor, req_to_token: Tensor, req_pool_indices: Tensor,
               seq_lens: Tensor, seq_lens_cpu: Tensor | None = None) -> Tensor:
-        """One drafter pass per request.
+        """One drafter pass per request, from block embeddings.
 
         block_embeds     [bs, B, H]  target embeddings of [bonus, MASK...] (times input_embedding_scale)
         positions        [bs, B] int64  absolute positions of the block rows (seq_len + j)
@@ -139,23 +203,27 @@ class PagedDrafter:
             seq_lens_cpu = seq_lens.to("cpu", torch.int64)  # a host sync: the ragged sizes plan the pass
         if self.attention is None:
             return self._draft_dense(block_embeds, positions, req_to_token, req_pool_indices, seq_lens_cpu)
-        layout = build_layout(req_to_token, req_pool_indices, seq_lens_cpu, self.block, self.scratch_base)
-        self.attention.plan(layout)
+        layout = self.plan(req_to_token, req_pool_indices, seq_lens_cpu)
+        return self.run_block(block_embeds, positions, layout.block_rows, self.attention)
+
+    def run_block(self, block_embeds: Tensor, positions: Tensor, block_rows: Tensor, attention) -> Tensor:
+        """The layer stack over the paged pool: block_embeds [bs, B, H], positions [bs, B] int64, block_rows [bs*B]
+        int64 scratch rows receiving the block's K/V, `attention` planned on the layout -> [bs, B, H]."""
         bs, b, hidden = block_embeds.shape
-        attends = [self._paged_attend(i, layout) for i in range(self.cfg.num_hidden_layers)]
+        attends = [self._paged_attend(i, block_rows, attention) for i in range(self.cfg.num_hidden_layers)]
         # The whole batch as one sequence of bs*B rows: the layout says which keys each row sees.
         out = self.drafter.run_layers(block_embeds.to(self.dtype).reshape(1, bs * b, hidden),
                                       positions.reshape(1, bs * b), attends)
         return out.view(bs, b, hidden)
 
-    def _paged_attend(self, layer: int, layout: DraftLayout) -> Attend:
+    def _paged_attend(self, layer: int, block_rows: Tensor, attention) -> Attend:
         k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
 
         def attend(q: Tensor, k_blk: Tensor, v_blk: Tensor) -> Tensor:
             # q [1, h, T, d], k_blk / v_blk [1, kvh, T, d] -> [1, h, T, d]
-            k_pool[layout.block_rows] = k_blk[0].transpose(0, 1)
-            v_pool[layout.block_rows] = v_blk[0].transpose(0, 1)
-            return self.attention.run(q[0].transpose(0, 1), k_pool, v_pool).transpose(0, 1)[None]
+            k_pool[block_rows] = k_blk[0].transpose(0, 1)
+            v_pool[block_rows] = v_blk[0].transpose(0, 1)
+            return attention.run(q[0].transpose(0, 1), k_pool, v_pool).transpose(0, 1)[None]
 
         return attend
 
@@ -172,10 +240,11 @@ class PagedDrafter:
         return self.drafter(block_embeds.to(self.dtype), positions, ctx_kv, ctx_pos, ctx_valid=ctx_valid)
 
     @torch.inference_mode()
-    def draft_logits(self, hidden: Tensor, lm_head_weight: Tensor) -> Tensor:
-        """hidden [bs, B, H] -> draft logits [bs, B-1, V] for block positions 1..B-1 (lm_head dtype).
+    def draft_logits(self, hidden: Tensor, lm_head_weight: Tensor, out: Tensor | None = None) -> Tensor:
+        """hidden [bs, B, H] -> draft logits [bs, B-1, V] for block positions 1..B-1 (lm_head dtype), written into
+        `out` [bs, B-1, V] when given.
 
         Proposals taken from them are point masses (the chain's argmax, the tree's top-k nodes), which keeps
         rejection sampling lossless for any target sampling settings.
         """
-        return self.drafter.logits(hidden[:, 1:].to(lm_head_weight.dtype), lm_head_weight)
+        return self.drafter.logits(hidden[:, 1:].to(lm_head_weight.dtype), lm_head_weight, out=out)

@@ -27,6 +27,7 @@ length, which the drafter never reads, and the next step overwrites them. Every 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -40,13 +41,13 @@ from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
 
 from dflash_sglang import ops
 from dflash_sglang.core.adaptive import SpecShape
-from dflash_sglang.core.block import build_block_inputs
 from dflash_sglang.core.checkpoint import check_fit
 from dflash_sglang.core.config import CheckpointError, DraftConfig
 
 from .adaptive import ShapeSchedule
 from .args import TREE_ATTENTION_BACKENDS, SpecFlags, UnsupportedFlagError
-from .model import PagedDrafter
+from .draft_graphs import DraftGraphs, default_sizes, graph_mode
+from .model import PagedDrafter, TargetHead
 from .simulate import SimulatedAcceptance
 from .tree import compact_path_slots, fit_rows, propose_tree
 from .verify import accept_block, accept_tree, masked_verify_graphs, run_target_verify, sampling_params
@@ -127,6 +128,8 @@ class DFlashWorker(BaseSpecWorker):
         self.stride = self.flags.nodes  # N: the most verify rows per request = row stride of next_token_ids
         self.draft_dir = server_args.speculative_draft_model_path
         self.drafter: PagedDrafter | None = None  # set by alloc_memory_pool (needs the slot count)
+        self.head: TargetHead | None = None  # the target's embedding and lm_head, borrowed by the drafter
+        self.graphs: DraftGraphs | None = None  # set by init_cuda_graphs (None: the draft work runs eagerly)
         self._check_fit()
         self.schedule = ShapeSchedule.from_env(self.flags.nodes, self.flags.topk, self.block_size, self.cfg.vocab_size,
                                                server_args.max_running_requests)
@@ -174,6 +177,9 @@ class DFlashWorker(BaseSpecWorker):
         req_slots = int(req_to_token_pool.req_to_token.shape[0])
         self.drafter = PagedDrafter.load(self.draft_dir, rows, req_slots, self.block_size, self.model_runner.dtype,
                                          self.device, dummy=dummy)
+        target = self.model_runner.model
+        self.head = TargetHead(target.get_input_embeddings(), target.lm_head.weight[: self.cfg.vocab_size],
+                               self.cfg.mask_token_id, self.cfg.input_embedding_scale)
         logger.info(
             "DFLASH (dflash-sglang): block_size=%d, %s, draft layers=%d, target layer ids=%s, draft attention %s, "
             "draft KV %.1f MiB%s", self.block_size, self.schedule.describe(), self.cfg.num_hidden_layers,
@@ -192,7 +198,20 @@ class DFlashWorker(BaseSpecWorker):
             )
 
     def init_cuda_graphs(self) -> None:
-        pass  # eager (CUDA graphs for the draft and verify steps are not implemented yet)
+        # Called after the target captured its graphs: ours take the target's batch sizes (adapter/draft_graphs.py).
+        sizes = getattr(getattr(self.model_runner, "decode_cuda_graph_runner", None), "capture_bs", None)
+        attention = self.drafter.attention.name if self.drafter.attention is not None else None
+        mode = graph_mode(self.device, bool(sizes), attention)
+        if mode is None:
+            logger.info("DFLASH (dflash-sglang): the draft pass and commit run eagerly")
+            return
+        if not sizes:
+            sizes = default_sizes(int(self.req_to_token_pool.req_to_token.shape[0]))
+        tic = time.perf_counter()
+        self.graphs = DraftGraphs(self.drafter, self.head, self.req_to_token_pool.req_to_token, sizes,
+                                  self.schedule.node_counts(), self.drafter.drafter.fc.in_features,
+                                  self.model_runner.dtype, capture=mode == "capture")
+        logger.info("DFLASH (dflash-sglang): %s (%.1f s)", self.graphs.describe(), time.perf_counter() - tic)
 
     def __getattr__(self, name):
         # Everything else the scheduler asks of its model worker is the target's.
@@ -255,7 +274,9 @@ class DFlashWorker(BaseSpecWorker):
         logits_output = step.logits_output
         # Every verify row's draft K/V goes to that row's own slot: rejected rows land past the new committed
         # length (reserved slots the next step rewrites), so none is filtered out (a boolean gather = a host sync).
-        self.drafter.commit(logits_output.hidden_states, step.positions.reshape(-1), step.slots.reshape(-1))
+        rows = (logits_output.hidden_states, step.positions.reshape(-1), step.slots.reshape(-1))
+        if self.graphs is None or not self.graphs.commit(*rows, bs=seq_lens.numel(), nodes=step.positions.shape[1]):
+            self.drafter.commit(*rows)
         logits_output.hidden_states = None
 
         return GenerationBatchResult(
@@ -324,12 +345,10 @@ class DFlashWorker(BaseSpecWorker):
         """One drafter pass over the block [bonus, MASK x (B-1)] at seq_len.. -> draft logits [bs, B-1, V] for
         block positions 1..B-1. The pass writes no target KV (only the draft pool's per-request scratch rows), so
         the block needs no KV slots (B may exceed N)."""
-        seq_lens, target = batch.seq_lens, self.model_runner.model
-        block = build_block_inputs(bonus, seq_lens, self.block_size, self.cfg.mask_token_id)
-        embeds = target.get_input_embeddings()(block.input_ids)
-        if self.cfg.input_embedding_scale != 1.0:
-            embeds = embeds * self.cfg.input_embedding_scale
-        # batch.seq_lens_cpu: the scheduler's host mirror (it resolves it on its own stream), so no sync here
-        hidden = self.drafter.draft(embeds, block.positions, self.req_to_token_pool.req_to_token,
-                                    batch.req_pool_indices, seq_lens, batch.seq_lens_cpu)
-        return self.drafter.draft_logits(hidden, target.lm_head.weight[: self.cfg.vocab_size])
+        if self.graphs is not None:
+            # batch.seq_lens_cpu: the scheduler's host mirror (it resolves it on its own stream), so no sync here
+            logits = self.graphs.draft_logits(bonus, batch.seq_lens, batch.seq_lens_cpu, batch.req_pool_indices)
+            if logits is not None:
+                return logits
+        return self.drafter.eager_block_logits(self.head, bonus, batch.seq_lens, batch.seq_lens_cpu,
+                                               self.req_to_token_pool.req_to_token, batch.req_pool_indices)

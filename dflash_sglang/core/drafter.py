@@ -253,13 +253,23 @@ class DFlashDrafter(nn.Module):
             out.append(cache[key])
         return out
 
-    def logits(self, hidden: Tensor, lm_head_weight: Tensor) -> Tensor:
-        """hidden [..., H] -> draft logits [..., V] through the target's lm_head weight [V, H]."""
+    def logits(self, hidden: Tensor, lm_head_weight: Tensor, out: Tensor | None = None) -> Tensor:
+        """hidden [..., H] -> draft logits [..., V] through the target's lm_head weight [V, H].
+
+        out: a preallocated [..., V] buffer to write in place (inference only: the CUDA-graph runner shares one
+        across its batch sizes); None allocates, out of place (training differentiates through this).
+        """
+        scale, cap = self.cfg.output_multiplier, self.cfg.final_logit_softcapping
+        if out is not None:
+            torch.matmul(hidden, lm_head_weight.t(), out=out)
+            if scale is not None:
+                out.mul_(scale)
+            if cap is not None:
+                out.div_(cap).tanh_().mul_(cap)
+            return out
         out = F.linear(hidden, lm_head_weight)
-        if self.cfg.output_multiplier is not None:
-            out = out * self.cfg.output_multiplier
-        if self.cfg.final_logit_softcapping is not None:
-            cap = self.cfg.final_logit_softcapping
+        if scale is not None:
+            out = out * scale
+        if cap is not None:
             out = torch.tanh(out / cap) * cap
         return out
-

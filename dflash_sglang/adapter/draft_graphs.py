@@ -1,0 +1,239 @@
+"""CUDA graphs of a decode step's drafter work: the draft pass (block -> draft logits) and the draft-KV commit of
+the verify rows, one graph of each per captured batch size.
+
+Why: eager, one draft pass of the shipped SmolLM2 drafter dispatches ~254 aten ops and one commit ~87
+(scripts/count_draft_ops.py), each a host launch every decode step, while SGLang's builtin DFLASH replays its draft
+as one graph. Here a step replays two graphs. What stays eager is what has a data-dependent size or lives on the
+host: the ragged attention layout (its length is the sum of the context lengths), FlashInfer's plan (host work and
+copies into the graph's index buffers), and copying the step's inputs into the static buffers.
+
+Padding: bs requests replay the graph of the smallest captured size >= bs. Padded draft requests have no context
+and the drafter's padding scratch rows (`PagedDrafter.pad_slot`); their logits are never read. Padded commit rows
+write KV slot 0, which SGLang's allocators never hand out (its padding slot). Batches larger than every captured
+size, shapes without a commit graph, and layouts longer than the index buffer run eagerly.
+
+`DFLASH_DRAFT_CUDA_GRAPH`: `auto` (default: capture on CUDA when the target captures its decode graphs, at its
+batch sizes), `1` (capture even when the target runs eagerly), `0` (eager), `static` (the same static buffers and
+padding replayed without capture, on any device: how the CPU tests run this path inside a real Engine).
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .draft_attention import DraftLayout, build_layout, pad_layout
+from .model import PagedDrafter, TargetHead
+
+logger = logging.getLogger(__name__)
+ENV_GRAPHS = "DFLASH_DRAFT_CUDA_GRAPH"
+PAD_SLOT = 0  # SGLang's padding KV slot: its token allocators start at 1
+_MAX_INDEX_ROWS = 1 << 24  # the shared int32 kv_indices buffer stays <= 64 MiB; longer layouts run eagerly
+_DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
+
+
+def graph_mode(device, target_captures: bool, attention: str | None) -> str | None:
+    """'capture', 'static' or None (eager) from DFLASH_DRAFT_CUDA_GRAPH; raises ValueError naming the variable
+    on a bad value or on `1` where nothing can be captured.
+
+    target_captures: the target replays its decode/verify steps as CUDA graphs; attention: the drafter's paged
+    backend name (None: causal / sliding-window layers on the dense path, which has no static shapes).
+    """
+    choice = os.environ.get(ENV_GRAPHS, "auto").strip().lower()
+    if choice not in ("auto", "0", "1", "static"):
+        raise ValueError(f"{ENV_GRAPHS}={choice!r}: expected auto, 0, 1 or static")
+    if choice == "0" or (choice == "auto" and attention is None):
+        return None
+    if attention is None:
+        raise ValueError(f"{ENV_GRAPHS}={choice}: the drafter has causal or sliding-window layers, whose dense "
+                         f"attention path runs eagerly")
+    if choice == "static":
+        return "static"
+    capturable = torch.device(device).type == "cuda" and attention == "flashinfer"
+    if choice == "1" and not capturable:
+        raise ValueError(f"{ENV_GRAPHS}=1 needs a CUDA device and FlashInfer draft attention "
+                         f"(device {device}, draft attention {attention})")
+    return "capture" if capturable and (choice == "1" or target_captures) else None
+
+
+def default_sizes(max_requests: int) -> list[int]:
+    """Batch sizes to capture when the target has no graph runner to copy them from (up to 256 requests; larger
+    batches run eagerly, where launch overhead no longer dominates)."""
+    top = {max_requests} if max_requests <= _DEFAULT_SIZES[-1] else set()
+    return sorted({s for s in _DEFAULT_SIZES if s < max_requests} | top)
+
+
+@dataclass
+class _DraftGraph:
+    """The draft pass of `size` requests: static inputs, the planned attention, the output."""
+
+    size: int
+    bonus: Tensor  # [size] int64
+    seq_lens: Tensor  # [size] int64
+    req_pool_indices: Tensor  # [size] int64; padded entries hold the padding scratch slot
+    attention: object  # the paged backend of this size, planned before every replay
+    logits: Tensor  # [size, B-1, V] output, rewritten by every replay
+    graph: object = None  # torch.cuda.CUDAGraph; None: replayed eagerly (static mode)
+
+
+@dataclass
+class _CommitGraph:
+    """The draft-KV commit of `rows` = size * nodes verify rows."""
+
+    rows: int
+    hidden: Tensor  # [rows, n_features * H] target features
+    positions: Tensor  # [rows] int64
+    slots: Tensor  # [rows] int64; padded rows hold PAD_SLOT
+    graph: object = None
+
+
+class DraftGraphs:
+    """The draft pass and commit of every captured batch size (see the module docstring)."""
+
+    def __init__(self, drafter: PagedDrafter, head: TargetHead, req_to_token: Tensor, sizes: Sequence[int],
+                 commit_nodes: Sequence[int], feature_dim: int, feature_dtype: torch.dtype, capture: bool) -> None:
+        """req_to_token: SGLang's [pool_reqs, max_ctx] slot table (a fixed tensor); sizes: batch sizes to capture;
+        commit_nodes: verify rows per request that a step can commit (one commit graph per size and count)."""
+        assert drafter.attention is not None and drafter.pad_slot is not None, "a paged drafter with a padding slot"
+        self.drafter, self.head, self.req_to_token = drafter, head, req_to_token
+        self.block = drafter.block
+        self.sizes = sorted(set(sizes))
+        nodes = sorted(set(commit_nodes))
+        device = drafter.pool.k.device
+        max_size, i64 = self.sizes[-1], {"dtype": torch.int64, "device": device}
+        index_rows = min(max_size * (req_to_token.shape[1] + self.block), _MAX_INDEX_ROWS)
+        self.kv_indices = torch.zeros(index_rows, dtype=torch.int32, device=device)
+        self.pad_rows = drafter.scratch_rows(torch.full((max_size,), drafter.pad_slot, device=device))
+        # Static buffers shared by every size (each graph reads and writes a leading slice; replays run one at a
+        # time), so memory is that of the largest size, not the sum over sizes: the draft logits alone are
+        # max_size x (B-1) x V.
+        bonus, seq_lens = torch.zeros(max_size, **i64), torch.zeros(max_size, **i64)
+        pool_idx = torch.full((max_size,), drafter.pad_slot, **i64)
+        logits = torch.zeros(max_size, self.block - 1, head.lm_head_weight.shape[0], dtype=head.lm_head_weight.dtype,
+                             device=device)
+        self.drafts = {
+            s: _DraftGraph(s, bonus[:s], seq_lens[:s], pool_idx[:s], drafter.attention.for_graph(s, self.kv_indices),
+                           logits[:s])
+            for s in self.sizes
+        }
+        rows = max_size * nodes[-1]
+        hidden = torch.zeros(rows, feature_dim, dtype=feature_dtype, device=device)
+        positions, slots = torch.zeros(rows, **i64), torch.full((rows,), PAD_SLOT, **i64)
+        self.commits = {
+            (s, n): _CommitGraph(s * n, hidden[: s * n], positions[: s * n], slots[: s * n])
+            for s in self.sizes for n in nodes
+        }
+        self.captured = capture
+        self._replayed: set[tuple[str, int]] = set()  # (what, size) replayed at least once (logged at debug)
+        if capture:
+            self._capture_all(device)
+
+    def describe(self) -> str:
+        nodes = sorted({n for _, n in self.commits})
+        how = "CUDA graphs" if self.captured else "static buffers replayed eagerly"
+        return f"draft pass and commit as {how} for batch sizes {self.sizes}, commit rows per request {nodes}"
+
+    def _size_for(self, bs: int) -> int | None:
+        i = bisect.bisect_left(self.sizes, bs)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    # ------------------------------------------------------------------ draft pass
+    @torch.inference_mode()
+    def draft_logits(self, bonus: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor | None,
+                     req_pool_indices: Tensor) -> Tensor | None:
+        """The step's draft pass by replay -> draft logits [bs, B-1, V], a view of the graph's output that the next
+        replay overwrites; None when no captured size fits (the caller runs the pass eagerly).
+
+        bonus [bs] int64, seq_lens [bs] (device), seq_lens_cpu [bs] its host mirror (None: a host sync),
+        req_pool_indices [bs].
+        """
+        bs = bonus.numel()
+        size = self._size_for(bs)
+        if size is None:
+            return None
+        if seq_lens_cpu is None:
+            seq_lens_cpu = seq_lens.to("cpu", torch.int64)
+        if int(seq_lens_cpu.sum()) + size * self.block > self.kv_indices.numel():
+            return None
+        g = self.drafts[size]
+        layout = build_layout(self.req_to_token, req_pool_indices, seq_lens_cpu, self.block, self.drafter.scratch_base)
+        g.attention.plan(pad_layout(layout, size, self.block, self.pad_rows[: (size - bs) * self.block]))
+        g.bonus[:bs].copy_(bonus)
+        g.seq_lens[:bs].copy_(seq_lens)
+        g.req_pool_indices[:bs].copy_(req_pool_indices)
+        if bs < size:  # a previous, larger batch left real slots here
+            g.req_pool_indices[bs:].fill_(self.drafter.pad_slot)
+        self._replay(g, self._draft_body, "draft", bs, size)
+        return g.logits[:bs]
+
+    def _draft_body(self, g: _DraftGraph) -> None:
+        self.drafter.block_logits(self.head, g.bonus, g.seq_lens, g.req_pool_indices, g.attention, out=g.logits)
+
+    def _idle_layout(self, size: int) -> DraftLayout:
+        """Every request padded: what the graphs are captured on."""
+        empty = DraftLayout(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                            self.kv_indices[:0], self.pad_rows[:0])
+        return pad_layout(empty, size, self.block, self.pad_rows[: size * self.block])
+
+    # ------------------------------------------------------------------ commit
+    @torch.inference_mode()
+    def commit(self, hidden: Tensor, positions: Tensor, slots: Tensor, bs: int, nodes: int) -> bool:
+        """The step's draft-KV commit of bs * nodes verify rows by replay; False when no graph fits (the caller
+        commits eagerly). hidden [bs*nodes, F], positions / slots [bs*nodes] int64."""
+        size = self._size_for(bs)
+        c = self.commits.get((size, nodes))
+        if c is None:
+            return False
+        rows = bs * nodes
+        c.hidden[:rows].copy_(hidden)
+        c.positions[:rows].copy_(positions)
+        c.slots[:rows].copy_(slots)
+        if rows < c.rows:
+            c.slots[rows:].fill_(PAD_SLOT)
+        self._replay(c, self._commit_body, f"commit of {nodes} rows per request", bs, size)
+        return True
+
+    def _commit_body(self, c: _CommitGraph) -> None:
+        self.drafter.commit(c.hidden, c.positions, c.slots)
+
+    # ------------------------------------------------------------------ capture / replay
+    def _replay(self, g, body: Callable, what: str, bs: int, size: int) -> None:
+        if (what, size) not in self._replayed:
+            self._replayed.add((what, size))
+            logger.debug("DFLASH draft graphs: first %s replay of size %d (batch of %d)", what, size, bs)
+        if g.graph is not None:
+            g.graph.replay()
+        else:
+            body(g)
+
+    def _capture_all(self, device) -> None:
+        # One memory pool for every graph's intermediates: replays run one at a time on one stream, and inputs and
+        # outputs live outside it. Largest first, so the smaller graphs fit in what the largest one's freed.
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        for size in reversed(self.sizes):
+            g = self.drafts[size]
+            g.attention.plan(self._idle_layout(size))
+            g.graph = _capture(lambda g=g: self._draft_body(g), pool, stream)
+            for (s, _), c in self.commits.items():
+                if s == size:
+                    c.graph = _capture(lambda c=c: self._commit_body(c), pool, stream)
+        torch.cuda.synchronize(device)
+
+
+def _capture(body: Callable[[], None], pool, stream) -> torch.cuda.CUDAGraph:
+    """Warm up twice on `stream` (lazy allocations, library handles and kernel choices happen outside the graph),
+    then capture one run."""
+    with torch.cuda.stream(stream):
+        body()
+        body()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        body()
+    return graph
