@@ -10,7 +10,9 @@
 #           on CUDA (tests/test_sglang_gpu.py: chain, tree, adaptive vs no speculation)
 #   pareto  scripts/bench_pareto.py on the testbed pair, concurrency 1/8/32: ours / builtin / no speculation
 #           (chain), then ours with a 32-node tree (eager verify; tree_graph: verify CUDA graphs with the mask,
-#           DFLASH_TREE_CUDA_GRAPH=1) and adaptive (PARETO_MODES picks among chain tree tree_graph adaptive)
+#           DFLASH_TREE_CUDA_GRAPH=1) and adaptive; chain_eager: ours with the draft pass and commit eager
+#           (DFLASH_DRAFT_CUDA_GRAPH=0), to measure the draft graphs (PARETO_MODES picks among chain chain_eager
+#           tree tree_graph adaptive)
 #
 # Results land in $RESULTS (default gpu_results/); record the tables in docs/benchmarks.md with the date.
 # Knobs (env): TRAIN_SAMPLES (6144), SAVE_EVERY (500: resumable checkpoints; a rerun with the same DRAFT_DIR resumes), TRAIN_NEW_TOKENS (192), TRAIN_BATCH (32), DATA_MIN (3), TRAIN_MIN (4; the
@@ -74,6 +76,8 @@ stage_pareto() {
     case $mode in
       chain) $PY scripts/bench_pareto.py "${common[@]}" --arms ours,builtin,none --server-args="$attn" \
                --out "$RESULTS/pareto_chain" 2>&1 | tee "$RESULTS/pareto_chain.log" || status=1 ;;
+      chain_eager) DFLASH_DRAFT_CUDA_GRAPH=0 $PY scripts/bench_pareto.py "${common[@]}" --arms ours \
+               --server-args="$attn" --out "$RESULTS/pareto_chain_eager" 2>&1 | tee "$RESULTS/pareto_chain_eager.log" || status=1 ;;
       tree|tree_graph) DFLASH_TREE_CUDA_GRAPH=$([ "$mode" = tree_graph ] && echo 1 || echo 0) \
               $PY scripts/bench_pareto.py "${common[@]}" --arms ours \
               --server-args="$attn --speculative-eagle-topk 4 --speculative-num-draft-tokens 32" \

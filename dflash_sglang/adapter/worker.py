@@ -22,7 +22,8 @@ nodes from the per-position top-k, adapter/tree.py) -> target TARGET_VERIFY over
 lengths -> (tree: move the accepted path's KV slots to the front of the step's req_to_token window) -> commit
 draft K/V for every verify row. Target and draft KV of rejected rows sit in reserved slots past the committed
 length, which the drafter never reads, and the next step overwrites them. Every step returns rows of stride N = `speculative_num_draft_tokens`
-(the chain: N = B; adaptive: the largest shape, n <= N), -1 padded.
+(the chain: N = B; adaptive: the largest shape, n <= N), -1 padded. Where the target captures CUDA graphs, the
+drafter pass and the commit replay graphs captured at its batch sizes (adapter/draft_graphs.py).
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ from .tree import compact_path_slots, fit_rows, propose_tree
 from .verify import accept_block, accept_tree, masked_verify_graphs, run_target_verify, sampling_params
 
 logger = logging.getLogger(__name__)
+_MIN_FREE_FOR_GRAPHS = 1 << 30  # bytes free after the target's setup below which the draft stays eager
 _TREE_BACKEND_CLASSES = ("TorchNativeAttnBackend", "FlashInferAttnBackend", "TritonAttnBackend")
 
 
@@ -204,6 +206,12 @@ class DFlashWorker(BaseSpecWorker):
         mode = graph_mode(self.device, bool(sizes), attention)
         if mode is None:
             logger.info("DFLASH (dflash-sglang): the draft pass and commit run eagerly")
+            return
+        if mode == "capture" and torch.cuda.mem_get_info(self.device)[0] < _MIN_FREE_FOR_GRAPHS:
+            # as the builtin DFLASH does: too little memory is left after the target's pools and graphs
+            logger.warning("DFLASH (dflash-sglang): under %d MiB of GPU memory free, the draft pass and commit run "
+                           "eagerly (lower --mem-fraction-static to leave room for their CUDA graphs)",
+                           _MIN_FREE_FOR_GRAPHS >> 20)
             return
         if not sizes:
             sizes = default_sizes(int(self.req_to_token_pool.req_to_token.shape[0]))
