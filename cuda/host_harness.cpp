@@ -5,16 +5,25 @@
 
 #include "block_inputs.cuh"
 #include "build_tree.cuh"
+#include "draft_layout.cuh"
 #include "common.cu"
 #include "verify_tree.cuh"
 
 DFLASH_EXPORT_PARAMS_SIZE(block_inputs, dflash::BlockInputsParams)
 DFLASH_EXPORT_PARAMS_SIZE(build_tree, dflash::BuildTreeParams)
+DFLASH_EXPORT_PARAMS_SIZE(draft_layout, dflash::DraftLayoutParams)
 DFLASH_EXPORT_PARAMS_SIZE(verify_tree, dflash::VerifyTreeParams)
 
 extern "C" int dflash_host_block_inputs(const dflash::BlockInputsParams* p) {
   if (int err = dflash::check_block_inputs(*p)) return err;
   for (int64_t idx = 0; idx < p->bs * p->n; ++idx) dflash::block_inputs_row(*p, idx);
+  return 0;
+}
+
+extern "C" int dflash_host_draft_layout(const dflash::DraftLayoutParams* p) {
+  if (int err = dflash::check_draft_layout(*p)) return err;
+  for (int64_t i = 0; i < p->bs; ++i)
+    for (int64_t t = 0; t < dflash::draft_layout_len(*p, i); ++t) dflash::draft_layout_row(*p, i, t);
   return 0;
 }
 

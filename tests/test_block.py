@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dflash_sglang import ops
-from dflash_sglang.core.block import BlockInputs, build_block_inputs, build_tree_inputs
+from dflash_sglang.core.block import BlockInputs, build_block_inputs, build_tree_inputs, draft_kv_indices
 
 
 def _table(rows: int = 3, width: int = 8) -> torch.Tensor:
@@ -97,3 +97,45 @@ def test_backend_choice_is_checked():
         ops.build_block_inputs(bonus, seq_lens, 4, 99, backend="gpu")
     with pytest.raises(ValueError, match="backend 'cuda' cannot run on cpu tensors"):
         ops.build_block_inputs(bonus, seq_lens, 4, 99, backend="cuda")
+
+
+def _draft_case(seq_lens, pool, g, rows=6, width=16):
+    """kv_indptr [bs+1] int32 for contexts seq_lens and block 4, a [rows, width] table of distinct slots."""
+    block = 4
+    kv = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    kv[1:] = torch.cumsum(torch.tensor(seq_lens) + block, 0)
+    table = torch.randperm(10_000, generator=g)[: rows * width].view(rows, width).to(torch.int32)
+    return kv, torch.tensor(pool), table, block
+
+
+def test_draft_kv_indices_hand_computed():
+    """Per request: its context slots, then its block scratch rows; a padded request (context 0, the padding slot
+    past the table) gets only its scratch rows; a context outside the table reads -1; rows past the end stay."""
+    g = torch.Generator().manual_seed(0)
+    seq_lens, pool = (5, 0, 12, 2, 0), (3, 0, 5, 2, 6)  # request 4: padded (slot 6 is past the 6-row table)
+    kv, pool_t, table, block = _draft_case(seq_lens, pool, g)
+    out = torch.full((int(kv[-1]) + 5,), -7, dtype=torch.int32)
+    draft_kv_indices(kv, pool_t, table, 500, block, out)
+    want = []
+    for n, r in zip(seq_lens, pool):
+        want += (table[r, :n].tolist() if n else []) + [500 + r * block + j for j in range(block)]
+    assert out.tolist() == want + [-7] * 5
+    wide = torch.full((int(kv[-1]),), 0, dtype=torch.int32)  # request 2's context is longer than a 10-wide table
+    draft_kv_indices(kv, pool_t, table[:, :10], 500, block, wide)
+    start = int(kv[2])
+    assert wide[start:start + 12].tolist() == table[5, :10].tolist() + [-1, -1]
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="needs g++ or $CXX")
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_draft_kv_indices_kernel_logic_matches_reference(index_dtype):
+    g = torch.Generator().manual_seed(1)
+    seq_lens = torch.randint(0, 17, (40,), generator=g).tolist()
+    pool = torch.randint(0, 7, (40,), generator=g).tolist()  # slot 6: past the table, so context rows read -1
+    kv, pool_t, table, block = _draft_case(seq_lens, pool, g)
+    want = draft_kv_indices(kv, pool_t, table, 900, block, torch.full((int(kv[-1]) + 3,), -7, dtype=torch.int32))
+    got = ops.draft_kv_indices(kv, pool_t.to(index_dtype), table, 900, block,
+                               out=torch.full_like(want, -7), backend="host")
+    assert torch.equal(got, want) and (want == -1).any()
+    with pytest.raises(ValueError, match="kv_indptr must be"):
+        ops.draft_kv_indices(kv[:-1], pool_t, table, 900, block, out=want, backend="host")

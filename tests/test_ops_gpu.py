@@ -108,6 +108,21 @@ def test_verify_sampling_matches_reference(bs, depth, k, n, vocab, sequential):
         assert_same(got, want, _RESULT_FIELDS)
 
 
+@pytest.mark.parametrize("bs", [1, 33, 256])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_draft_kv_indices_match_reference(bs, index_dtype):
+    g = torch.Generator().manual_seed(bs)
+    table = torch.randint(0, 1 << 30, (300, 2048), generator=g, dtype=torch.int32)
+    seq = torch.randint(0, 2048, (bs,), generator=g)
+    pool = torch.randperm(300, generator=g)[:bs].to(index_dtype)
+    kv = torch.zeros(bs + 1, dtype=torch.int32)
+    kv[1:] = torch.cumsum(seq + 16, 0)
+    want = ref_block.draft_kv_indices(kv, pool, table, 7000, 16, torch.full((int(kv[-1]) + 9,), -7, dtype=torch.int32))
+    got = ops.draft_kv_indices(kv.to(DEV), pool.to(DEV), table.to(DEV), 7000, 16,
+                               out=torch.full((want.numel(),), -7, dtype=torch.int32, device=DEV))
+    assert torch.equal(got.cpu(), want)
+
+
 def test_all_ops_under_cuda_graph_capture_and_replay():
     bs, depth, k, n, vocab, block = 32, 7, 4, 32, 3000, 8
     g = torch.Generator().manual_seed(0)

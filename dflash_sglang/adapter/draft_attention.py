@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dflash_sglang import ops
+
 ENV_BACKEND = "DFLASH_DRAFT_ATTENTION"  # auto (FlashInfer on CUDA, torch on CPU) | flashinfer | torch
 _WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended split-k workspace
 
@@ -43,44 +45,27 @@ class DraftLayout:
         return self.qo_indptr_cpu.numel() - 1
 
 
+def host_kv_indptr(seq_lens_cpu: Tensor, block: int) -> Tensor:
+    """[bs] committed lengths (host) -> kv_indptr [bs+1] int32 (host): request i's keys are its context and block."""
+    kv_indptr = torch.zeros(seq_lens_cpu.numel() + 1, dtype=torch.int64)
+    torch.cumsum(seq_lens_cpu.to(torch.int64) + block, 0, out=kv_indptr[1:])
+    return kv_indptr.to(torch.int32)
+
+
 def build_layout(req_to_token: Tensor, req_pool_indices: Tensor, seq_lens_cpu: Tensor, block: int,
                  scratch_base: int) -> DraftLayout:
     """req_to_token [pool_reqs, max_ctx] int32 (SGLang's table), req_pool_indices [bs], seq_lens_cpu [bs] int
     committed tokens per request (host), scratch_base: first scratch row; request-pool slot r owns scratch
-    rows scratch_base + r*B .. + B-1."""
+    rows scratch_base + r*B .. + B-1. The key rows come from `ops.draft_kv_indices` (one kernel on CUDA)."""
     device = req_to_token.device
     bs = seq_lens_cpu.numel()
-    kv_lens_cpu = seq_lens_cpu.to(torch.int64) + block
-    kv_indptr_cpu = torch.zeros(bs + 1, dtype=torch.int64)
-    torch.cumsum(kv_lens_cpu, 0, out=kv_indptr_cpu[1:])
-    total = int(kv_indptr_cpu[-1])
+    kv_indptr_cpu = host_kv_indptr(seq_lens_cpu, block)
     slot = req_pool_indices.to(device=device, dtype=torch.int64)
     block_rows = (scratch_base + slot[:, None] * block + torch.arange(block, device=device)).reshape(-1)
-    # One flat pass over every key row: owner request, offset inside it, context slot or scratch row.
-    kv_lens = kv_lens_cpu.to(device, non_blocking=True)
-    owner = torch.repeat_interleave(torch.arange(bs, device=device), kv_lens, output_size=total)
-    offset = torch.arange(total, device=device) - kv_indptr_cpu[:-1].to(device, non_blocking=True)[owner]
-    ctx_len = kv_lens[owner] - block
-    ctx_slot = req_to_token[slot[owner], offset.clamp(max=req_to_token.shape[1] - 1)].to(torch.int64)
-    blk_row = scratch_base + slot[owner] * block + (offset - ctx_len).clamp(min=0)
-    kv_indices = torch.where(offset < ctx_len, ctx_slot, blk_row).to(torch.int32)
+    kv_indices = ops.draft_kv_indices(kv_indptr_cpu.to(device, non_blocking=True), slot, req_to_token, scratch_base,
+                                      block, out=torch.empty(int(kv_indptr_cpu[-1]), dtype=torch.int32, device=device))
     qo_indptr_cpu = torch.arange(bs + 1, dtype=torch.int32) * block
-    return DraftLayout(qo_indptr_cpu, kv_indptr_cpu.to(torch.int32), kv_indices, block_rows)
-
-
-def pad_layout(layout: DraftLayout, batch_size: int, block: int, pad_rows: Tensor) -> DraftLayout:
-    """`layout` of bs requests extended to batch_size (a CUDA graph's captured size): each padded request's B
-    queries attend only to its own B block rows. pad_rows [(batch_size - bs) * B] int64: the padded requests'
-    block rows (the padding slot's scratch, adapter/draft_graphs.py)."""
-    bs = layout.batch_size
-    n = batch_size - bs
-    assert n >= 0 and pad_rows.numel() == n * block, (batch_size, bs, pad_rows.numel())
-    if n == 0:
-        return layout
-    qo_indptr = torch.arange(batch_size + 1, dtype=torch.int32) * block
-    kv_indptr = torch.cat([layout.kv_indptr_cpu, layout.kv_indptr_cpu[-1] + qo_indptr[1:n + 1]])
-    kv_indices = torch.cat([layout.kv_indices, pad_rows.to(torch.int32)])
-    return DraftLayout(qo_indptr, kv_indptr, kv_indices, torch.cat([layout.block_rows, pad_rows]))
+    return DraftLayout(qo_indptr_cpu, kv_indptr_cpu, kv_indices, block_rows)
 
 
 def paged_attention_reference(q: Tensor, k_rows: Tensor, v_rows: Tensor, layout: DraftLayout,
@@ -105,20 +90,27 @@ class TorchPagedAttention:
 
     name = "torch"
 
-    def __init__(self, scale: float) -> None:
+    def __init__(self, scale: float, kv_indices_buf: Tensor | None = None) -> None:
         self.scale = scale
+        self.kv_indices_buf = kv_indices_buf  # graph mode: the key rows live here, written by the graph itself
         self.layout: DraftLayout | None = None
 
     def plan(self, layout: DraftLayout) -> None:
         self.layout = layout
 
-    def for_graph(self, batch_size: int, kv_indices_buf: Tensor) -> TorchPagedAttention:
-        """The backend of a graph runner's static replay (never captured: the reference loops on the host)."""
-        return TorchPagedAttention(self.scale)
+    def for_graph(self, batch_size: int, kv_indptr_buf: Tensor, kv_indices_buf: Tensor) -> TorchPagedAttention:
+        """The backend of a graph runner's static replay (never captured: the reference loops on the host). Its
+        planned layouts carry no kv_indices: the replay writes them into kv_indices_buf before attending."""
+        return TorchPagedAttention(self.scale, kv_indices_buf)
 
     def run(self, q: Tensor, k_rows: Tensor, v_rows: Tensor) -> Tensor:
         assert self.layout is not None, "plan() before run()"
-        return paged_attention_reference(q, k_rows, v_rows, self.layout, self.scale)
+        layout = self.layout
+        if self.kv_indices_buf is not None:
+            total = int(layout.kv_indptr_cpu[-1])
+            layout = DraftLayout(layout.qo_indptr_cpu, layout.kv_indptr_cpu, self.kv_indices_buf[:total],
+                                 layout.block_rows)
+        return paged_attention_reference(q, k_rows, v_rows, layout, self.scale)
 
 
 class FlashInferPagedAttention:
@@ -128,8 +120,9 @@ class FlashInferPagedAttention:
     name = "flashinfer"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device,
-                 scale: float, workspace: Tensor | None = None, graph: tuple[int, Tensor] | None = None) -> None:
-        """graph: (batch size, kv_indices buffer) for a wrapper that runs inside a CUDA graph (`for_graph`)."""
+                 scale: float, workspace: Tensor | None = None, graph: tuple[int, Tensor, Tensor] | None = None) -> None:
+        """graph: (batch size, kv_indptr buffer, kv_indices buffer) for a wrapper that runs inside a CUDA graph
+        (`for_graph`)."""
         import flashinfer  # GPU-only dependency, checked at worker start-up (select_backend)
 
         if workspace is None:
@@ -141,21 +134,23 @@ class FlashInferPagedAttention:
             # FlashInfer's graph mode: a fixed batch size, index buffers at fixed addresses that plan() refills
             # before each replay; fa2, as SGLang's own graph wrappers (its graph-mode plan keeps the kernel grid
             # fixed for a given batch size and row count).
-            batch_size, kv_indices_buf = graph
+            batch_size, kv_indptr_buf, kv_indices_buf = graph
             i32 = {"dtype": torch.int32, "device": device}
             self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                 workspace, "NHD", use_cuda_graph=True, backend="fa2",
-                qo_indptr_buf=torch.zeros(batch_size + 1, **i32), paged_kv_indptr_buf=torch.zeros(batch_size + 1, **i32),
+                qo_indptr_buf=torch.zeros(batch_size + 1, **i32), paged_kv_indptr_buf=kv_indptr_buf,
                 paged_kv_indices_buf=kv_indices_buf, paged_kv_last_page_len_buf=torch.ones(batch_size, **i32),
             )
         self.shape = (num_heads, num_kv_heads, head_dim)
         self.dtype, self.device, self.scale = dtype, device, scale
 
-    def for_graph(self, batch_size: int, kv_indices_buf: Tensor) -> FlashInferPagedAttention:
+    def for_graph(self, batch_size: int, kv_indptr_buf: Tensor, kv_indices_buf: Tensor) -> FlashInferPagedAttention:
         """A backend for a CUDA graph of `batch_size` requests, sharing this one's split-k workspace (one pass
-        runs at a time) and reading kv_indices_buf [>= any planned layout's rows] int32 (shared by all sizes)."""
+        runs at a time). It reads kv_indptr_buf [batch_size+1] int32 (plan() fills it from the host layout) and
+        kv_indices_buf [>= any layout's rows] int32, which the graph writes; planned layouts carry no kv_indices
+        (plan() then copies none)."""
         return FlashInferPagedAttention(*self.shape, self.dtype, self.device, self.scale, workspace=self.workspace,
-                                        graph=(batch_size, kv_indices_buf))
+                                        graph=(batch_size, kv_indptr_buf, kv_indices_buf))
 
     def plan(self, layout: DraftLayout) -> None:
         h, kvh, d = self.shape

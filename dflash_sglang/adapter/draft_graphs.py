@@ -1,11 +1,13 @@
 """CUDA graphs of a decode step's drafter work: the draft pass (block -> draft logits) and the draft-KV commit of
 the verify rows, one graph of each per captured batch size.
 
-Why: eager, one draft pass of the shipped SmolLM2 drafter dispatches ~254 aten ops and one commit ~87
+Why: eager, one draft pass of the shipped SmolLM2 drafter dispatches ~254 aten ops and one commit ~81
 (scripts/count_draft_ops.py), each a host launch every decode step, while SGLang's builtin DFLASH replays its draft
-as one graph. Here a step replays two graphs. What stays eager is what has a data-dependent size or lives on the
-host: the ragged attention layout (its length is the sum of the context lengths), FlashInfer's plan (host work and
-copies into the graph's index buffers), and copying the step's inputs into the static buffers.
+as one graph. Here a step replays two graphs. The draft graph starts with the attention layout: the
+`draft_layout` kernel (`ops.draft_kv_indices`) writes every request's key rows into a fixed buffer from kv_indptr,
+which FlashInfer's graph-mode wrapper reads at a fixed address. What stays on the host is what only the host
+knows: kv_indptr (a cumulative sum of the scheduler's host copy of seq_lens), FlashInfer's plan (host work and
+the copy of kv_indptr), and copying the step's inputs into the static buffers.
 
 Padding: bs requests replay the graph of the smallest captured size >= bs. Padded draft requests have no context
 and the drafter's padding scratch rows (`PagedDrafter.pad_slot`); their logits are never read. Padded commit rows
@@ -27,7 +29,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .draft_attention import DraftLayout, build_layout, pad_layout
+from dflash_sglang import ops
+
+from .draft_attention import DraftLayout, host_kv_indptr
 from .model import PagedDrafter, TargetHead
 
 logger = logging.getLogger(__name__)
@@ -76,6 +80,7 @@ class _DraftGraph:
     bonus: Tensor  # [size] int64
     seq_lens: Tensor  # [size] int64
     req_pool_indices: Tensor  # [size] int64; padded entries hold the padding scratch slot
+    kv_indptr: Tensor  # [size+1] int32: each request's key rows in the shared kv_indices buffer
     attention: object  # the paged backend of this size, planned before every replay
     logits: Tensor  # [size, B-1, V] output, rewritten by every replay
     graph: object = None  # torch.cuda.CUDAGraph; None: replayed eagerly (static mode)
@@ -108,7 +113,7 @@ class DraftGraphs:
         max_size, i64 = self.sizes[-1], {"dtype": torch.int64, "device": device}
         index_rows = min(max_size * (req_to_token.shape[1] + self.block), _MAX_INDEX_ROWS)
         self.kv_indices = torch.zeros(index_rows, dtype=torch.int32, device=device)
-        self.pad_rows = drafter.scratch_rows(torch.full((max_size,), drafter.pad_slot, device=device))
+        kv_indptr = torch.zeros(max_size + 1, dtype=torch.int32, device=device)
         # Static buffers shared by every size (each graph reads and writes a leading slice; replays run one at a
         # time), so memory is that of the largest size, not the sum over sizes: the draft logits alone are
         # max_size x (B-1) x V.
@@ -117,8 +122,8 @@ class DraftGraphs:
         logits = torch.zeros(max_size, self.block - 1, head.lm_head_weight.shape[0], dtype=head.lm_head_weight.dtype,
                              device=device)
         self.drafts = {
-            s: _DraftGraph(s, bonus[:s], seq_lens[:s], pool_idx[:s], drafter.attention.for_graph(s, self.kv_indices),
-                           logits[:s])
+            s: _DraftGraph(s, bonus[:s], seq_lens[:s], pool_idx[:s], kv_indptr[: s + 1],
+                           drafter.attention.for_graph(s, kv_indptr[: s + 1], self.kv_indices), logits[:s])
             for s in self.sizes
         }
         rows = max_size * nodes[-1]
@@ -161,8 +166,7 @@ class DraftGraphs:
         if int(seq_lens_cpu.sum()) + size * self.block > self.kv_indices.numel():
             return None
         g = self.drafts[size]
-        layout = build_layout(self.req_to_token, req_pool_indices, seq_lens_cpu, self.block, self.drafter.scratch_base)
-        g.attention.plan(pad_layout(layout, size, self.block, self.pad_rows[: (size - bs) * self.block]))
+        self._plan(g, seq_lens_cpu)
         g.bonus[:bs].copy_(bonus)
         g.seq_lens[:bs].copy_(seq_lens)
         g.req_pool_indices[:bs].copy_(req_pool_indices)
@@ -171,14 +175,20 @@ class DraftGraphs:
         self._replay(g, self._draft_body, "draft", bs, size)
         return g.logits[:bs]
 
-    def _draft_body(self, g: _DraftGraph) -> None:
-        self.drafter.block_logits(self.head, g.bonus, g.seq_lens, g.req_pool_indices, g.attention, out=g.logits)
+    def _plan(self, g: _DraftGraph, seq_lens_cpu: Tensor) -> None:
+        """Host kv_indptr of the padded batch (padded requests: no context) into the graph's buffer, and the
+        attention planned on it. The layout carries no kv_indices: the graph's first kernel writes them."""
+        lens = torch.zeros(g.size, dtype=torch.int64)
+        lens[: seq_lens_cpu.numel()] = seq_lens_cpu
+        kv_indptr = host_kv_indptr(lens, self.block)
+        g.kv_indptr.copy_(kv_indptr, non_blocking=True)
+        qo_indptr = torch.arange(g.size + 1, dtype=torch.int32) * self.block
+        g.attention.plan(DraftLayout(qo_indptr, kv_indptr, self.kv_indices[:0], self.kv_indices[:0].long()))
 
-    def _idle_layout(self, size: int) -> DraftLayout:
-        """Every request padded: what the graphs are captured on."""
-        empty = DraftLayout(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
-                            self.kv_indices[:0], self.pad_rows[:0])
-        return pad_layout(empty, size, self.block, self.pad_rows[: size * self.block])
+    def _draft_body(self, g: _DraftGraph) -> None:
+        ops.draft_kv_indices(g.kv_indptr, g.req_pool_indices, self.req_to_token, self.drafter.scratch_base,
+                             self.block, out=self.kv_indices)
+        self.drafter.block_logits(self.head, g.bonus, g.seq_lens, g.req_pool_indices, g.attention, out=g.logits)
 
     # ------------------------------------------------------------------ commit
     @torch.inference_mode()
@@ -216,10 +226,11 @@ class DraftGraphs:
         # outputs live outside it. Largest first, so the smaller graphs fit in what the largest one's freed.
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
         for size in reversed(self.sizes):
             g = self.drafts[size]
-            g.attention.plan(self._idle_layout(size))
+            self._plan(g, torch.zeros(0, dtype=torch.int64))  # captured on an all-padded batch
+            # plan() copies its schedule and kv_indptr on the current stream; capture runs on `stream`
+            stream.wait_stream(torch.cuda.current_stream(device))
             g.graph = _capture(lambda g=g: self._draft_body(g), pool, stream)
             for (s, _), c in self.commits.items():
                 if s == size:

@@ -89,3 +89,33 @@ def _slots(seq_lens: Tensor, n: int, req_to_token: Tensor | None, req_pool_indic
         raise ValueError(f"seq_len + {n} exceeds req_to_token width {req_to_token.shape[1]}")
     cols = seq_lens.to(torch.int64)[:, None] + torch.arange(n, device=seq_lens.device)
     return req_to_token[req_pool_indices.to(torch.int64)[:, None], cols].to(torch.int64)
+
+
+def draft_kv_indices(
+    kv_indptr: Tensor, req_pool_indices: Tensor, req_to_token: Tensor, scratch_base: int, block: int, out: Tensor
+) -> Tensor:
+    """Key rows of one drafter pass over the paged draft pool (the reference for the `draft_layout` CUDA op).
+
+    Request i's keys are its committed context, then its block rows:
+    out[kv_indptr[i] + t] = req_to_token[r, t] for t < kv_len - block, else scratch_base + r*block + (t - ctx_len),
+    with r = req_pool_indices[i] and kv_len = kv_indptr[i+1] - kv_indptr[i] (= seq_len + block); a context row
+    outside the table (r or t out of range) is -1.
+
+    kv_indptr [bs+1] int (device), req_pool_indices [bs] int, req_to_token [R, W] int32, out [capacity] int32 with
+    capacity >= kv_indptr[bs]; rows past kv_indptr[bs] are left as they are. Fixed shapes and no host read (this
+    runs inside the draft CUDA graph's static replay), so the work is O(capacity).
+    """
+    cap, bs = out.numel(), req_pool_indices.numel()
+    indptr = kv_indptr.to(torch.int64)
+    row = torch.arange(cap, device=out.device)
+    owner = torch.searchsorted(indptr[1:].contiguous(), row, right=True)  # request of each row; bs past the end
+    req = owner.clamp(max=max(bs - 1, 0))
+    offset = row - indptr[req]
+    ctx_len = indptr[req + 1] - indptr[req] - block
+    pool_row = req_pool_indices.to(torch.int64)[req] if bs else torch.zeros_like(req)
+    rows, width = req_to_token.shape
+    ctx_slot = req_to_token[pool_row.clamp(0, rows - 1), offset.clamp(0, width - 1)].to(torch.int64)
+    inside = (pool_row >= 0) & (pool_row < rows) & (offset < width)  # a context outside the table reads as -1
+    ctx_slot = torch.where(inside, ctx_slot, -1)
+    value = torch.where(offset < ctx_len, ctx_slot, scratch_base + pool_row * block + offset - ctx_len)
+    return out.copy_(torch.where(owner < bs, value.to(out.dtype), out))

@@ -2,14 +2,15 @@
 reference in dflash_sglang/core/ on CPU tensors (`backend=` overrides; see _lib.resolve_backend).
 
 Importing this package needs neither CUDA nor nvcc: the kernel library is built on first CUDA use (_lib.py).
-Ops: build_block_inputs, build_tree_inputs (block.py); build_tree, verify_tree_greedy, verify_tree_sampling
+Ops: build_block_inputs, build_tree_inputs, draft_kv_indices (block.py); build_tree, verify_tree_greedy, verify_tree_sampling
 (tree.py).
 """
 from __future__ import annotations
 
 from ._lib import find_nvcc, load_kernels
-from .block import build_block_inputs, build_tree_inputs
+from .block import build_block_inputs, build_tree_inputs, draft_kv_indices
 from .tree import MAX_NODES, build_tree, verify_tree_greedy, verify_tree_sampling
 
-__all__ = ["MAX_NODES", "build_block_inputs", "build_tree", "build_tree_inputs", "find_nvcc", "load_kernels",
+__all__ = ["MAX_NODES", "build_block_inputs", "build_tree", "build_tree_inputs", "draft_kv_indices", "find_nvcc",
+           "load_kernels",
            "verify_tree_greedy", "verify_tree_sampling"]

@@ -45,8 +45,16 @@ class VerifyTreeParams(ctypes.Structure):
     ]
 
 
+class DraftLayoutParams(ctypes.Structure):
+    _fields_ = [
+        ("kv_indptr", c_void_p), ("req_pool_indices", IndexView), ("req_to_token", c_void_p),
+        ("req_to_token_stride", c_int64), ("req_to_token_rows", c_int64), ("scratch_base", c_int64),
+        ("block", c_int64), ("bs", c_int64), ("capacity", c_int64), ("kv_indices", c_void_p),
+    ]
+
+
 PARAMS = {"index_view": IndexView, "block_inputs": BlockInputsParams, "build_tree": BuildTreeParams,
-          "verify_tree": VerifyTreeParams}
+          "verify_tree": VerifyTreeParams, "draft_layout": DraftLayoutParams}
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 

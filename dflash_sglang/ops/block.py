@@ -1,4 +1,5 @@
-"""build_block_inputs / build_tree_inputs: CUDA kernel on CUDA tensors, core/block.py on CPU tensors.
+"""build_block_inputs / build_tree_inputs / draft_kv_indices: CUDA kernel on CUDA tensors, core/block.py on CPU
+tensors.
 
 Same contracts as core/block.py, plus destination-passing `out=` (a BlockInputs of preallocated [bs, n] int64
 buffers, out_cache_loc included iff req_to_token is given): with it, the CUDA path allocates nothing, never
@@ -116,4 +117,31 @@ def _launch(
         input_ids=_abi.ptr(out.input_ids), positions=_abi.ptr(out.positions), out_cache_loc=_abi.ptr(out.out_cache_loc),
     )
     _lib.launch(backend, "block_inputs", params, device)
+    return out
+
+
+def draft_kv_indices(
+    kv_indptr: Tensor, req_pool_indices: Tensor, req_to_token: Tensor, scratch_base: int, block: int, *, out: Tensor,
+    backend: str = "auto",
+) -> Tensor:
+    """The drafter pass's key rows into `out` [capacity] int32 (see core/block.py draft_kv_indices). kv_indptr
+    [bs+1] int32 on the device, req_pool_indices [bs] int32/int64, req_to_token [R, W] int32 row-major. No host
+    read and no allocation on CUDA: the draft CUDA graphs capture it."""
+    if kv_indptr.shape != (req_pool_indices.numel() + 1,):
+        raise ValueError(f"kv_indptr must be [bs+1] for {req_pool_indices.numel()} requests, got {tuple(kv_indptr.shape)}")
+    backend = _lib.resolve_backend(backend, out.device)
+    if backend == "reference":
+        return ref.draft_kv_indices(kv_indptr, req_pool_indices, req_to_token, scratch_base, block, out)
+    device = out.device
+    _abi.check_inputs(device, kv_indptr=(kv_indptr, (torch.int32,)), req_pool_indices=(req_pool_indices, _abi.INDEX_DTYPES),
+                      req_to_token=(req_to_token, (torch.int32,)), out=(out, (torch.int32,)))
+    if req_to_token.dim() != 2:
+        raise ValueError(f"req_to_token must be [R, W], got {tuple(req_to_token.shape)}")
+    params = _abi.DraftLayoutParams(
+        kv_indptr=_abi.ptr(kv_indptr), req_pool_indices=_abi.index_view(req_pool_indices),
+        req_to_token=_abi.ptr(req_to_token), req_to_token_stride=req_to_token.stride(0),
+        req_to_token_rows=req_to_token.shape[0], scratch_base=scratch_base, block=block,
+        bs=req_pool_indices.numel(), capacity=out.numel(), kv_indices=_abi.ptr(out),
+    )
+    _lib.launch(backend, "draft_layout", params, device)
     return out
