@@ -231,20 +231,25 @@ class DraftGraphs:
             self._plan(g, torch.zeros(0, dtype=torch.int64))  # captured on an all-padded batch
             # plan() copies its schedule and kv_indptr on the current stream; capture runs on `stream`
             stream.wait_stream(torch.cuda.current_stream(device))
-            g.graph = _capture(lambda g=g: self._draft_body(g), pool, stream)
-            for (s, _), c in self.commits.items():
+            g.graph = _capture(lambda g=g: self._draft_body(g), pool, stream, f"draft pass of {size} requests")
+            for (s, n), c in self.commits.items():
                 if s == size:
-                    c.graph = _capture(lambda c=c: self._commit_body(c), pool, stream)
+                    c.graph = _capture(lambda c=c: self._commit_body(c), pool, stream,
+                                       f"commit of {size} x {n} rows")
         torch.cuda.synchronize(device)
 
 
-def _capture(body: Callable[[], None], pool, stream) -> torch.cuda.CUDAGraph:
+def _capture(body: Callable[[], None], pool, stream, what: str) -> torch.cuda.CUDAGraph:
     """Warm up twice on `stream` (lazy allocations, library handles and kernel choices happen outside the graph),
-    then capture one run."""
-    with torch.cuda.stream(stream):
-        body()
-        body()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream):
-        body()
+    then capture one run. A failure is raised at start-up with the way out, never hidden behind an eager path."""
+    try:
+        with torch.cuda.stream(stream):
+            body()
+            body()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            body()
+    except RuntimeError as e:
+        raise RuntimeError(f"DFLASH (dflash-sglang): capturing the CUDA graph of the {what} failed: {e}. "
+                           f"{ENV_GRAPHS}=0 runs the draft pass and commit eagerly") from e
     return graph
