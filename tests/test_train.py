@@ -192,6 +192,40 @@ def test_resume_continues_the_same_run(tmp_path):
         assert torch.allclose(a, b, atol=1e-6), n
 
 
+def test_init_from_a_checkpoint_continues_it(tmp_path):
+    """--init DIR: a new run starts from the checkpoint's weights, so its loss starts where that run ended."""
+    from dflash_sglang.train.warm_start import check_init_checkpoint, load_init_weights
+
+    frozen, data = _tiny_cache(tmp_path)
+    tcfg = TrainConfig(epochs=20, batch_size=4, num_anchors=8, lr=5e-3, seed=0, save_every=1000, bf16=False,
+                       output_norm_init=1.0)
+    first = Trainer(draft_cfg(), tcfg, frozen, data, tmp_path / "first")
+    first.train(progress=False)  # exports tmp_path / "first" (bf16 weights)
+    check_init_checkpoint(tmp_path / "first", draft_cfg())
+    fresh = Trainer(draft_cfg(), tcfg, frozen, data, tmp_path / "second")
+    with torch.no_grad():
+        fresh_loss = float(fresh.loss_on(data, torch.Generator().manual_seed(0))[0])
+    load_init_weights(fresh.model, tmp_path / "first")
+    saved = load_drafter(tmp_path / "first", dtype=torch.float32).state_dict()
+    assert all(torch.equal(v, saved[k]) for k, v in fresh.model.state_dict().items())
+    with torch.no_grad():
+        continued = float(fresh.loss_on(data, torch.Generator().manual_seed(0))[0])
+        trained = float(first.loss_on(data, torch.Generator().manual_seed(0))[0])
+    assert continued < 0.9 * fresh_loss and continued == pytest.approx(trained, rel=0.05)
+
+
+def test_init_checkpoint_must_be_the_trained_drafter(tmp_path):
+    from dflash_sglang.core.checkpoint import save_drafter
+    from dflash_sglang.core.config import CheckpointError
+    from dflash_sglang.train.warm_start import check_init_checkpoint
+
+    save_drafter(DFlashDrafter(draft_cfg(block=8)), tmp_path / "b8")
+    with pytest.raises(CheckpointError, match=r"b8/config.json: field 'block_size'=8 but this run trains 4"):
+        check_init_checkpoint(tmp_path / "b8", draft_cfg(block=4))
+    with pytest.raises(CheckpointError, match="--init .*nothing: expected 'target', 'random' or a draft checkpoint"):
+        check_init_checkpoint(tmp_path / "nothing", draft_cfg())
+
+
 def test_warm_start_reproduces_the_next_target_layer_on_context():
     """--init target: the first draft layer's context V equals the copied target layer's own V, and the fitted
     k_norm keeps the keys at the target's scale."""

@@ -19,7 +19,7 @@ from ..core.config import DraftConfig, build_target_layer_ids
 from .prepare import Example, build_cache
 from .shards import list_shards, load_cache
 from .trainer import FrozenTarget, TrainConfig, Trainer
-from .warm_start import warm_start_from_target
+from .warm_start import check_init_checkpoint, load_init_weights, warm_start_from_target
 
 log = logging.getLogger(__name__)
 # Special tokens that never occur in chat text, by preference. <empty_output> is SmolLM2's jupyter-notebook
@@ -67,9 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--save-every", type=int, default=100)
     t.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    t.add_argument("--init", choices=["target", "random"], default="target",
+    t.add_argument("--init", default="target",
                    help="'target': start the draft layers as copies of the target layers after the deepest fused "
-                        "feature (needs the target's layer shapes); 'random': HF-style random init")
+                        "feature (needs the target's layer shapes); 'random': HF-style random init; a draft "
+                        "checkpoint directory: continue training it (same shapes, layer ids, block size, mask token)")
     t.add_argument("--output-norm-init", default="0.05",
                    help="initial drafter output-norm weight, or 'target' to copy the target's final norm")
     t.add_argument("--no-bf16", action="store_true", help="no bf16 autocast")
@@ -137,6 +138,9 @@ def run(args: argparse.Namespace) -> int:
     target, tok = load_target(target_dir, device=device)
     mask_id = pick_mask_token(tok, args.mask_token_id, target.config.vocab_size)
     cfg = draft_config(target.config, args, mask_id)
+    init_dir = None if args.init in ("target", "random") else Path(args.init)
+    if init_dir is not None:
+        check_init_checkpoint(init_dir, cfg)  # now, not after minutes of data preparation
     cache = args.cache_dir or args.out / "cache"
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -160,9 +164,12 @@ def run(args: argparse.Namespace) -> int:
                        seed=args.seed, save_every=args.save_every, bf16=not args.no_bf16,
                        output_norm_init=None if args.output_norm_init == "target" else float(args.output_norm_init))
     trainer = Trainer(cfg, tcfg, frozen, data, args.out, device)
-    if not trainer.maybe_resume() and args.init == "target":
-        sample = torch.cat([s.features[s.prompt_len :] for s in data[:16]])
-        warm_start_from_target(trainer.model, target, sample.to(trainer.device))
+    if not trainer.maybe_resume():
+        if init_dir is not None:
+            load_init_weights(trainer.model, init_dir)
+        elif args.init == "target":
+            sample = torch.cat([s.features[s.prompt_len :] for s in data[:16]])
+            warm_start_from_target(trainer.model, target, sample.to(trainer.device))
     del target  # from here training needs only the embedding, head and final norm
     log.info("training on %d sequences (%d tokens), %d steps", len(data), sum(len(s.tokens) for s in data),
              trainer.total_steps)

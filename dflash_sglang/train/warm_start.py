@@ -1,4 +1,5 @@
-"""Warm-start a drafter from the target's own top decoder layers (`dflash-sglang train --init target`).
+"""Where a drafter's training starts: the target's own top decoder layers (`dflash-sglang train --init target`), or
+an earlier draft checkpoint of the same shape (`--init DIR`: continue training it, e.g. on more data).
 
 A random drafter spends its first thousands of steps learning what the target already knows. When the drafter
 has the target's hidden size and head layout, its layer i can start as a copy of target layer `d + 1 + i`,
@@ -15,9 +16,18 @@ import logging
 import torch
 from torch import Tensor, nn
 
+from pathlib import Path
+
+from ..core.checkpoint import CONFIG_FILE, expected_shapes, read_state_dict
+from ..core.config import CheckpointError, DraftConfig
 from ..core.drafter import DFlashDrafter
 
 log = logging.getLogger(__name__)
+
+# What a checkpoint must share with the drafter a run trains to be its starting point (config.json fields).
+_INIT_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "vocab_size", "mask_token_id", "target_layer_ids", "block_size", "rope_theta",
+                "layer_types")
 
 # Drafter parameter suffix -> target (HF Llama/Qwen decoder layer) parameter suffix.
 _LAYER_PARAMS = (
@@ -83,3 +93,26 @@ def warm_start_from_target(model: DFlashDrafter, target: nn.Module, feature_samp
                               else _fit_head_norm(proj(ctx), cfg.head_dim, cfg.rms_norm_eps))
     log.info("warm start: draft layers <- target layers %s, fc <- feature of layer %d", src, deepest)
     return src
+
+
+def check_init_checkpoint(init_dir: Path, cfg: DraftConfig) -> None:
+    """`--init DIR`: refuse, before any data is prepared, a checkpoint that is not the drafter `cfg` describes
+    (CheckpointError naming the file and field)."""
+    source = init_dir / CONFIG_FILE
+    if not source.is_file():
+        raise CheckpointError(f"--init {init_dir}: expected 'target', 'random' or a draft checkpoint directory "
+                              f"(no {CONFIG_FILE} there)")
+    loaded = DraftConfig.load(init_dir)
+    for name in _INIT_FIELDS:
+        have, want = getattr(loaded, name), getattr(cfg, name)
+        if have != want:
+            raise CheckpointError(f"{source}: field '{name}'={have!r} but this run trains {want!r} (--init continues "
+                                  f"a checkpoint of the drafter being trained; match the flags or pick another)")
+
+
+def load_init_weights(model: DFlashDrafter, init_dir: Path) -> None:
+    """Every drafter weight from the checkpoint at init_dir (safetensors, strict names and shapes)."""
+    tensors = read_state_dict(init_dir, expected_shapes(model.cfg))
+    dtype = next(model.parameters()).dtype
+    model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
+    log.info("drafter weights from %s", init_dir)
