@@ -86,8 +86,11 @@ def make_inputs(bs: int, a, device) -> dict:
     chain = ref_tree.build_tree(root, draft[..., None], torch.zeros(bs, depth, 1), a.block)
     chain_target = torch.cat([draft, root[:, None]], 1)
     chain_target = torch.where(torch.rand(bs, a.block, generator=g) < 0.9, chain_target, -1)
+    kv_indptr = torch.zeros(bs + 1, dtype=torch.int32)
+    kv_indptr[1:] = torch.cumsum(seq + a.block, 0)
     x = dict(root=root, idx=idx, val=val, argmax=argmax, seq=seq, table=table, pool=torch.arange(bs), loc=loc,
-             coins=torch.rand(bs, a.nodes, generator=g), u=torch.rand(bs, generator=g), chain_target=chain_target)
+             coins=torch.rand(bs, a.nodes, generator=g), u=torch.rand(bs, generator=g), chain_target=chain_target,
+             kv_indptr=kv_indptr, kv_indices=torch.empty(int(kv_indptr[-1]), dtype=torch.int32))
     x = {k: v.to(device) for k, v in x.items()}
     x["tree"], x["chain"] = (ref_tree.DraftTree(*(getattr(t, f).to(device) for f in ops.tree._TREE_FIELDS),
                                                 t.max_depth) for t in (tree, chain))
@@ -154,6 +157,10 @@ def op_calls(x: dict, a, backend: str) -> dict:
         "verify_greedy": lambda **kw: ops.verify_tree_greedy(tree, x["argmax"], x["loc"], **kw),
         "verify_sampling": lambda **kw: ops.verify_tree_sampling(tree, x["probs"], x["coins"], x["u"], x["loc"], **kw),
         "verify_chain": lambda **kw: ops.verify_tree_greedy(chain, x["chain_target"], **kw),
+        # the draft pass's key rows (contexts 0..2047 + the block); its output buffer is always preallocated
+        "draft_layout": lambda out=None, **kw: ops.draft_kv_indices(
+            x["kv_indptr"], x["pool"], x["table"], x["table"].numel(), a.block,
+            out=x["kv_indices"] if out is None else out, **kw),
     }
     if backend != "cuda":
         return {name: functools.partial(fn, backend=backend) for name, fn in fns.items()}
