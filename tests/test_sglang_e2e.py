@@ -249,8 +249,12 @@ def write_pair(root: Path, arch: str, hidden: int = 32) -> Path:
     return root
 
 
-def run_children(jobs: list[dict], timeout: float = CHILD_TIMEOUT_S, shims: bool = True) -> dict[str, dict]:
-    """Run one Engine child per job, in parallel; parsed JSON results by job name (fails with the log tail)."""
+def run_children(jobs: list[dict], timeout: float = CHILD_TIMEOUT_S, shims: bool = True,
+                 retries: int = 1) -> dict[str, dict]:
+    """Run one Engine child per job, in parallel; parsed JSON results by job name (fails with the log tail).
+
+    A child that lost a port race (another process bound its port between our choice and its listen: EADDRINUSE)
+    runs again with fresh ports, up to `retries` times; any other failure fails the test."""
     paths = [str(REPO), os.environ.get("PYTHONPATH", "")]
     env = {
         **os.environ,
@@ -263,14 +267,14 @@ def run_children(jobs: list[dict], timeout: float = CHILD_TIMEOUT_S, shims: bool
     # every child distinct free ports instead (all held open while choosing, so no two coincide).
     ports = _free_ports(2 * len(jobs))
     for i, job in enumerate(jobs):
-        job["engine_kwargs"] = {"port": ports[2 * i], "nccl_port": ports[2 * i + 1], **job.get("engine_kwargs", {})}
+        job["engine_kwargs"] = {**job.get("engine_kwargs", {}), "port": ports[2 * i], "nccl_port": ports[2 * i + 1]}
         log_path = Path(job["out"]).with_suffix(".log")
         log = open(log_path, "w")
         cmd = [sys.executable, str(Path(__file__)), json.dumps(job)]
         job_env = {**env, **job.get("env", {})}
         procs[job["name"]] = (subprocess.Popen(cmd, env=job_env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO), job,
                               log)
-    results = {}
+    results, lost_race = {}, []
     for name, (proc, job, log) in procs.items():
         try:
             rc = proc.wait(timeout=timeout)
@@ -280,8 +284,13 @@ def run_children(jobs: list[dict], timeout: float = CHILD_TIMEOUT_S, shims: bool
         log.close()
         if rc != 0:
             tail = Path(job["out"]).with_suffix(".log").read_text()[-4000:]
+            if retries > 0 and "EADDRINUSE" in tail:
+                lost_race.append(job)
+                continue
             pytest.fail(f"engine child {name} failed ({rc}):\n{tail}")
         results[name] = json.loads(Path(job["out"]).read_text())
+    if lost_race:
+        results.update(run_children(lost_race, timeout, shims, retries - 1))
     return results
 
 
