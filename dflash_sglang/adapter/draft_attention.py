@@ -2,7 +2,7 @@
 
 One drafter pass attends, for request i, to the draft K/V of its committed tokens (pool rows = the target's
 KV slots, read through `req_to_token`) and to its own B block rows. The block's K/V are written to scratch
-rows of the pool (`DraftLayout.block_rows`, one set of B rows per request-pool slot) so that both live in
+rows of the pool (`PagedDrafter.scratch_rows`, one set of B rows per request-pool slot) so that both live in
 one paged cache: the pass is a single ragged, non-causal paged prefill (page size 1), which is what
 FlashInfer's `BatchPrefillWithPagedKVCacheWrapper` runs with `causal=False`. Both backends read the same
 `DraftLayout`, so the CPU Engine tests exercise the exact indices the GPU kernel gets.
@@ -32,24 +32,24 @@ class DraftLayout:
     qo_indptr_cpu [bs+1] int32 (host)  request i's queries are rows i*B .. i*B+B-1 of the flattened block
     kv_indptr_cpu [bs+1] int32 (host)  request i's keys are kv_indices[kv_indptr[i]:kv_indptr[i+1]]
     kv_indices    [sum(seq_lens) + bs*B] int32  pool rows: the committed context slots, then the block rows
-    block_rows    [bs*B] int64  scratch pool rows that receive the block's own K/V
     """
 
     qo_indptr_cpu: Tensor
     kv_indptr_cpu: Tensor
     kv_indices: Tensor
-    block_rows: Tensor
 
     @property
     def batch_size(self) -> int:
         return self.qo_indptr_cpu.numel() - 1
 
 
-def host_kv_indptr(seq_lens_cpu: Tensor, block: int) -> Tensor:
-    """[bs] committed lengths (host) -> kv_indptr [bs+1] int32 (host): request i's keys are its context and block."""
-    kv_indptr = torch.zeros(seq_lens_cpu.numel() + 1, dtype=torch.int64)
+def host_indptrs(seq_lens_cpu: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """[bs] committed lengths (host) -> (qo_indptr, kv_indptr) [bs+1] int32 (host): request i's queries are its B
+    block rows, its keys its context and block."""
+    bs = seq_lens_cpu.numel()
+    kv_indptr = torch.zeros(bs + 1, dtype=torch.int64)
     torch.cumsum(seq_lens_cpu.to(torch.int64) + block, 0, out=kv_indptr[1:])
-    return kv_indptr.to(torch.int32)
+    return torch.arange(bs + 1, dtype=torch.int32) * block, kv_indptr.to(torch.int32)
 
 
 def build_layout(req_to_token: Tensor, req_pool_indices: Tensor, seq_lens_cpu: Tensor, block: int,
@@ -58,14 +58,11 @@ def build_layout(req_to_token: Tensor, req_pool_indices: Tensor, seq_lens_cpu: T
     committed tokens per request (host), scratch_base: first scratch row; request-pool slot r owns scratch
     rows scratch_base + r*B .. + B-1. The key rows come from `ops.draft_kv_indices` (one kernel on CUDA)."""
     device = req_to_token.device
-    bs = seq_lens_cpu.numel()
-    kv_indptr_cpu = host_kv_indptr(seq_lens_cpu, block)
+    qo_indptr_cpu, kv_indptr_cpu = host_indptrs(seq_lens_cpu, block)
     slot = req_pool_indices.to(device=device, dtype=torch.int64)
-    block_rows = (scratch_base + slot[:, None] * block + torch.arange(block, device=device)).reshape(-1)
     kv_indices = ops.draft_kv_indices(kv_indptr_cpu.to(device, non_blocking=True), slot, req_to_token, scratch_base,
                                       block, out=torch.empty(int(kv_indptr_cpu[-1]), dtype=torch.int32, device=device))
-    qo_indptr_cpu = torch.arange(bs + 1, dtype=torch.int32) * block
-    return DraftLayout(qo_indptr_cpu, kv_indptr_cpu, kv_indices, block_rows)
+    return DraftLayout(qo_indptr_cpu, kv_indptr_cpu, kv_indices)
 
 
 def paged_attention_reference(q: Tensor, k_rows: Tensor, v_rows: Tensor, layout: DraftLayout,
@@ -108,8 +105,7 @@ class TorchPagedAttention:
         layout = self.layout
         if self.kv_indices_buf is not None:
             total = int(layout.kv_indptr_cpu[-1])
-            layout = DraftLayout(layout.qo_indptr_cpu, layout.kv_indptr_cpu, self.kv_indices_buf[:total],
-                                 layout.block_rows)
+            layout = DraftLayout(layout.qo_indptr_cpu, layout.kv_indptr_cpu, self.kv_indices_buf[:total])
         return paged_attention_reference(q, k_rows, v_rows, layout, self.scale)
 
 

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from dflash_sglang import ops
 
-from .draft_attention import DraftLayout, host_kv_indptr
+from .draft_attention import DraftLayout, host_indptrs
 from .model import PagedDrafter, TargetHead
 
 logger = logging.getLogger(__name__)
@@ -180,10 +180,9 @@ class DraftGraphs:
         attention planned on it. The layout carries no kv_indices: the graph's first kernel writes them."""
         lens = torch.zeros(g.size, dtype=torch.int64)
         lens[: seq_lens_cpu.numel()] = seq_lens_cpu
-        kv_indptr = host_kv_indptr(lens, self.block)
+        qo_indptr, kv_indptr = host_indptrs(lens, self.block)
         g.kv_indptr.copy_(kv_indptr, non_blocking=True)
-        qo_indptr = torch.arange(g.size + 1, dtype=torch.int32) * self.block
-        g.attention.plan(DraftLayout(qo_indptr, kv_indptr, self.kv_indices[:0], self.kv_indices[:0].long()))
+        g.attention.plan(DraftLayout(qo_indptr, kv_indptr, self.kv_indices[:0]))
 
     def _draft_body(self, g: _DraftGraph) -> None:
         ops.draft_kv_indices(g.kv_indptr, g.req_pool_indices, self.req_to_token, self.drafter.scratch_base,

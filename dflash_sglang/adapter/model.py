@@ -31,7 +31,7 @@ from dflash_sglang.core.checkpoint import load_drafter
 from dflash_sglang.core.config import DraftConfig
 from dflash_sglang.core.drafter import KV, Attend, DFlashDrafter
 
-from .draft_attention import DraftLayout, build_layout, select_backend
+from .draft_attention import build_layout, select_backend
 
 
 class DraftKVPool:
@@ -142,17 +142,10 @@ class PagedDrafter:
         self.pool.write(self.drafter.context_kv(ctx, positions.to(torch.int64)[None]), slots.to(torch.int64))
 
     def scratch_rows(self, req_pool_indices: Tensor) -> Tensor:
-        """[bs] request-pool slots -> [bs*B] int64 pool rows of their block scratch (as `DraftLayout.block_rows`)."""
+        """[bs] request-pool slots -> [bs*B] int64 pool rows of their block scratch (where each pass writes the
+        block's own K/V)."""
         rows = self.scratch_base + req_pool_indices.to(torch.int64)[:, None] * self.block + self._offsets
         return rows.reshape(-1)
-
-    def plan(self, req_to_token: Tensor, req_pool_indices: Tensor, seq_lens_cpu: Tensor) -> DraftLayout:
-        """Build the step's ragged layout and plan the attention backend on it (eager: the layout's length, the sum
-        of the context lengths, is data dependent). seq_lens_cpu [bs] host committed lengths."""
-        assert self.attention is not None, "the dense path has no paged layout"
-        layout = build_layout(req_to_token, req_pool_indices, seq_lens_cpu, self.block, self.scratch_base)
-        self.attention.plan(layout)
-        return layout
 
     @torch.inference_mode()
     def block_logits(self, head: TargetHead, bonus: Tensor, seq_lens: Tensor, req_pool_indices: Tensor,
@@ -161,7 +154,7 @@ class PagedDrafter:
         (into `out` when given).
 
         bonus [bs] int64, seq_lens [bs] int64 (device), req_pool_indices [bs]; `attention` was planned on this
-        batch's layout (`plan`, or the graph runner's padded one). No host sync and no data-dependent shape: this
+        batch's layout (`draft`'s, or the graph runner's padded one). No host sync and no data-dependent shape: this
         is the body adapter/draft_graphs.py captures.
         """
         embeds, positions = self._embed_block(head, bonus, seq_lens)
@@ -203,8 +196,9 @@ class PagedDrafter:
             seq_lens_cpu = seq_lens.to("cpu", torch.int64)  # a host sync: the ragged sizes plan the pass
         if self.attention is None:
             return self._draft_dense(block_embeds, positions, req_to_token, req_pool_indices, seq_lens_cpu)
-        layout = self.plan(req_to_token, req_pool_indices, seq_lens_cpu)
-        return self.run_block(block_embeds, positions, layout.block_rows, self.attention)
+        # eager: the layout's length (the sum of the context lengths) is data dependent
+        self.attention.plan(build_layout(req_to_token, req_pool_indices, seq_lens_cpu, self.block, self.scratch_base))
+        return self.run_block(block_embeds, positions, self.scratch_rows(req_pool_indices), self.attention)
 
     def run_block(self, block_embeds: Tensor, positions: Tensor, block_rows: Tensor, attention) -> Tensor:
         """The layer stack over the paged pool: block_embeds [bs, B, H], positions [bs, B] int64, block_rows [bs*B]
