@@ -16,3 +16,15 @@ def sglang_skip_reason() -> str | None:
 
 
 requires_sglang = pytest.mark.skipif(sglang_skip_reason() is not None, reason=str(sglang_skip_reason()))
+
+
+def flashinfer_gpu_reason() -> str | None:
+    """Why a FlashInfer GPU test cannot run here (no CUDA device or no flashinfer), else None."""
+    import torch
+
+    if not torch.cuda.is_available() or importlib.util.find_spec("flashinfer") is None:
+        return "needs a CUDA GPU and flashinfer"
+    return None
+
+
+requires_flashinfer_gpu = pytest.mark.skipif(flashinfer_gpu_reason() is not None, reason=str(flashinfer_gpu_reason()))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from factories import draft_config_for, tiny_drafter, tiny_target
-from sglang_support import requires_sglang
+from sglang_support import requires_flashinfer_gpu, requires_sglang
 
 pytestmark = requires_sglang
 
@@ -160,13 +160,7 @@ def test_graph_mode_from_env(monkeypatch):
     assert default_sizes(10) == [1, 2, 4, 8, 10] and default_sizes(4096)[-1] == 256
 
 
-def _flashinfer_ready() -> bool:
-    import importlib.util
-
-    return torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None
-
-
-@pytest.mark.skipif(not _flashinfer_ready(), reason="needs a CUDA GPU and flashinfer")
+@requires_flashinfer_gpu
 def test_captured_graphs_match_eager_on_gpu(monkeypatch):
     """Captured CUDA graphs (FlashInfer graph-mode wrappers) against the eager pass and commit, same pool."""
     monkeypatch.setenv("DFLASH_DRAFT_ATTENTION", "flashinfer")
