@@ -286,3 +286,14 @@ def test_count_draft_ops():
     for row in out["rows"]:
         assert row["graph_draft_ops"] < row["draft_ops"] / 3 and row["graph_commit_ops"] < row["commit_ops"] / 5
     assert out["rows"][0]["graph_draft_ops"] == out["rows"][1]["graph_draft_ops"]
+
+
+@pytest.mark.slow
+def test_drafter_accuracy_of_the_shipped_drafter(pair):
+    """Teacher-forced accuracy by block position on the shipped drafter's own train prompts: a trained drafter
+    gets a real share of position 1 right (a random or mis-loaded one gets ~0), and accuracy falls with depth."""
+    _, out = _run("drafter_accuracy.py", ["--split", "train", "--num-prompts", "4", "--max-new-tokens", "24",
+                                          "--batch-size", "4", "--threads", "1"])
+    acc = out["acc"]
+    assert out["script"] == "drafter_accuracy" and out["prompts"] == 4 and len(acc) == 16 and acc[0] == 0.0
+    assert out["labels"] > 4 * 15 and acc[1] > 0.25 and acc[1] > acc[8] and out["tau_est"] > 1.2

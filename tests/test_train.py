@@ -1,6 +1,8 @@
 """Training recipe on a tiny random Llama target: the mask, the loss weights, loss decrease, resume, export."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -9,7 +11,9 @@ transformers = pytest.importorskip("transformers")
 from dflash_sglang.core.checkpoint import load_drafter  # noqa: E402
 from dflash_sglang.core.config import DraftConfig  # noqa: E402
 from dflash_sglang.core.drafter import DFlashDrafter  # noqa: E402
-from dflash_sglang.train.objective import build_block_batch, loss_gamma, position_weights, sample_anchors  # noqa: E402
+from dflash_sglang.train.objective import (  # noqa: E402
+    all_anchors, block_loss_terms, build_block_batch, loss_gamma, position_weights, sample_anchors,
+)
 from dflash_sglang.train.prepare import Example, build_cache, forward_features, generate_with_features  # noqa: E402
 from dflash_sglang.train.shards import load_cache  # noqa: E402
 from dflash_sglang.train.trainer import FrozenTarget, TrainConfig, Trainer  # noqa: E402
@@ -44,6 +48,13 @@ def test_anchors_lie_in_the_response_and_leave_a_label():
     a = sample_anchors(prompt_len=5, seq_len=12, n=100, gen=gen)
     assert a.tolist() == list(range(5, 11))  # every candidate once, sorted
     assert len(sample_anchors(5, 6, 4, gen)) == 0  # no room for a label
+
+
+def test_validation_anchors_are_every_candidate_or_evenly_spaced():
+    assert all_anchors(5, 12).tolist() == list(range(5, 11))  # the candidates sample_anchors draws from
+    assert all_anchors(5, 6).numel() == 0
+    spaced = all_anchors(10, 212, limit=5)  # 201 candidates: 10 .. 210
+    assert spaced.tolist() == [10, 60, 110, 160, 210]
 
 
 def test_training_mask_layout():
@@ -155,6 +166,49 @@ def _tiny_cache(tmp_path, n=16):
     build_cache(target, examples, tmp_path / "cache", LAYER_IDS, regenerate=False, max_new_tokens=0, eos_id=2,
                 batch_size=8, progress=False)
     return FrozenTarget.from_model(target), load_cache(tmp_path / "cache", LAYER_IDS)
+
+
+def test_loss_terms_add_up_over_forwards(tmp_path):
+    """Validation sums BlockLossTerms over chunks of sequences: two forwards give the one-forward numbers."""
+    frozen, data = _tiny_cache(tmp_path, n=6)
+    model = DFlashDrafter(draft_cfg()).eval()
+
+    def terms(seqs):
+        anchors = [all_anchors(s.prompt_len, len(s.tokens)) for s in seqs]
+        batch = build_block_batch([s.tokens for s in seqs], anchors, 4, MASK_ID, 4.0)
+        feats = torch.nn.utils.rnn.pad_sequence([s.features.float() for s in seqs], batch_first=True)
+        with torch.no_grad():
+            kv = model.context_kv(model.fuse(feats), batch.ctx_pos)
+            h = model(frozen.embed[batch.block_ids], batch.block_pos, kv, batch.ctx_pos, mask=batch.mask)
+            return block_loss_terms(h, frozen.lm_head, batch, model.logits)
+
+    whole, parts = terms(data), terms(data[:2]) + terms(data[2:])
+    assert torch.equal(whole.hits, parts.hits) and torch.equal(whole.counts, parts.counts)
+    assert whole.counts[0] == 0 and whole.counts[1] == sum(len(s.tokens) - 1 - s.prompt_len for s in data)
+    assert torch.allclose(whole.ce_sum, parts.ce_sum, rtol=1e-5) and torch.allclose(whole.loss, parts.loss, rtol=1e-5)
+
+
+def test_held_out_validation_is_logged_and_leaves_training_unchanged(tmp_path):
+    """Held-out numbers at the start, at every checkpoint and at the end; training itself is the same run."""
+    frozen, data = _tiny_cache(tmp_path, n=16)
+    train, held_out = data[:12], data[12:]
+    tcfg = TrainConfig(epochs=20, batch_size=4, num_anchors=8, lr=5e-3, seed=0, save_every=25, bf16=False,
+                       output_norm_init=1.0)
+    plain = Trainer(draft_cfg(), tcfg, frozen, train, tmp_path / "plain")
+    plain.train(progress=False)
+    checked = Trainer(draft_cfg(), tcfg, frozen, train, tmp_path / "checked", val_data=held_out)
+    last = checked.train(progress=False)
+    for a, b in zip(plain.model.state_dict().values(), checked.model.state_dict().values()):
+        assert torch.equal(a, b)
+    records = [json.loads(line) for line in (tmp_path / "checked" / "train_log.jsonl").read_text().splitlines()]
+    vals = [r for r in records if "val" in r and "loss" not in r]
+    assert [r["step"] for r in vals] == [0, 25, 50, 60]
+    assert last["val"] == vals[-1]["val"] and "val" not in json.loads(
+        (tmp_path / "plain" / "train_log.jsonl").read_text().splitlines()[-1])
+    first, end = vals[0]["val"], vals[-1]["val"]
+    assert end["loss"] < 0.9 * first["loss"] and end["tau_est"] > first["tau_est"]
+    labels = sum(len(s.tokens) - 1 - s.prompt_len for s in held_out)  # every anchor, block position 1
+    assert end["labels"] > labels and end["acc"][0] == 0.0
 
 
 def test_loss_decreases_and_export_loads(tmp_path):
@@ -279,3 +333,42 @@ def test_time_budget_is_fitted_on_steps_after_warmup(tmp_path, monkeypatch):
     trainer.train(progress=False, time_budget_s=10.0)
     assert 54 <= trainer.total_steps <= 56, trainer.total_steps  # the first 10 steps' mean would give 18
     assert trainer.step == trainer.total_steps  # the schedule ended inside the budget: no hard stop
+
+
+def test_cli_holds_out_the_prompts_after_the_training_ones(tmp_path, capsys):
+    """`train --val-samples 3`: the 3 train-split prompts after the --num-samples ones are prepared into CACHE/val,
+    never trained on, and their numbers end in train_log.jsonl and train_summary.json."""
+    from dflash_sglang.cli import main
+    from dflash_sglang.testbed.data import load_split, make_prompts
+    from dflash_sglang.train.shards import load_cache as load
+
+    from factories import char_tokenizer, tiny_target as factory_target
+
+    target_dir = tmp_path / "target"
+    target = factory_target(vocab=96)
+    target.config.eos_token_id = 0
+    target.save_pretrained(target_dir, safe_serialization=True)
+    tok = char_tokenizer(96)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}:{% endif %}"
+    tok.save_pretrained(target_dir)
+    convs = [{"id": f"c{i}_0", "conversations": [{"from": "human", "value": f"question number {i}"},
+                                                   {"from": "gpt", "value": "an answer"}]} for i in range(40)]
+    data = tmp_path / "sg.json"
+    data.write_text(json.dumps(convs))
+    out = tmp_path / "draft"
+    rc = main(["train", "--target", str(target_dir), "--data", str(data), "--out", str(out), "--num-samples", "6",
+               "--val-samples", "3", "--max-new-tokens", "6", "--gen-batch-size", "4", "--num-layers", "1",
+               "--num-features", "2", "--mask-token-id", "95", "--init", "random", "--max-steps", "3",
+               "--batch-size", "2", "--num-anchors", "4", "--save-every", "2", "--device", "cpu", "--no-bf16"])
+    assert rc == 0
+    prompts = [p.ids for p in make_prompts(load_split("train", data), tok, 9)]
+    trained = sorted(tuple(s.tokens[: s.prompt_len].tolist()) for s in load(out / "cache"))
+    held_out = sorted(tuple(s.tokens[: s.prompt_len].tolist()) for s in load(out / "cache" / "val"))
+    assert trained == sorted(prompts[:6]) and held_out == sorted(prompts[6:9])
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["sequences"] == 6 and summary["held_out"] == 3 and summary["final"]["val"]["labels"] > 0
+    steps = [r["step"] for r in map(json.loads, (out / "train_log.jsonl").read_text().splitlines()) if "loss" not in r]
+    assert steps == [0, 2, 3]
+    capsys.readouterr()
+    assert main(["train", "--target", "nowhere", "--out", str(out), "--val-samples", "-1"]) != 0
+    assert "--val-samples must be >= 0, got -1" in capsys.readouterr().err  # before the target is even read

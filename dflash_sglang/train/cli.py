@@ -1,9 +1,11 @@
 """`dflash-sglang train`: prompts -> (target-regenerated) responses + cached target features -> DFlash drafter.
 
-Stages (each resumable): 1. pick training prompts (ShareGPT train split, chat template applied);
+Stages (each resumable): 1. pick training prompts (ShareGPT train split, chat template applied), and the
+held-out ones right after them (--val-samples);
 2. build the feature cache in --cache-dir (greedy regeneration by the target, or the dataset replies with
 --no-regenerate); 3. train the drafter (checkpoints in OUT/checkpoints, resumed automatically);
-4. write OUT/config.json + OUT/model.safetensors in the z-lab format.
+4. write OUT/config.json + OUT/model.safetensors in the z-lab format. The held-out sequences' numbers (loss,
+top-1 accuracy by block position, tau estimate) are logged at every checkpoint and end in train_summary.json.
 """
 from __future__ import annotations
 
@@ -38,6 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="more feature caches (same layer ids) to train on, e.g. one built with --no-regenerate")
     d = p.add_argument_group("data")
     d.add_argument("--num-samples", type=int, default=2048, help="training prompts")
+    d.add_argument("--val-samples", type=int, default=64,
+                   help="held-out prompts: the train-split prompts right after the training ones, prepared the same "
+                        "way into CACHE/val and never trained on; their loss, top-1 accuracy by block position and "
+                        "tau estimate are logged at every checkpoint (0: none)")
     d.add_argument("--max-prompt-tokens", type=int, default=256)
     d.add_argument("--max-new-tokens", type=int, default=128, help="regenerated response length cap")
     d.add_argument("--no-regenerate", action="store_true", help="train on the dataset replies, not the target's")
@@ -112,25 +118,34 @@ def draft_config(target_cfg, args, mask_token_id: int) -> DraftConfig:
     )
 
 
-def _examples(args, tokenizer) -> list[Example]:
+def _examples(args, tokenizer) -> tuple[list[Example], list[Example]]:
+    """(training, held-out) examples: the first --num-samples train-split prompts, then the next --val-samples."""
     from ..testbed.data import load_split, make_prompts
 
     path = None if args.data == "sharegpt" else Path(args.data)
-    prompts = make_prompts(load_split("train", path), tokenizer, args.num_samples, args.max_prompt_tokens)
-    if args.no_regenerate:
-        out = []
-        for p in prompts:
-            if p.reference:
-                reply = tokenizer(p.reference + "<|im_end|>", add_special_tokens=False)["input_ids"]
-                out.append(Example(p.ids, tuple(reply[: args.max_new_tokens])))
-        return out
-    return [Example(p.ids) for p in prompts]
+    prompts = make_prompts(load_split("train", path), tokenizer, args.num_samples + args.val_samples,
+                           args.max_prompt_tokens)
+
+    def example(p) -> Example | None:
+        if not args.no_regenerate:
+            return Example(p.ids)
+        if not p.reference:
+            return None
+        reply = tokenizer(p.reference + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        return Example(p.ids, tuple(reply[: args.max_new_tokens]))
+
+    def examples(ps) -> list[Example]:
+        return [e for e in map(example, ps) if e is not None]
+
+    return examples(prompts[: args.num_samples]), examples(prompts[args.num_samples :])
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from ..testbed.target import convert_target, load_target
 
+    if args.val_samples < 0:
+        raise ValueError(f"--val-samples must be >= 0, got {args.val_samples}")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -142,15 +157,22 @@ def run(args: argparse.Namespace) -> int:
     if init_dir is not None:
         check_init_checkpoint(init_dir, cfg)  # now, not after minutes of data preparation
     cache = args.cache_dir or args.out / "cache"
+    val_cache = cache / "val"
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     if not (args.skip_prepare and list_shards(cache)):
-        examples = _examples(args, tok)
-        log.info("%d training examples (%s)", len(examples), "regenerated" if not args.no_regenerate else "dataset")
+        examples, val_examples = _examples(args, tok)
+        log.info("%d training examples, %d held out (%s)", len(examples), len(val_examples),
+                 "regenerated" if not args.no_regenerate else "dataset")
+        if args.val_samples and not val_examples:
+            log.warning("--val-samples %d: no train-split prompts left after the %d training ones; no validation",
+                        args.val_samples, len(examples))
+        prepare = dict(regenerate=not args.no_regenerate, max_new_tokens=args.max_new_tokens,
+                       eos_id=tok.eos_token_id, batch_size=args.gen_batch_size)
+        if val_examples:  # first and without the time budget: a few batches, and a run cut short keeps them
+            build_cache(target, val_examples, val_cache, cfg.target_layer_ids, progress=False, **prepare)
         budget = None if args.data_time_budget_min is None else 60 * args.data_time_budget_min
-        build_cache(target, examples, cache, cfg.target_layer_ids, regenerate=not args.no_regenerate,
-                    max_new_tokens=args.max_new_tokens, eos_id=tok.eos_token_id, batch_size=args.gen_batch_size,
-                    time_budget_s=budget)
+        build_cache(target, examples, cache, cfg.target_layer_ids, time_budget_s=budget, **prepare)
     t_data = time.monotonic() - t0
     if args.prepare_only:
         print(json.dumps({"cache": str(cache), "shards": len(list_shards(cache)), "data_time_s": round(t_data)}))
@@ -159,11 +181,12 @@ def run(args: argparse.Namespace) -> int:
     data = load_cache(cache, cfg.target_layer_ids)
     for extra in args.extra_cache:
         data += load_cache(extra, cfg.target_layer_ids)
+    val_data = load_cache(val_cache, cfg.target_layer_ids) if args.val_samples and list_shards(val_cache) else []
     tcfg = TrainConfig(epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,
                        num_anchors=args.num_anchors, lr=args.lr, warmup_ratio=args.warmup_ratio, gamma=args.gamma,
                        seed=args.seed, save_every=args.save_every, bf16=not args.no_bf16,
                        output_norm_init=None if args.output_norm_init == "target" else float(args.output_norm_init))
-    trainer = Trainer(cfg, tcfg, frozen, data, args.out, device)
+    trainer = Trainer(cfg, tcfg, frozen, data, args.out, device, val_data=val_data)
     if not trainer.maybe_resume():
         if init_dir is not None:
             load_init_weights(trainer.model, init_dir)
@@ -171,11 +194,12 @@ def run(args: argparse.Namespace) -> int:
             sample = torch.cat([s.features[s.prompt_len :] for s in data[:16]])
             warm_start_from_target(trainer.model, target, sample.to(trainer.device))
     del target  # from here training needs only the embedding, head and final norm
-    log.info("training on %d sequences (%d tokens), %d steps", len(data), sum(len(s.tokens) for s in data),
-             trainer.total_steps)
+    log.info("training on %d sequences (%d tokens), %d steps, %d held-out sequences", len(data),
+             sum(len(s.tokens) for s in data), trainer.total_steps, len(val_data))
     t1 = time.monotonic()
     last = trainer.train(time_budget_s=None if args.time_budget_min is None else 60 * args.time_budget_min)
-    summary = {"target": str(target_dir), "init": args.init, "data": args.data, "sequences": len(data), "steps": trainer.total_steps,
+    summary = {"target": str(target_dir), "init": args.init, "data": args.data, "sequences": len(data),
+               "held_out": len(val_data), "steps": trainer.total_steps,
                "data_time_s": round(t_data), "train_time_s": round(time.monotonic() - t1), "device": str(device),
                "final": last}
     (args.out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")

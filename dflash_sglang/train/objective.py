@@ -114,26 +114,60 @@ def build_block_batch(
                       weights.view(bs, q), mask, block_size)
 
 
-def weighted_block_loss(hidden: Tensor, lm_head_weight: Tensor, batch: BlockBatch, logits_fn) -> tuple[Tensor, Tensor]:
-    """Decay-weighted CE over labelled block positions; returns (loss, per-position top-1 accuracy [B]).
+@dataclass
+class BlockLossTerms:
+    """Sums over the labelled block positions of one forward, so several forwards add up exactly.
 
-    hidden [bs, N*B, H]. Only rows with weight > 0 reach the (expensive) vocabulary projection.
+    ce_sum [] weighted CE sum, weight_sum [] sum of the weights, hits [B] / counts [B] top-1 hits and labelled
+    rows per block position (0 at position 0, the anchor).
     """
+
+    ce_sum: Tensor
+    weight_sum: Tensor
+    hits: Tensor
+    counts: Tensor
+
+    @property
+    def loss(self) -> Tensor:
+        return self.ce_sum / self.weight_sum.clamp_min(1e-8)
+
+    @property
+    def accuracy(self) -> Tensor:
+        return self.hits / self.counts.clamp_min(1)
+
+    def __add__(self, other: BlockLossTerms) -> BlockLossTerms:
+        return BlockLossTerms(self.ce_sum + other.ce_sum, self.weight_sum + other.weight_sum,
+                              self.hits + other.hits, self.counts + other.counts)
+
+
+def block_loss_terms(hidden: Tensor, lm_head_weight: Tensor, batch: BlockBatch, logits_fn) -> BlockLossTerms:
+    """hidden [bs, N*B, H] -> BlockLossTerms. Only rows with weight > 0 reach the (expensive) vocabulary
+    projection; hits/counts carry no gradient."""
     sel = batch.weights > 0
     h = hidden[sel]
     logits = logits_fn(h, lm_head_weight).float()
     w = batch.weights[sel].to(logits.device)
     y = batch.labels[sel].to(logits.device)
     ce = F.cross_entropy(logits, y, reduction="none")
-    loss = (ce * w).sum() / w.sum().clamp_min(1e-8)
     with torch.no_grad():
         big_b = batch.block_size
         kpos = (torch.arange(batch.weights.shape[1], device=batch.weights.device) % big_b).expand_as(batch.weights)[sel].to(logits.device)
         hit = (logits.argmax(-1) == y).float()
-        acc = torch.zeros(big_b, device=logits.device).index_add_(0, kpos, hit)
-        cnt = torch.zeros(big_b, device=logits.device).index_add_(0, kpos, torch.ones_like(hit))
-        acc = acc / cnt.clamp_min(1)
-    return loss, acc
+        hits = torch.zeros(big_b, device=logits.device).index_add_(0, kpos, hit)
+        counts = torch.zeros(big_b, device=logits.device).index_add_(0, kpos, torch.ones_like(hit))
+    return BlockLossTerms((ce * w).sum(), w.sum(), hits, counts)
+
+
+def all_anchors(prompt_len: int, seq_len: int, limit: int | None = None) -> Tensor:
+    """Every valid anchor in [prompt_len, seq_len - 2] (as sample_anchors, without sampling), or `limit` of them
+    evenly spaced: the fixed anchor set of a validation pass."""
+    lo, hi = prompt_len, seq_len - 2
+    if hi < lo:
+        return torch.zeros(0, dtype=torch.long)
+    count = hi - lo + 1
+    if limit is None or count <= limit:
+        return torch.arange(lo, hi + 1)
+    return lo + torch.linspace(0, count - 1, limit).round().long().unique()
 
 
 def expected_accept_length(acc: Tensor) -> float:

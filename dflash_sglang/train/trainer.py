@@ -19,7 +19,8 @@ from torch import Tensor, nn
 from ..core.checkpoint import save_drafter
 from ..core.config import DraftConfig
 from ..core.drafter import DFlashDrafter
-from .objective import build_block_batch, expected_accept_length, loss_gamma, sample_anchors, weighted_block_loss
+from .objective import (BlockLossTerms, all_anchors, block_loss_terms, build_block_batch, expected_accept_length,
+                        loss_gamma, sample_anchors)
 from .shards import Sequence_
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
     output_norm_init: float | None = 0.05  # None: copy the target's final norm (see init_drafter)
     bf16: bool = True  # autocast matmuls to bf16 (AMX on recent CPUs, tensor cores on GPUs); weights stay fp32
+    val_anchors: int = 256  # validation: at most this many evenly spaced anchors per held-out sequence
+    val_batch: int = 4  # held-out sequences per validation forward (all their anchors at once)
 
 
 @dataclass
@@ -128,14 +131,19 @@ def _features_to_device(data: list[Sequence_], device: torch.device, max_fractio
 
 
 class Trainer:
+    """`val_data`: held-out sequences (never trained on). At every checkpoint and at the end, the drafter's
+    teacher-forced loss and per-position top-1 accuracy over fixed anchors of them go to the log: the training
+    batch's own numbers flatter a drafter that has seen its sequences for several epochs."""
+
     def __init__(self, cfg: DraftConfig, tcfg: TrainConfig, frozen: FrozenTarget, data: list[Sequence_],
-                 out_dir: Path, device: str | torch.device = "cpu") -> None:
+                 out_dir: Path, device: str | torch.device = "cpu", val_data: list[Sequence_] | None = None) -> None:
         if not data:
             raise ValueError("no training sequences")
         self.cfg, self.tcfg, self.out = cfg, tcfg, Path(out_dir)
         self.device = torch.device(device)
         self.frozen = frozen.to(self.device)
         self.data = _features_to_device(data, self.device)
+        self.val_data = list(val_data or [])
         self.model = init_drafter(cfg, frozen, tcfg.seed, tcfg.output_norm_init).to(self.device).train()
         self.gamma = tcfg.gamma or loss_gamma(cfg.block_size)
         self.steps_per_epoch = math.ceil(len(data) / tcfg.batch_size)
@@ -175,6 +183,10 @@ class Trainer:
     def loss_on(self, seqs: list[Sequence_], gen: torch.Generator) -> tuple[Tensor, Tensor]:
         """Decay-weighted block loss on a list of sequences (one drafter forward for all their blocks)."""
         anchors = [sample_anchors(s.prompt_len, len(s.tokens), self.tcfg.num_anchors, gen) for s in seqs]
+        terms = self._terms(seqs, anchors)
+        return terms.loss, terms.accuracy
+
+    def _terms(self, seqs: list[Sequence_], anchors: list[Tensor]) -> BlockLossTerms:
         dev = self.device
         batch = build_block_batch([s.tokens for s in seqs], anchors, self.cfg.block_size, self.cfg.mask_token_id,
                                   self.gamma, device=dev)
@@ -184,7 +196,36 @@ class Trainer:
             ctx_kv = self.model.context_kv(ctx, batch.ctx_pos)
             embeds = self.frozen.embed[batch.block_ids] * self.cfg.input_embedding_scale
             hidden = self.model(embeds, batch.block_pos, ctx_kv, batch.ctx_pos, mask=batch.mask)
-            return weighted_block_loss(hidden, self.frozen.lm_head, batch, self.model.logits)
+            return block_loss_terms(hidden, self.frozen.lm_head, batch, self.model.logits)
+
+    @torch.no_grad()
+    def validate(self) -> dict | None:
+        """Held-out loss, per-position top-1 accuracy [B] and the tau it implies, over fixed anchors (every
+        response position up to `val_anchors` per sequence); None without validation data."""
+        if not self.val_data:
+            return None
+        was_training = self.model.training
+        self.model.eval()
+        terms = None
+        size = self.tcfg.val_batch
+        for i in range(0, len(self.val_data), size):
+            seqs = self.val_data[i : i + size]
+            anchors = [all_anchors(s.prompt_len, len(s.tokens), self.tcfg.val_anchors) for s in seqs]
+            part = self._terms(seqs, anchors)
+            terms = part if terms is None else terms + part
+        self.model.train(was_training)
+        acc = terms.accuracy.cpu()
+        return {"loss": round(float(terms.loss), 4), "tau_est": round(expected_accept_length(acc), 4),
+                "acc": [round(float(a), 4) for a in acc], "labels": int(terms.counts.sum())}
+
+    def _log_validation(self, logf) -> dict | None:
+        val = self.validate()
+        if val is not None:
+            logf.write(json.dumps({"step": self.step, "val": val}) + "\n")
+            logf.flush()
+            log.info("step %d: held-out loss %.4f, tau_est %.3f, top-1 by block position %s", self.step,
+                     val["loss"], val["tau_est"], val["acc"][1:6])
+        return val
 
     # ------------------------------------------------------------------ checkpoints
     def _ckpt_dir(self) -> Path:
@@ -228,6 +269,7 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", disable=not progress)
         logf = (self.out / LOG_FILE).open("a")
         ema, last, start, first_step, calib_start = None, {}, clock(), self.step, None
+        self._log_validation(logf)  # where this run starts (an --init drafter, a resumed step, or scratch)
         while self.step < self.total_steps:
             seqs = [self.data[i] for i in self._batch_indices(self.step)]
             gen = torch.Generator().manual_seed(self.tcfg.seed * 7_919 + self.step)
@@ -260,6 +302,9 @@ class Trainer:
             out_of_time = time_budget_s is not None and elapsed > time_budget_s
             if self.step % self.tcfg.save_every == 0 or self.step == self.total_steps or out_of_time:
                 self.save_checkpoint()
+                val = self._log_validation(logf)
+                if val is not None:
+                    last["val"] = val
             if out_of_time:
                 log.warning("time budget reached at step %d/%d; exporting early", self.step, self.total_steps)
                 break
