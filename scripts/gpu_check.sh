@@ -15,7 +15,7 @@
 #           tree tree_graph adaptive)
 #
 # Results land in $RESULTS (default gpu_results/); record the tables in docs/benchmarks.md with the date.
-# Knobs (env): TRAIN_SAMPLES (6144), SAVE_EVERY (500: resumable checkpoints; a rerun with the same DRAFT_DIR resumes), TRAIN_NEW_TOKENS (192), TRAIN_BATCH (32), DATA_MIN (3), TRAIN_MIN (4; the
+# Knobs (env): TRAIN_SAMPLES (6144), SAVE_EVERY (500: resumable checkpoints; a rerun with the same DRAFT_DIR resumes), TRAIN_NEW_TOKENS (192), TRAIN_BATCH (32), TRAIN_ANCHORS (48: blocks per sequence), DATA_MIN (3), TRAIN_MIN (4; the
 # schedule is fitted to this budget from the first steps' time), TRAIN_STEPS (a fixed step count instead of
 # TRAIN_MIN), TRAIN_INIT (target; or a draft checkpoint dir to continue, e.g. the shipped drafter), CACHE_DIR (feature cache, default $DRAFT_DIR.cache), DRAFT_DIR (train: where the drafter goes, default $RESULTS/smollm2_135m_dflash; accept/sglang: the drafter
 # measured, default the shipped one), EVAL_PROMPTS (200), EVAL_NEW_TOKENS (128).
@@ -45,7 +45,7 @@ EOF
   $PY -m dflash_sglang train --data sharegpt --out "$out" --cache-dir "${CACHE_DIR:-$out.cache}" \
       --num-samples "${TRAIN_SAMPLES:-6144}" --max-new-tokens "${TRAIN_NEW_TOKENS:-192}" --gen-batch-size 512 \
       --data-time-budget-min "${DATA_MIN:-3}" --block-size 16 --num-layers 2 --num-features 5 \
-      --batch-size "${TRAIN_BATCH:-32}" --num-anchors 48 --lr 1e-3 --epochs 40 "${schedule[@]}" --init "${TRAIN_INIT:-target}" \
+      --batch-size "${TRAIN_BATCH:-32}" --num-anchors "${TRAIN_ANCHORS:-48}" --lr 1e-3 --epochs 40 "${schedule[@]}" --init "${TRAIN_INIT:-target}" \
       --save-every "${SAVE_EVERY:-500}" 2>&1 | grep -v "it/s\]" | tee "$RESULTS/train.log" || { status=1; return; }
   $PY -m dflash_sglang inspect "$out" || status=1
 }
