@@ -131,9 +131,9 @@ def _features_to_device(data: list[Sequence_], device: torch.device, max_fractio
 
 
 class Trainer:
-    """`val_data`: held-out sequences (never trained on). At every checkpoint and at the end, the drafter's
-    teacher-forced loss and per-position top-1 accuracy over fixed anchors of them go to the log: the training
-    batch's own numbers flatter a drafter that has seen its sequences for several epochs."""
+    """`val_data`: held-out sequences (never trained on). At the start, at every checkpoint and at the end, the
+    drafter's teacher-forced loss and per-position top-1 accuracy over fixed anchors of them go to the log: the
+    training batch's own numbers (bf16, sequences seen for several epochs) do not tell under- from over-fitting."""
 
     def __init__(self, cfg: DraftConfig, tcfg: TrainConfig, frozen: FrozenTarget, data: list[Sequence_],
                  out_dir: Path, device: str | torch.device = "cpu", val_data: list[Sequence_] | None = None) -> None:
