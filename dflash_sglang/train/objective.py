@@ -53,18 +53,22 @@ class BlockBatch:
     block_size: int
 
 
-def sample_anchors(prompt_len: int, seq_len: int, n: int, gen: torch.Generator) -> Tensor:
-    """Up to n distinct anchors in [prompt_len, seq_len - 2], sorted (each needs >= 1 label after it).
+def anchor_candidates(prompt_len: int, seq_len: int) -> Tensor:
+    """Every valid anchor, [prompt_len, seq_len - 2] int64 (each needs >= 1 label after it); may be empty.
 
     The first anchor at inference is the first generated token (position prompt_len), whose context is the
     whole prompt, so anchors start there.
     """
-    lo, hi = prompt_len, seq_len - 2
-    if hi < lo:
-        return torch.zeros(0, dtype=torch.long)
-    count = hi - lo + 1
-    pick = torch.randperm(count, generator=gen)[: min(n, count)]
-    return (pick + lo).sort().values
+    return torch.arange(prompt_len, max(prompt_len, seq_len - 1))
+
+
+def sample_anchors(prompt_len: int, seq_len: int, n: int, gen: torch.Generator) -> Tensor:
+    """Up to n distinct anchor_candidates, drawn uniformly, sorted."""
+    candidates = anchor_candidates(prompt_len, seq_len)
+    if candidates.numel() == 0:
+        return candidates
+    pick = torch.randperm(candidates.numel(), generator=gen)[:n]
+    return candidates[pick].sort().values
 
 
 def build_block_batch(
@@ -159,15 +163,12 @@ def block_loss_terms(hidden: Tensor, lm_head_weight: Tensor, batch: BlockBatch, 
 
 
 def all_anchors(prompt_len: int, seq_len: int, limit: int | None = None) -> Tensor:
-    """Every valid anchor in [prompt_len, seq_len - 2] (as sample_anchors, without sampling), or `limit` of them
-    evenly spaced: the fixed anchor set of a validation pass."""
-    lo, hi = prompt_len, seq_len - 2
-    if hi < lo:
-        return torch.zeros(0, dtype=torch.long)
-    count = hi - lo + 1
+    """Every anchor_candidate, or `limit` of them evenly spaced: the fixed anchor set of a validation pass."""
+    candidates = anchor_candidates(prompt_len, seq_len)
+    count = candidates.numel()
     if limit is None or count <= limit:
-        return torch.arange(lo, hi + 1)
-    return lo + torch.linspace(0, count - 1, limit).round().long().unique()
+        return candidates
+    return candidates[torch.linspace(0, count - 1, limit).round().long().unique()]
 
 
 def expected_accept_length(acc: Tensor) -> float:
