@@ -15,7 +15,7 @@ from dflash_sglang.train.objective import (  # noqa: E402
     all_anchors, block_loss_terms, build_block_batch, loss_gamma, position_weights, sample_anchors,
 )
 from dflash_sglang.train.prepare import Example, build_cache, forward_features, generate_with_features  # noqa: E402
-from dflash_sglang.train.shards import load_cache  # noqa: E402
+from dflash_sglang.train.shards import Sequence_, load_cache  # noqa: E402
 from dflash_sglang.train.trainer import FrozenTarget, TrainConfig, Trainer  # noqa: E402
 
 VOCAB, HIDDEN, MASK_ID = 97, 32, 3
@@ -229,19 +229,28 @@ def test_loss_decreases_and_export_loads(tmp_path):
 
 
 def test_resume_continues_the_same_run(tmp_path):
-    frozen, data = _tiny_cache(tmp_path, n=8)
+    frozen, data = _tiny_cache(tmp_path, n=10)
+    data, held_out = data[:8], data[8:]
     tcfg = TrainConfig(epochs=3, batch_size=4, num_anchors=4, lr=1e-3, seed=0, save_every=2, bf16=False)
-    full = Trainer(draft_cfg(), tcfg, frozen, data, tmp_path / "full")
+    full = Trainer(draft_cfg(), tcfg, frozen, data, tmp_path / "full", val_data=held_out)
     full.train(progress=False)
     for killed_after in (1, 2):  # a zero time budget stops (checkpoint + export) after one step
-        part = Trainer(draft_cfg(), tcfg, frozen, data, tmp_path / "part")
+        part = Trainer(draft_cfg(), tcfg, frozen, data, tmp_path / "part", val_data=held_out)
         assert part.maybe_resume() == (killed_after > 1)
         part.train(progress=False, time_budget_s=0.0)
         assert part.step == killed_after
-    resumed = Trainer(draft_cfg(), tcfg, frozen, data, tmp_path / "part")
+    resumed = Trainer(draft_cfg(), tcfg, frozen, data, tmp_path / "part", val_data=held_out)
     assert resumed.maybe_resume() and resumed.step == 2
     resumed.train(progress=False)
     assert resumed.step == full.step == 6
+
+    def val_steps(run: str) -> list[int]:
+        records = map(json.loads, (tmp_path / run / "train_log.jsonl").read_text().splitlines())
+        return [r["step"] for r in records if "loss" not in r]
+
+    # The killed runs' held-out records (steps 0, 1 and 2; the second resume started at the validated step 1) and
+    # the resumed run's: each step once, as in the uninterrupted run (plus the step-1 stop).
+    assert val_steps("full") == [0, 2, 4, 6] and val_steps("part") == [0, 1, 2, 4, 6]
     for (n, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-6), n
 
@@ -372,3 +381,19 @@ def test_cli_holds_out_the_prompts_after_the_training_ones(tmp_path, capsys):
     capsys.readouterr()
     assert main(["train", "--target", "nowhere", "--out", str(out), "--val-samples", "-1"]) != 0
     assert "--val-samples must be >= 0, got -1" in capsys.readouterr().err  # before the target is even read
+
+
+@pytest.mark.parametrize("flags, expect", [({"avx2", "fma"}, False), ({"avx2", "avx512_bf16"}, True),
+                                           ({"amx_bf16", "avx512f"}, True), (set(), False)])
+def test_bf16_autocast_only_where_the_cpu_has_bf16_instructions(monkeypatch, flags, expect):
+    """Emulated bf16 (AVX2) made CPU training ~6x slower than fp32; auto leaves it off there, on for GPUs."""
+    from dflash_sglang.train import trainer as trainer_mod
+    from dflash_sglang.train.cli import BF16_CHOICES
+
+    monkeypatch.setattr(trainer_mod, "cpu_flags", lambda: flags)
+    assert trainer_mod.bf16_pays(torch.device("cpu")) is expect
+    assert trainer_mod.bf16_pays(torch.device("cuda", 0)) is True
+    frozen = FrozenTarget(torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN))
+    data = [Sequence_(torch.randint(0, VOCAB, (12,)), 4, torch.randn(12, len(LAYER_IDS) * HIDDEN).half())]
+    for choice, want in (("auto", expect), ("on", True), ("off", False)):
+        assert Trainer(draft_cfg(), TrainConfig(bf16=BF16_CHOICES[choice]), frozen, data, "unused").bf16 is want

@@ -79,8 +79,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "checkpoint directory: continue training it (same shapes, layer ids, block size, mask token)")
     t.add_argument("--output-norm-init", default="0.05",
                    help="initial drafter output-norm weight, or 'target' to copy the target's final norm")
-    t.add_argument("--no-bf16", action="store_true", help="no bf16 autocast")
+    t.add_argument("--bf16", choices=tuple(BF16_CHOICES), default="auto",
+                   help="bf16 autocast: auto = on GPUs and on CPUs with AVX512-BF16/AMX (emulated bf16 is ~6x slower)")
+    t.add_argument("--no-bf16", action="store_const", const="off", dest="bf16", help="same as --bf16 off")
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+BF16_CHOICES = {"auto": None, "on": True, "off": False}  # --bf16 -> TrainConfig.bf16
 
 
 def pick_mask_token(tokenizer, explicit: int | None, vocab_size: int) -> int:
@@ -184,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     val_data = load_cache(val_cache, cfg.target_layer_ids) if args.val_samples and list_shards(val_cache) else []
     tcfg = TrainConfig(epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,
                        num_anchors=args.num_anchors, lr=args.lr, warmup_ratio=args.warmup_ratio, gamma=args.gamma,
-                       seed=args.seed, save_every=args.save_every, bf16=not args.no_bf16,
+                       seed=args.seed, save_every=args.save_every, bf16=BF16_CHOICES[args.bf16],
                        output_norm_init=None if args.output_norm_init == "target" else float(args.output_norm_init))
     trainer = Trainer(cfg, tcfg, frozen, data, args.out, device, val_data=val_data)
     if not trainer.maybe_resume():
