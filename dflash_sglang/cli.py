@@ -57,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-nodes", type=int, help="verify a draft tree of N nodes (root included) per step")
     p.add_argument("--tree-topk", type=int, default=4, help="candidates per draft position for --tree-nodes")
     p.add_argument("--adaptive", action="store_true",
-                   help="choose the tree/chain per step from the running batch size (DFLASH_ADAPTIVE_TABLE)")
+                   help="choose the tree/chain per step from the running batch size (--adaptive-table)")
+    p.add_argument("--adaptive-table", default=None,
+                   help="MAX_BS:NODESxTOPK rows ascending, the last MAX_BS 'inf' (default: the server's default table)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-chat-template", action="store_true", help="tokenize prompts as raw text")
@@ -109,6 +111,8 @@ def run_inspect(args: argparse.Namespace) -> int:
         "parameters": params,
         "dtype": str(drafter.fc.weight.dtype).removeprefix("torch."),
         "bytes": params * drafter.fc.weight.element_size(),
+        # K of a reduced draft vocabulary (token_map.safetensors), else the full vocabulary
+        "draft_vocab": cfg.vocab_size if drafter.token_map is None else len(drafter.token_map),
     }
     if args.target is not None:
         tcfg = args.target / "config.json"
@@ -172,16 +176,27 @@ def load_pair(target_dir: Path, draft_dir: Path, device: str):
     return target, tokenizer, drafter
 
 
+def adaptive_policy(table: str | None):
+    from dflash_sglang.core.adaptive import DEFAULT_TABLE, AdaptivePolicy
+
+    try:
+        return AdaptivePolicy.parse(table or DEFAULT_TABLE)
+    except ValueError as e:
+        raise UsageError(f"--adaptive-table {table!r}: {e}") from None
+
+
 def run_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from dflash_sglang.core.adaptive import AdaptivePolicy, SpecShape
+    from dflash_sglang.core.adaptive import SpecShape
     from dflash_sglang.core.reference import ReferenceDecoder
 
     if args.max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be >= 1")
     if args.check_lossless and args.temperature != 0:
         raise UsageError("--check-lossless compares token identity, which needs --temperature 0")
+    if args.adaptive_table is not None and not args.adaptive:
+        raise UsageError("--adaptive-table needs --adaptive")
     if args.adaptive and args.tree_nodes:
         raise UsageError("--adaptive picks the tree size itself; drop --tree-nodes")
     if args.tree_nodes is not None and (args.tree_nodes < 1 or args.tree_topk < 1):
@@ -201,7 +216,7 @@ def run_generate(args: argparse.Namespace) -> int:
                     eos_token_id=tokenizer.eos_token_id)
     shape = dict(
         tree=SpecShape(args.tree_nodes, args.tree_topk if args.tree_nodes >= 3 else 1) if args.tree_nodes else None,
-        policy=AdaptivePolicy.from_env() if args.adaptive else None,
+        policy=adaptive_policy(args.adaptive_table) if args.adaptive else None,
     )
     for start in range(0, len(ids), args.batch_size):
         chunk = ids[start:start + args.batch_size]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of the project, one stage per argument, each ending with a short table. Needs a CUDA torch
-# (DFLASH_KEEP_TORCH=1 bash scripts/setup.sh) and, for `sglang`, sglang 0.5.17 with its CUDA deps.
+# (DFLASH_KEEP_TORCH=1 bash scripts/setup.sh) and, for `sglang`, sglang with its CUDA deps (0.5.17 beside torch 2.11,
+# 0.5.23 beside torch 2.14.1).
 #
 #   ops     CUDA kernels == core/ references (eager + CUDA-graph replay); scripts/bench_ops.py table
 #   train   convert the SmolLM2 testbed target, regenerate responses + train a drafter (GPU time budgets)
@@ -10,9 +11,9 @@
 #           on CUDA (tests/test_sglang_gpu.py: chain, tree, adaptive vs no speculation)
 #   pareto  scripts/bench_pareto.py on the testbed pair, concurrency 1/8/32: ours / builtin / no speculation
 #           (chain), then ours with a 32-node tree (eager verify; tree_graph: verify CUDA graphs with the mask,
-#           DFLASH_TREE_CUDA_GRAPH=1) and adaptive; chain_eager: ours with the draft pass and commit eager
-#           (DFLASH_DRAFT_CUDA_GRAPH=0), to measure the draft graphs (PARETO_MODES picks among chain chain_eager
-#           tree tree_graph adaptive)
+#           --speculative-dflash-tree-cuda-graph) and adaptive (--speculative-adaptive); chain_eager: ours with the
+#           draft pass and commit eager (--speculative-dflash-draft-graphs eager), to measure the draft graphs
+#           (PARETO_MODES picks among chain chain_eager tree tree_graph adaptive)
 #
 # Results land in $RESULTS (default gpu_results/); record the tables in docs/benchmarks.md with the date.
 # Knobs (env): TRAIN_SAMPLES (6144), SAVE_EVERY (500: resumable checkpoints; a rerun with the same DRAFT_DIR resumes), TRAIN_NEW_TOKENS (192), TRAIN_BATCH (32), TRAIN_ANCHORS (48: blocks per sequence), DATA_MIN (3), TRAIN_MIN (4; the
@@ -76,13 +77,14 @@ stage_pareto() {
     case $mode in
       chain) $PY scripts/bench_pareto.py "${common[@]}" --arms ours,builtin,none --server-args="$attn" \
                --out "$RESULTS/pareto_chain" 2>&1 | tee "$RESULTS/pareto_chain.log" || status=1 ;;
-      chain_eager) DFLASH_DRAFT_CUDA_GRAPH=0 $PY scripts/bench_pareto.py "${common[@]}" --arms ours \
-               --server-args="$attn" --out "$RESULTS/pareto_chain_eager" 2>&1 | tee "$RESULTS/pareto_chain_eager.log" || status=1 ;;
-      tree|tree_graph) DFLASH_TREE_CUDA_GRAPH=$([ "$mode" = tree_graph ] && echo 1 || echo 0) \
-              $PY scripts/bench_pareto.py "${common[@]}" --arms ours \
-              --server-args="$attn --speculative-eagle-topk 4 --speculative-num-draft-tokens 32" \
+      chain_eager) $PY scripts/bench_pareto.py "${common[@]}" --arms ours \
+               --server-args="$attn --speculative-dflash-draft-graphs eager" --out "$RESULTS/pareto_chain_eager" \
+               2>&1 | tee "$RESULTS/pareto_chain_eager.log" || status=1 ;;
+      tree|tree_graph) $PY scripts/bench_pareto.py "${common[@]}" --arms ours \
+              --server-args="$attn --speculative-eagle-topk 4 --speculative-num-draft-tokens 32$([ "$mode" = tree_graph ] \
+                              && echo " --speculative-dflash-tree-cuda-graph")" \
               --out "$RESULTS/pareto_$mode" 2>&1 | tee "$RESULTS/pareto_$mode.log" || status=1 ;;
-      adaptive) DFLASH_ADAPTIVE=1 $PY scripts/bench_pareto.py "${common[@]}" --arms ours --server-args="$attn" \
+      adaptive) $PY scripts/bench_pareto.py "${common[@]}" --arms ours --server-args="$attn --speculative-adaptive" \
                   --out "$RESULTS/pareto_adaptive" 2>&1 | tee "$RESULTS/pareto_adaptive.log" || status=1 ;;
     esac
   done

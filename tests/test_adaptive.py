@@ -2,7 +2,7 @@ import pytest
 from sglang_support import requires_sglang
 
 from dflash_sglang.core.tree import max_tree_nodes
-from dflash_sglang.core.adaptive import DEFAULT_TABLE, ENV_TABLE, AdaptivePolicy, SpecShape
+from dflash_sglang.core.adaptive import DEFAULT_TABLE, AdaptivePolicy, SpecShape
 
 
 @pytest.mark.parametrize("budget", [None, 1, 7, 64, 300, 2048])
@@ -29,9 +29,8 @@ def test_default_shrinks_with_concurrency():
     assert policy.choose(1) == SpecShape(64, 4) and policy.choose(100).is_chain
 
 
-def test_env_override_and_errors(monkeypatch):
-    monkeypatch.setenv(ENV_TABLE, "2:8x2,inf:1x1")
-    p = AdaptivePolicy.from_env()
+def test_parse_errors():
+    p = AdaptivePolicy.parse("2:8x2,inf:1x1")
     assert p.choose(2) == SpecShape(8, 2) and p.choose(3) == SpecShape(1, 1)
     for bad, match in [("8:16", "cannot parse row"), ("8:16x1", "end with 'inf'"), ("inf:4x1,8:2x1", "ascend"),
                        ("inf:2x2", "bad adaptive shape")]:
@@ -52,25 +51,22 @@ def test_row_shapes_bound_every_choice():
 
 
 # ------------------------------------------------------------------ the SGLang worker's schedule (adapter/adaptive.py)
-ADAPTIVE_ON = {"DFLASH_ADAPTIVE": "1"}
+TABLE_FLAG, BUDGET_FLAG = "--speculative-dflash-adaptive-table", "--speculative-dflash-adaptive-token-budget"
 
 
 @requires_sglang
-@pytest.mark.parametrize("table", [None, "8:10x3,16:6x1,inf:4x1", "1:64x4,inf:16x1", "inf:1x1", "4:200x2,inf:3x1"])
+@pytest.mark.parametrize("table", [DEFAULT_TABLE, "8:10x3,16:6x1,inf:4x1", "1:64x4,inf:16x1", "inf:1x1",
+                                   "4:200x2,inf:3x1"])
 @pytest.mark.parametrize("budget", [None, 48, 64, 500])
 @pytest.mark.parametrize("block", [2, 4, 8, 16])
 def test_worker_steps_never_exceed_n_nor_the_budget(table, budget, block):
     """Every decode step's shape fits the stride / KV reservation N the server was configured with, the token
     budget, and the drafter block (chains <= B, trees <= the lattice of depth B-1)."""
-    from dflash_sglang.adapter.adaptive import AdaptiveEnv, ShapeSchedule, adaptive_limits
+    from dflash_sglang.adapter.adaptive import ShapeSchedule, adaptive_limits
 
-    env = {**ADAPTIVE_ON, **({ENV_TABLE: table} if table else {})}
-    if budget is not None:
-        env["DFLASH_ADAPTIVE_TOKEN_BUDGET"] = str(budget)
-    settings = AdaptiveEnv.read(env)
     max_running = 48
-    policy, largest = adaptive_limits(settings, block, None, vocab_size=32000, max_running=max_running)
-    schedule = ShapeSchedule(largest.nodes, policy=policy, table=settings.table)
+    policy, largest = adaptive_limits(table, budget, block, None, vocab_size=32000, max_running=max_running)
+    schedule = ShapeSchedule(largest.nodes, policy=policy, table=table)
     for bs in list(range(1, max_running + 1)) * 2:
         s = schedule.choose(bs)
         assert 1 <= s.nodes <= largest.nodes and s.topk <= largest.topk
@@ -78,60 +74,54 @@ def test_worker_steps_never_exceed_n_nor_the_budget(table, budget, block):
         assert s.nodes <= (block if s.is_chain else max_tree_nodes(block - 1, s.topk))
     assert sum(schedule.steps.values()) == 2 * max_running
     # an explicit N at least the largest row is kept as the stride; the rows still fit it
-    assert adaptive_limits(settings, block, largest.nodes + 3, 32000, max_running)[1].nodes == largest.nodes + 3
+    assert adaptive_limits(table, budget, block, largest.nodes + 3, 32000, max_running)[1].nodes == largest.nodes + 3
 
 
 @requires_sglang
 @pytest.mark.parametrize(
-    "env, var, match",
+    "table, budget, flag, match",
     [
-        ({"DFLASH_ADAPTIVE": "yes"}, "DFLASH_ADAPTIVE", "expected 1"),
-        ({**ADAPTIVE_ON, ENV_TABLE: "8:16"}, ENV_TABLE, "cannot parse row '8:16'"),
-        ({**ADAPTIVE_ON, ENV_TABLE: "8:16x1"}, ENV_TABLE, "end with 'inf'"),
-        ({**ADAPTIVE_ON, ENV_TABLE: "inf:4x1,8:2x1"}, ENV_TABLE, "ascend"),
-        ({**ADAPTIVE_ON, ENV_TABLE: "inf:2x2"}, ENV_TABLE, "bad adaptive shape"),
-        ({**ADAPTIVE_ON, "DFLASH_ADAPTIVE_TOKEN_BUDGET": "lots"}, "DFLASH_ADAPTIVE_TOKEN_BUDGET", "positive integer"),
-        ({**ADAPTIVE_ON, "DFLASH_ADAPTIVE_TOKEN_BUDGET": "0"}, "DFLASH_ADAPTIVE_TOKEN_BUDGET", "positive integer"),
+        ("8:16", None, TABLE_FLAG, "cannot parse row '8:16'"),
+        ("8:16x1", None, TABLE_FLAG, "end with 'inf'"),
+        ("inf:4x1,8:2x1", None, TABLE_FLAG, "ascend"),
+        ("inf:2x2", None, TABLE_FLAG, "bad adaptive shape"),
+        (DEFAULT_TABLE, "lots", BUDGET_FLAG, "positive integer"),
+        (DEFAULT_TABLE, 0, BUDGET_FLAG, "positive integer"),
     ],
 )
-def test_malformed_env_names_the_variable(env, var, match):
-    from dflash_sglang.adapter.adaptive import AdaptiveConfigError, AdaptiveEnv
+def test_malformed_settings_name_the_flag(table, budget, flag, match):
+    from dflash_sglang.adapter.adaptive import AdaptiveConfigError, adaptive_limits
 
     with pytest.raises(AdaptiveConfigError, match=match) as err:
-        AdaptiveEnv.read(env)
-    assert str(err.value).startswith(f"{var}=") and "\n" not in str(err.value)
+        adaptive_limits(table, budget, 8, None, 100, 48)
+    assert str(err.value).startswith(f"{flag} ") and "\n" not in str(err.value)
 
 
 @requires_sglang
 def test_limits_against_the_server_flags():
-    from dflash_sglang.adapter.adaptive import AdaptiveConfigError, AdaptiveEnv, adaptive_limits
+    from dflash_sglang.adapter.adaptive import AdaptiveConfigError, adaptive_limits
 
-    assert AdaptiveEnv.read({}) is None and AdaptiveEnv.read({"DFLASH_ADAPTIVE": "0", ENV_TABLE: "junk"}) is None
-    default = AdaptiveEnv.read(ADAPTIVE_ON)
-    assert default.table == DEFAULT_TABLE and default.token_budget is None
     # N defaults to the largest row after the block cap: 64x4 fits a depth-7 lattice; with B = 3 the lattice
     # of depth 2 has 1 + 4 + 16 = 21 nodes
-    assert adaptive_limits(default, 8, None, 100, 48)[1] == SpecShape(64, 4)
-    assert adaptive_limits(default, 3, None, 100, 48)[1] == SpecShape(21, 4)
-    with pytest.raises(AdaptiveConfigError, match=rf"^{ENV_TABLE}='{DEFAULT_TABLE}' has a 64x4 row .* more than "
+    assert adaptive_limits(DEFAULT_TABLE, None, 8, None, 100, 48)[1] == SpecShape(64, 4)
+    assert adaptive_limits(DEFAULT_TABLE, None, 3, None, 100, 48)[1] == SpecShape(21, 4)
+    with pytest.raises(AdaptiveConfigError, match=rf"^{TABLE_FLAG} '{DEFAULT_TABLE}' has a 64x4 row .* more than "
                                                   r"--speculative-num-draft-tokens 16"):
-        adaptive_limits(default, 8, 16, 100, 48)
+        adaptive_limits(DEFAULT_TABLE, None, 8, 16, 100, 48)
     with pytest.raises(AdaptiveConfigError, match=r"top-k 4 is larger than the draft vocabulary \(3 tokens\)"):
-        adaptive_limits(default, 8, None, 3, 48)
-    tight = AdaptiveEnv.read({**ADAPTIVE_ON, "DFLASH_ADAPTIVE_TOKEN_BUDGET": "32"})
-    with pytest.raises(AdaptiveConfigError, match=r"^DFLASH_ADAPTIVE_TOKEN_BUDGET=32 is below --max-running-requests"):
-        adaptive_limits(tight, 8, None, 100, 48)
+        adaptive_limits(DEFAULT_TABLE, None, 8, None, 3, 48)
+    with pytest.raises(AdaptiveConfigError, match=rf"^{BUDGET_FLAG} 32 is below --max-running-requests 48"):
+        adaptive_limits(DEFAULT_TABLE, 32, 8, None, 100, 48)
 
 
 @requires_sglang
 def test_schedule_logs_the_distribution_at_debug_on_change_only(caplog):
     import logging
 
-    from dflash_sglang.adapter.adaptive import AdaptiveEnv, ShapeSchedule, adaptive_limits
+    from dflash_sglang.adapter.adaptive import ShapeSchedule, adaptive_limits
 
-    settings = AdaptiveEnv.read({**ADAPTIVE_ON, ENV_TABLE: "2:6x2,inf:3x1"})
-    policy, largest = adaptive_limits(settings, 4, None, 100, 8)
-    schedule = ShapeSchedule(largest.nodes, policy=policy, table=settings.table)
+    policy, largest = adaptive_limits("2:6x2,inf:3x1", None, 4, None, 100, 8)
+    schedule = ShapeSchedule(largest.nodes, policy=policy, table="2:6x2,inf:3x1")
     with caplog.at_level(logging.DEBUG, logger="dflash_sglang.adapter.adaptive"):
         shapes = [schedule.choose(bs) for bs in (1, 1, 2, 5, 6, 7, 1)]
     assert shapes == [SpecShape(6, 2)] * 3 + [SpecShape(3, 1)] * 3 + [SpecShape(6, 2)]
@@ -166,3 +156,12 @@ def test_chain_verify_rows_are_a_depth_i_tree():
         chain = ops.build_tree_inputs(ids, torch.arange(n).expand(3, n).contiguous(), seq_lens, req_to_token, rows)
         assert torch.equal(chain.positions, block.positions[:, :n])
         assert torch.equal(chain.out_cache_loc, block.out_cache_loc[:, :n])
+
+
+@pytest.mark.parametrize("shape, cap, want", [
+    (SpecShape(8, 1), 20, SpecShape(8, 1)), (SpecShape(8, 1), 3, SpecShape(3, 1)), (SpecShape(8, 1), 1, SpecShape(1, 1)),
+    (SpecShape(16, 4), 5, SpecShape(5, 4)), (SpecShape(16, 4), 2, SpecShape(2, 1)), (SpecShape(10, 3), 10, SpecShape(10, 3)),
+])
+def test_shape_at_most(shape, cap, want):
+    """The worker's cut near the context limit: at most `cap` verify tokens; a tree cut below 3 nodes is a chain."""
+    assert shape.at_most(cap) == want

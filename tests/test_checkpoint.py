@@ -4,8 +4,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_sglang.core.checkpoint import check_fit, load_drafter, save_drafter
-from dflash_sglang.core.config import CheckpointError
+from dflash_sglang.core import checkpoint
+from dflash_sglang.core.checkpoint import (
+    INDEX_FILE, WEIGHTS_FILE, check_fit, check_weight_headers, load_drafter, save_drafter,
+)
+from dflash_sglang.core.config import CheckpointError, DraftConfig
 from factories import draft_config_for, tiny_drafter, tiny_target
 
 ZLAB_NAMES_PER_LAYER = {
@@ -51,37 +54,126 @@ def test_bf16_default_and_model_prefix(draft_dir):
 
 
 def _rewrite(draft_dir, fn):
-    sd = load_file(draft_dir / "model.safetensors")
+    sd = load_file(draft_dir / WEIGHTS_FILE)
     fn(sd)
-    save_file(sd, str(draft_dir / "model.safetensors"))
+    save_file(sd, str(draft_dir / WEIGHTS_FILE))
 
 
-@pytest.mark.parametrize(
-    "mutate,match",
-    [
-        (lambda sd: sd.pop("layers.1.mlp.up_proj.weight"), "missing tensor 'layers.1.mlp.up_proj.weight'"),
-        (lambda sd: sd.update({"lm_head.weight": torch.zeros(2, 2)}), "unexpected tensor 'lm_head.weight'"),
-        (lambda sd: sd.update({"fc.weight": torch.zeros(32, 64)}), r"tensor 'fc.weight' has shape \[32, 64\]"),
-        (lambda sd: sd.update({"layers.0.self_attn.k_norm.weight": torch.zeros(9)}), "k_norm.weight' has shape"),
-    ],
-)
-def test_bad_tensors_are_named(draft_dir, mutate, match):
-    _rewrite(draft_dir, mutate)
-    with pytest.raises(CheckpointError, match=match):
-        load_drafter(draft_dir)
+def _raw_header(draft_dir, fn):
+    """Rewrite the weights file's JSON header in place: fn(header dict) -> new header (tensor bytes kept)."""
+    raw = (draft_dir / WEIGHTS_FILE).read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    text = json.dumps(fn(json.loads(raw[8:8 + n]))).encode()
+    (draft_dir / WEIGHTS_FILE).write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
 
 
-def test_pickle_only_is_rejected(draft_dir):
-    (draft_dir / "model.safetensors").unlink()
-    torch.save({}, draft_dir / "pytorch_model.bin")
-    with pytest.raises(CheckpointError, match="pytorch_model.bin: pickle weights are never loaded"):
-        load_drafter(draft_dir)
+def _raw_bytes(draft_dir, fn):
+    (draft_dir / WEIGHTS_FILE).write_bytes(fn((draft_dir / WEIGHTS_FILE).read_bytes()))
 
 
-def test_garbled_safetensors(draft_dir):
-    (draft_dir / "model.safetensors").write_bytes(b"\x00" * 16)
-    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
-        load_drafter(draft_dir)
+def _entry(header, name, **kw):
+    header[name].update(kw)
+    return header
+
+
+def _pickle_only(name):
+    def mutate(draft_dir):
+        (draft_dir / WEIGHTS_FILE).unlink()
+        (draft_dir / name).write_bytes(b"never unpickled")  # only its name is looked at
+
+    return mutate
+
+
+def _model_prefix(draft_dir):
+    sd = load_file(draft_dir / WEIGHTS_FILE)
+    save_file({f"model.{k}": v for k, v in sd.items()}, str(draft_dir / WEIGHTS_FILE))
+
+
+SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+
+
+def _sharded(draft_dir):
+    sd = load_file(draft_dir / WEIGHTS_FILE)
+    (draft_dir / WEIGHTS_FILE).unlink()
+    names = sorted(sd)
+    weight_map = {n: SHARDS[i * 2 // len(names)] for i, n in enumerate(names)}
+    for shard in SHARDS:
+        save_file({n: sd[n] for n in names if weight_map[n] == shard}, str(draft_dir / shard))
+    (draft_dir / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def _sharded_then(fn):
+    def mutate(draft_dir):
+        _sharded(draft_dir)
+        fn(draft_dir)
+
+    return mutate
+
+
+def _drop_from_shard(draft_dir):
+    sd = load_file(draft_dir / SHARDS[1])
+    sd.pop("norm.weight")
+    save_file(sd, str(draft_dir / SHARDS[1]))
+
+
+MALFORMED = [
+    ("missing", lambda d: _rewrite(d, lambda sd: sd.pop("layers.1.mlp.up_proj.weight")),
+     "model.safetensors: missing tensor 'layers.1.mlp.up_proj.weight'"),
+    ("unexpected", lambda d: _rewrite(d, lambda sd: sd.update({"lm_head.weight": torch.zeros(2, 2)})),
+     "unexpected tensor 'lm_head.weight'"),
+    ("shape", lambda d: _rewrite(d, lambda sd: sd.update({"fc.weight": torch.zeros(32, 64)})),
+     r"tensor 'fc.weight' has shape \[32, 64\], config.json implies \[32, 96\]"),
+    ("norm-shape", lambda d: _rewrite(d, lambda sd: sd.update({"layers.0.self_attn.k_norm.weight": torch.zeros(9)})),
+     "tensor 'layers.0.self_attn.k_norm.weight' has shape"),
+    ("int-dtype", lambda d: _rewrite(d, lambda sd: sd.update({"norm.weight": torch.zeros(32, dtype=torch.int32)})),
+     "tensor 'norm.weight' has dtype I32; draft weights must be one of BF16"),
+    ("duplicate", lambda d: _rewrite(d, lambda sd: sd.update({"model.norm.weight": sd["norm.weight"].clone()})),
+     "norm.weight' duplicates one in model.safetensors"),
+    ("truncated-data", lambda d: _raw_bytes(d, lambda b: b[:-10]),
+     r"tensor '[\w.]+' data ends at byte \d+ but only \d+ data bytes follow the header \(truncated file\)"),
+    ("truncated-header", lambda d: _raw_bytes(d, lambda b: b[:40]),
+     r"not a readable safetensors file \(header length \d+ exceeds the 32 bytes that follow: truncated\?\)"),
+    ("too-short", lambda d: _raw_bytes(d, lambda b: b"abc"), "3 bytes, shorter than the 8-byte header length"),
+    ("zeros", lambda d: _raw_bytes(d, lambda b: b"\x00" * 16), r"not a readable safetensors file \(header is not JSON"),
+    ("garbage-header", lambda d: _raw_bytes(d, lambda b: b[:8] + b"#" * (len(b) - 8)), "header is not JSON"),
+    ("header-not-object", lambda d: _raw_header(d, lambda h: [h]), "header is list, not a JSON object"),
+    ("bad-entry", lambda d: _raw_header(d, lambda h: _entry(h, "fc.weight", shape="32x96")),
+     "tensor 'fc.weight' has a malformed header entry"),
+    ("byte-count", lambda d: _raw_header(d, lambda h: _entry(h, "norm.weight", shape=[16])),
+     r"tensor 'norm.weight' has 64 data bytes, but BF16 \[16\] needs 32"),
+    ("pickle-bin", _pickle_only("pytorch_model.bin"), "pytorch_model.bin: pickle weights are never loaded"),
+    ("pickle-pt", _pickle_only("draft.pt"), "draft.pt: pickle weights are never loaded"),
+    ("no-weights", lambda d: (d / WEIGHTS_FILE).unlink(), r"model.safetensors: missing \(no safetensors weights"),
+    ("missing-shard", _sharded_then(lambda d: (d / SHARDS[0]).unlink()), f"shard '{SHARDS[0]}' is missing"),
+    ("shard-lacks-tensor", _sharded_then(_drop_from_shard), f"{INDEX_FILE}: missing tensor 'norm.weight'"),
+]
+
+
+@pytest.mark.parametrize("check", ["headers", "load"])
+@pytest.mark.parametrize("mutate,match", [pytest.param(fn, m, id=i) for i, fn, m in MALFORMED])
+def test_malformed_checkpoints_fail_naming_file_and_tensor(draft_dir, check, mutate, match):
+    cfg = DraftConfig.load(draft_dir)
+    check_weight_headers(draft_dir, cfg)  # the good file passes
+    mutate(draft_dir)
+    with pytest.raises(CheckpointError, match=match) as err:
+        check_weight_headers(draft_dir, cfg) if check == "headers" else load_drafter(draft_dir)
+    assert len(str(err.value).splitlines()) == 1 and str(err.value).startswith(str(draft_dir))
+
+
+def _no_safe_open(*args, **kwargs):
+    raise AssertionError("the header check must not open tensor data")
+
+
+@pytest.mark.parametrize("layout", [None, _model_prefix, _sharded], ids=["single", "model-prefix", "sharded"])
+def test_good_layouts_pass_header_check_and_load(draft_dir, layout, monkeypatch):
+    before = load_drafter(draft_dir).state_dict()
+    if layout is not None:
+        layout(draft_dir)
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "safe_open", _no_safe_open)
+        check_weight_headers(draft_dir, DraftConfig.load(draft_dir))
+    after = load_drafter(draft_dir).state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_fit_checks(target):

@@ -1,4 +1,5 @@
 import json
+import shutil
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -12,24 +13,54 @@ def pair(tmp_path_factory):
     return save_tiny_pair(tmp_path_factory.mktemp("pair"))
 
 
-def test_inspect_ok(pair, capsys):
+def _edit_config(draft, fn):
+    cfg = json.loads((draft / "config.json").read_text())
+    fn(cfg)
+    (draft / "config.json").write_text(json.dumps(cfg))
+
+
+def _flatten(cfg):
+    cfg.update(cfg.pop("dflash_config"))  # the newer z-lab layout: DFlash fields at the top level
+
+
+def _drop_norm(draft):
+    sd = load_file(draft / "model.safetensors")
+    sd.pop("norm.weight")
+    save_file(sd, str(draft / "model.safetensors"))
+
+
+@pytest.mark.parametrize("layout,fmt", [(None, "zlab"), (_flatten, "zlab-flat")], ids=["zlab", "zlab-flat"])
+def test_inspect_ok(pair, tmp_path, capsys, layout, fmt):
     target, draft = pair
+    if layout is not None:
+        draft = shutil.copytree(draft, tmp_path / "draft")
+        _edit_config(draft, layout)
     assert main(["inspect", str(draft), "--target", str(target)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["fits_target"] and out["tensors"] == 25 and out["config"]["target_layer_ids"] == [1, 2, 3]
+    assert out["format"] == out["config"]["source_format"] == fmt
 
 
-def test_inspect_bad_checkpoint_one_line(pair, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (_drop_norm, "model.safetensors: missing tensor 'norm.weight'"),
+        (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-7]),
+         "(truncated file)"),
+        (lambda d: _edit_config(d, lambda c: c["dflash_config"].update(output_multiplier=0.5)),
+         "config.json: field 'dflash_config.output_multiplier' is a DFlash2 feature"),
+        (lambda d: _edit_config(d, lambda c: c.update(num_selector_layers=2)),
+         "config.json: field 'num_selector_layers' is a DFlash2 feature"),
+    ],
+    ids=["missing-tensor", "truncated", "dflash2-nested", "dflash2-top"],
+)
+def test_inspect_bad_checkpoint_one_line(pair, tmp_path, capsys, mutate, match):
     _, draft = pair
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    (bad / "config.json").write_text((draft / "config.json").read_text())
-    sd = load_file(draft / "model.safetensors")
-    sd.pop("norm.weight")
-    save_file(sd, str(bad / "model.safetensors"))
+    bad = shutil.copytree(draft, tmp_path / "bad")
+    mutate(bad)
     assert main(["inspect", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "missing tensor 'norm.weight'" in err and str(bad) in err
+    assert len(err.splitlines()) == 1 and match in err and str(bad) in err
 
 
 def test_inspect_target_mismatch(pair, tmp_path, capsys):

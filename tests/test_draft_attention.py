@@ -36,18 +36,17 @@ def test_layout_indices():
     assert layout.kv_indices.dtype == torch.int32
 
 
-def _paged_vs_core(cfg, monkeypatch, backend: str = "torch"):
+def _paged_vs_core(cfg, backend: str = "torch"):
     """Commit random context features into a PagedDrafter's pool, draft a mixed-length batch through the paged
     path, and draft the same batch with the core drafter on in-memory context. Returns both [bs, B, H]."""
     from dflash_sglang.adapter.model import DraftKVPool, PagedDrafter
 
-    monkeypatch.setenv("DFLASH_DRAFT_ATTENTION", backend)
     torch.manual_seed(0)
     core = tiny_drafter(cfg)
     r2t = _req_to_token(200)
     pool = DraftKVPool(cfg.num_hidden_layers, 200 + 6 * BLOCK, cfg.num_key_value_heads, cfg.head_dim,
                        torch.float32, "cpu")
-    paged = PagedDrafter(core, pool, scratch_base=200, block=BLOCK)
+    paged = PagedDrafter(core, pool, scratch_base=200, block=BLOCK, attention=backend)
     hidden = cfg.hidden_size
     feats = [torch.randn(n, cfg.n_features * hidden) for n in SEQ_LENS]
     for f, n, r in zip(feats, SEQ_LENS, POOL_IDX):
@@ -64,9 +63,9 @@ def _paged_vs_core(cfg, monkeypatch, backend: str = "torch"):
     return paged, got, torch.stack(want)
 
 
-def test_paged_pass_equals_core_drafter(monkeypatch):
+def test_paged_pass_equals_core_drafter():
     cfg = draft_config_for(tiny_target("qwen3"), block_size=BLOCK)
-    paged, got, want = _paged_vs_core(cfg, monkeypatch)
+    paged, got, want = _paged_vs_core(cfg)
     assert paged.backend_name == "torch"
     # each request's block K/V go to its request-pool slot's scratch rows, the rows its layout segment ends with
     rows = paged.scratch_rows(torch.tensor(POOL_IDX))
@@ -74,25 +73,21 @@ def test_paged_pass_equals_core_drafter(monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_sliding_window_drafter_takes_dense_path(monkeypatch):
+def test_sliding_window_drafter_takes_dense_path():
     cfg = draft_config_for(tiny_target("llama"), block_size=BLOCK,
                            layer_types=("sliding_attention", "full_attention"), sliding_window=3)
-    paged, got, want = _paged_vs_core(cfg, monkeypatch)
+    paged, got, want = _paged_vs_core(cfg)
     assert paged.attention is None and paged.backend_name.startswith("dense")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_backend_selection_errors(monkeypatch):
+def test_backend_selection():
     from dflash_sglang.adapter.draft_attention import TorchPagedAttention, select_backend
 
-    monkeypatch.setenv("DFLASH_DRAFT_ATTENTION", "sdpa")
-    with pytest.raises(ValueError, match="DFLASH_DRAFT_ATTENTION='sdpa'"):
-        select_backend("cpu", 4, 2, 8, torch.float32)
-    monkeypatch.setenv("DFLASH_DRAFT_ATTENTION", "flashinfer")
-    with pytest.raises(ValueError, match="needs a CUDA device"):
-        select_backend("cpu", 4, 2, 8, torch.float32)
-    monkeypatch.delenv("DFLASH_DRAFT_ATTENTION")
-    assert isinstance(select_backend("cpu", 4, 2, 8, torch.float32), TorchPagedAttention)
+    with pytest.raises(ValueError, match="^--speculative-draft-attention-backend flashinfer needs a CUDA device"):
+        select_backend("cpu", 4, 2, 8, torch.float32, "flashinfer")
+    for choice in ("auto", "torch"):
+        assert isinstance(select_backend("cpu", 4, 2, 8, torch.float32, choice), TorchPagedAttention)
 
 
 def _random_case(device: str, dtype: torch.dtype):
@@ -143,7 +138,7 @@ def test_flashinfer_matches_reference_on_gpu(dtype):
 
 
 @requires_flashinfer_gpu
-def test_paged_drafter_flashinfer_equals_torch_on_gpu(monkeypatch):
+def test_paged_drafter_flashinfer_equals_torch_on_gpu():
     """The whole paged pass on the GPU: FlashInfer backend vs the torch backend, same pool and layout."""
     cfg = draft_config_for(tiny_target("qwen3", hidden=256), block_size=BLOCK)  # head_dim 64
     from dflash_sglang.adapter.model import DraftKVPool, PagedDrafter
@@ -155,8 +150,7 @@ def test_paged_drafter_flashinfer_equals_torch_on_gpu(monkeypatch):
                        torch.bfloat16, "cuda")
     outs = {}
     for backend in ("torch", "flashinfer"):
-        monkeypatch.setenv("DFLASH_DRAFT_ATTENTION", backend)
-        paged = PagedDrafter(core, pool, scratch_base=200, block=BLOCK)
+        paged = PagedDrafter(core, pool, scratch_base=200, block=BLOCK, attention=backend)
         assert paged.backend_name == backend
         for n, r in zip(SEQ_LENS, POOL_IDX):
             torch.manual_seed(n)

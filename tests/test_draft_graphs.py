@@ -18,7 +18,7 @@ SIZES = (2, 4, 8)
 STEPS = [((5, 1, 12), (3, 0, 5)), ((7,), (2,)), ((9, 3, 1, 20), (1, 4, 0, 2)), ((2,) * 9, (0,) * 9)]
 
 
-def _setup(device="cpu", dtype=torch.float32, hidden=32):
+def _setup(device="cpu", dtype=torch.float32, hidden=32, attention="torch"):
     """A PagedDrafter over a pool with committed contexts for every request slot, its TargetHead, req_to_token."""
     from dflash_sglang.adapter.model import DraftKVPool, PagedDrafter, TargetHead
 
@@ -29,7 +29,7 @@ def _setup(device="cpu", dtype=torch.float32, hidden=32):
     req_to_token = (1 + torch.randperm(slots - 1)).view(REQ_SLOTS, WIDTH).to(torch.int32).to(device)
     pool = DraftKVPool(cfg.num_hidden_layers, slots + (REQ_SLOTS + 1) * BLOCK, cfg.num_key_value_heads,
                        cfg.head_dim, dtype, device)
-    paged = PagedDrafter(core, pool, scratch_base=slots, block=BLOCK, pad_slot=REQ_SLOTS)
+    paged = PagedDrafter(core, pool, scratch_base=slots, block=BLOCK, pad_slot=REQ_SLOTS, attention=attention)
     for r in range(REQ_SLOTS):
         feats = torch.randn(WIDTH, cfg.n_features * cfg.hidden_size, device=device, dtype=dtype)
         paged.commit(feats, torch.arange(WIDTH, device=device), req_to_token[r].to(torch.int64))
@@ -54,8 +54,7 @@ def _step_inputs(seq_lens, pool_idx, cfg, device="cpu"):
                                                                                                           device=device)
 
 
-def test_static_draft_replays_equal_eager_on_mixed_batches(monkeypatch):
-    monkeypatch.setenv("DFLASH_DRAFT_ATTENTION", "torch")
+def test_static_draft_replays_equal_eager_on_mixed_batches():
     cfg, paged, head, r2t = _setup()
     graphs = _graphs(paged, head, r2t, cfg)
     assert graphs.sizes == list(SIZES) and not graphs.captured
@@ -73,10 +72,9 @@ def test_static_draft_replays_equal_eager_on_mixed_batches(monkeypatch):
         assert graphs.drafts[graphs._size_for(len(seq_lens))].req_pool_indices[len(seq_lens):].eq(REQ_SLOTS).all()
 
 
-def test_static_commit_replays_equal_eager(monkeypatch):
+def test_static_commit_replays_equal_eager():
     from dflash_sglang.adapter.draft_graphs import PAD_SLOT
 
-    monkeypatch.setenv("DFLASH_DRAFT_ATTENTION", "torch")
     cfg, paged, head, r2t = _setup()
     _, eager, _, _ = _setup()
     graphs = _graphs(paged, head, r2t, cfg, nodes=(3,))
@@ -135,36 +133,26 @@ def test_captured_bodies_do_no_host_sync():
         int(graphs.drafts[2].seq_lens.sum())
 
 
-def test_graph_mode_from_env(monkeypatch):
+def test_graph_mode_follows_the_target():
     from dflash_sglang.adapter.draft_graphs import default_sizes, graph_mode
 
-    monkeypatch.delenv("DFLASH_DRAFT_CUDA_GRAPH", raising=False)
-    assert graph_mode("cpu", False, "torch") is None  # auto: eager on the CPU
-    assert graph_mode("cuda", False, "flashinfer") is None  # auto follows the target (eager here)
+    assert graph_mode("cpu", False, "torch") is None  # eager on the CPU
+    assert graph_mode("cuda", False, "flashinfer") is None  # follows the target (eager here: --disable-cuda-graph)
     assert graph_mode("cuda", True, "flashinfer") == "capture"
     assert graph_mode("cuda", True, "torch") is None  # the torch reference reads layouts on the host
     assert graph_mode("cuda", True, None) is None  # dense path (causal / sliding-window layers)
-    monkeypatch.setenv("DFLASH_DRAFT_CUDA_GRAPH", "static")
-    assert graph_mode("cpu", False, "torch") == "static"
-    with pytest.raises(ValueError, match="DFLASH_DRAFT_CUDA_GRAPH=static: the drafter has causal"):
-        graph_mode("cpu", False, None)
-    monkeypatch.setenv("DFLASH_DRAFT_CUDA_GRAPH", "1")
-    assert graph_mode("cuda", False, "flashinfer") == "capture"
-    with pytest.raises(ValueError, match="DFLASH_DRAFT_CUDA_GRAPH=1 needs a CUDA device"):
-        graph_mode("cpu", False, "torch")
-    monkeypatch.setenv("DFLASH_DRAFT_CUDA_GRAPH", "yes")
-    with pytest.raises(ValueError, match="DFLASH_DRAFT_CUDA_GRAPH='yes'"):
-        graph_mode("cpu", False, "torch")
-    monkeypatch.setenv("DFLASH_DRAFT_CUDA_GRAPH", "0")
-    assert graph_mode("cuda", True, "flashinfer") is None
+    assert graph_mode("cpu", False, "torch", "static") == "static"  # --speculative-dflash-draft-graphs static
+    assert graph_mode("cuda", True, "flashinfer", "static") == "static"
+    assert graph_mode("cuda", True, "flashinfer", "eager") is None
+    with pytest.raises(ValueError, match="^--speculative-dflash-draft-graphs static: the drafter has causal"):
+        graph_mode("cpu", False, None, "static")
     assert default_sizes(10) == [1, 2, 4, 8, 10] and default_sizes(4096)[-1] == 256
 
 
 @requires_flashinfer_gpu
-def test_captured_graphs_match_eager_on_gpu(monkeypatch):
+def test_captured_graphs_match_eager_on_gpu():
     """Captured CUDA graphs (FlashInfer graph-mode wrappers) against the eager pass and commit, same pool."""
-    monkeypatch.setenv("DFLASH_DRAFT_ATTENTION", "flashinfer")
-    cfg, paged, head, r2t = _setup("cuda", torch.bfloat16, hidden=256)  # head_dim 64
+    cfg, paged, head, r2t = _setup("cuda", torch.bfloat16, hidden=256, attention="flashinfer")  # head_dim 64
     graphs = _graphs(paged, head, r2t, cfg, nodes=(3,), capture=True)
     assert graphs.captured and all(g.graph is not None for g in graphs.drafts.values())
     for seq_lens, pool_idx in STEPS[:3]:
@@ -173,7 +161,7 @@ def test_captured_graphs_match_eager_on_gpu(monkeypatch):
         want = paged.eager_block_logits(head, bonus, sl, sl_cpu, r2t, idx).float()
         torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
-    _, eager, _, _ = _setup("cuda", torch.bfloat16, hidden=256)
+    _, eager, _, _ = _setup("cuda", torch.bfloat16, hidden=256, attention="flashinfer")
     rows = torch.arange(9, device="cuda")
     hidden = torch.randn(9, cfg.n_features * cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     assert graphs.commit(hidden, WIDTH + rows, 1 + rows * 7, bs=3, nodes=3)

@@ -1,4 +1,4 @@
-"""End to end on a real SGLang 0.5.17 Engine (CPU, torch_native attention) with our DFLASH worker.
+"""End to end on a real SGLang Engine (CPU, torch_native attention; 0.5.23 or 0.5.17) with our DFLASH worker.
 
 Tiny random targets + tiny random z-lab drafters (vocab 8, so a random drafter still gets partial and
 multi-token acceptances) are written to a temp dir. Each Engine runs in a child process (this file run as
@@ -6,7 +6,7 @@ a script) with the import shims of tests/sglang_shims on its path, so the pytest
 imports sglang:
 - Llama target, DFLASH in three verify modes: chain (the checkpoint's block size 8), tree
   (`speculative_eagle_topk=3`, `speculative_num_draft_tokens=10` nodes from one block-8 drafter pass) and
-  adaptive (`DFLASH_ADAPTIVE=1`: a small table and token budget, so the batch size crosses rows and a run
+  adaptive (`speculative_adaptive=True`: a small table and token budget, so the batch size crosses rows and a run
   verifies trees, chains of several lengths and plain 1-token steps), and the same Engine without speculation,
   all on the full scenario: >= 32 concurrent greedy prompts of mixed
   lengths with shared prefixes (radix hits) and prompts longer than the prefill chunk; EOS / stop tokens /
@@ -16,7 +16,8 @@ imports sglang:
 - The SmolLM2-135M testbed pair (real target, the shipped trained drafter, block 16), when installed: 32
   ShareGPT eval-split prompts (chat template) sent concurrently, DFLASH chain and plain Engines.
 The tree, adaptive and ShareGPT DFLASH Engines draft and commit through the draft-graph runner's static buffers
-(`DFLASH_DRAFT_CUDA_GRAPH=static`: the CUDA-graph path's padding and buffers, replayed without capture); the
+(`speculative_dflash_draft_graphs="static"`: the CUDA-graph path's padding and buffers, replayed without
+capture); the
 chain and Qwen3 Engines run the eager path.
 Checks (per mode): greedy and stop cases token-identical to the plain Engine (Qwen3: to HF greedy); sampled
 3-token continuations match the target's exact distribution (chi-square); the reported accept length
@@ -63,6 +64,7 @@ N_MIXED_GREEDY = 8  # greedy requests riding in the first sampled batch
 SIM_ACC_LEN = 3  # an integer mean: match-expected then commits exactly this many tokens every step
 SHAREGPT_PROMPTS, SHAREGPT_NEW = 32, 32  # testbed jobs: ShareGPT eval prompts x new tokens (greedy)
 CHILD_TIMEOUT_S = 900
+ENGINES_ENV = "DFLASH_E2E_ENGINES"  # comma-separated Engine (job) names to start; default: all
 
 
 pytestmark = requires_sglang
@@ -97,6 +99,20 @@ def stop_requests() -> list[tuple[list[int], dict]]:
             params = {"max_new_tokens": [1, 2, 3, 5, 7, 9, 11, 13, 15][i // 4], "ignore_eos": True}
         reqs.append((prompt, {"temperature": 0, **params}))
     return reqs
+
+
+CONTEXT = 512  # the tiny targets' max_position_embeddings: the Engines' context length
+# SGLang serves at most CONTEXT - 1 tokens per request, prompts shorter than CONTEXT - 6; a request with M new tokens
+# after a prompt of CONTEXT - 1 - M tokens ends exactly at the limit
+LIMIT_MARGINS = (34, 27, 19, 13, 9, 7, 6)
+
+
+def limit_requests() -> list[tuple[list[int], dict]]:
+    """Requests that decode right up to the context limit (the last steps' verify rows and KV reservation would
+    run past it), greedy, `ignore_eos`."""
+    rng = random.Random(2)
+    return [([rng.randrange(1, VOCAB - 1) for _ in range(CONTEXT - 1 - m)],
+             {"temperature": 0, "max_new_tokens": m, "ignore_eos": True}) for m in LIMIT_MARGINS]
 
 
 def run_child(job: dict) -> None:
@@ -146,14 +162,14 @@ def _full_scenario(engine, job: dict, res: dict) -> None:
     prompts, params = zip(*stop_requests())
     stops = engine.generate(input_ids=list(prompts), sampling_params=list(params))
     res["stops"] = [{"ids": o["output_ids"], "text": o["text"], "meta": _meta(o)} for o in stops]
+    prompts, params = zip(*limit_requests())
+    res["limit"] = [o["output_ids"] for o in engine.generate(input_ids=list(prompts), sampling_params=list(params))]
+    time.sleep(1)  # idle: SGLang's scheduler checks that no KV slot leaked (and dies if one did)
     res["abort"] = engine.loop.run_until_complete(_abort_scenario(engine))
+    res["logprob"] = _logprob_scenario(engine)
+    res["grammar"] = _grammar_scenario(engine)
     res["timings"]["stops_abort_s"] = time.perf_counter() - t0
     if job["spec"]:
-        try:  # an aborted request surfaces as ValueError(message) from Engine.generate
-            engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 5, "regex": "[!#]+"})
-            res["grammar"] = "not refused"
-        except ValueError as e:
-            res["grammar"] = str(e)
         t0 = time.perf_counter()
         for i, (key, n, settings) in enumerate(SAMPLED):
             params = [{**settings, "max_new_tokens": SAMPLE_NEW, "ignore_eos": True}] * n
@@ -166,6 +182,58 @@ def _full_scenario(engine, job: dict, res: dict) -> None:
             if i == 0:
                 res["greedy_in_sampled_batch"] = [o["output_ids"] for o in out[n:]]
         res["timings"]["sampled_s"] = time.perf_counter() - t0
+
+
+LOGPROB_PROMPTS, LOGPROB_TOP, LOGPROB_IDS = 8, 3, [1, 5]
+LOGPROB_SAMPLED = {"temperature": 0.7, "max_new_tokens": 12, "ignore_eos": True}
+
+
+def _logprob_scenario(engine) -> dict:
+    """Greedy requests with every logprob option (mixed lengths, from the prompt's start), and sampled ones."""
+    prompts = greedy_prompts()[:LOGPROB_PROMPTS]
+    kw = dict(return_logprob=True, top_logprobs_num=LOGPROB_TOP, token_ids_logprob=LOGPROB_IDS, logprob_start_len=0)
+    greedy = engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": GREEDY_NEW,
+                                                                 "ignore_eos": True}, **kw)
+    sampled = engine.generate(input_ids=prompts, sampling_params=LOGPROB_SAMPLED, return_logprob=True)
+
+    def fields(o: dict) -> dict:
+        m = o["meta_info"]
+        return {"ids": o["output_ids"], "out": [t[0] for t in m["output_token_logprobs"]],
+                "out_ids": [t[1] for t in m["output_token_logprobs"]], "input": [t[0] for t in m["input_token_logprobs"]],
+                "top": [[(t[0], t[1]) for t in row] for row in m["output_top_logprobs"]],
+                "token_ids": [[(t[0], t[1]) for t in row] for row in m["output_token_ids_logprobs"]]}
+
+    return {"greedy": [fields(o) for o in greedy],
+            "sampled": [{"ids": o["output_ids"], "out": [t[0] for t in o["meta_info"]["output_token_logprobs"]]}
+                        for o in sampled]}
+
+
+# over the tiny vocabulary's characters (ids 1..6; 0 and 2 end a request): the grammar forbids most of what the
+# random target and drafter would otherwise produce, so drafts are often grammar-invalid
+CHARS = ' !"#$%'
+GRAMMAR_REGEX = r'(#[$%]"|%%){4,}( \$)?'
+GRAMMAR_BAD = r'(#[$%'  # does not compile
+
+
+def as_text(ids: list[int]) -> str:
+    """The characters of output ids (the tokenizer's decode puts spaces between them), EOS tokens dropped."""
+    return "".join(CHARS[i - 1] for i in ids if i not in EOS_IDS)
+
+
+def _grammar_scenario(engine) -> dict:
+    """Greedy and sampled regex-constrained requests (mixed-length prompts), and a regex that does not compile."""
+    prompts = greedy_prompts()[:8]
+    regex = {"max_new_tokens": GREEDY_NEW, "regex": GRAMMAR_REGEX}
+    greedy = engine.generate(input_ids=prompts, sampling_params={"temperature": 0, **regex})
+    sampled = engine.generate(input_ids=prompts * 3, sampling_params={"temperature": 1.0, **regex})
+    try:  # an aborted request surfaces as ValueError(message) from Engine.generate
+        engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 5, "regex": GRAMMAR_BAD})
+        bad = "not refused"
+    except ValueError as e:
+        bad = str(e)
+    return {"greedy": [{"ids": o["output_ids"], "text": o["text"], "finish": o["meta_info"]["finish_reason"]}
+                       for o in greedy],
+            "sampled": [o["output_ids"] for o in sampled], "bad": bad}
 
 
 def _top2(o: dict) -> dict:
@@ -332,16 +400,16 @@ def debug_logging_config(root: Path) -> Path:
     return path
 
 
-def static_graphs_env(root: Path) -> dict[str, str]:
-    """The draft pass and commit through the draft-graph runner's static buffers and padding, replayed without
-    capture (DFLASH_DRAFT_CUDA_GRAPH=static), dflash_sglang logs at DEBUG (its first replay of each size)."""
-    return {"DFLASH_DRAFT_CUDA_GRAPH": "static", "SGLANG_LOGGING_CONFIG_PATH": str(debug_logging_config(root))}
+def debug_env(root: Path) -> dict[str, str]:
+    """dflash_sglang logs at DEBUG (the draft graphs' first replay of each size, the adaptive shape changes)."""
+    return {"SGLANG_LOGGING_CONFIG_PATH": str(debug_logging_config(root))}
 
 
-def adaptive_env(root: Path) -> dict[str, str]:
-    """Environment of the adaptive-mode Engine: the test table and budget, static draft graphs, DEBUG logs."""
-    return {"DFLASH_ADAPTIVE": "1", "DFLASH_ADAPTIVE_TABLE": ADAPTIVE_TABLE,
-            "DFLASH_ADAPTIVE_TOKEN_BUDGET": str(ADAPTIVE_BUDGET), **static_graphs_env(root)}
+# The draft pass and commit through the draft-graph runner's static buffers and padding, replayed without capture.
+STATIC_GRAPHS = {"speculative_dflash_draft_graphs": "static"}
+# The adaptive-mode Engine: the test table and budget, static draft graphs.
+ADAPTIVE = {"speculative_adaptive": True, "speculative_dflash_adaptive_table": ADAPTIVE_TABLE,
+            "speculative_dflash_adaptive_token_budget": ADAPTIVE_BUDGET, **STATIC_GRAPHS}
 
 
 @functools.cache
@@ -368,7 +436,7 @@ def sharegpt_jobs(root: Path) -> list[dict]:
     target, draft, prompts = case
     common = dict(root=str(root), target=target, draft=draft, full=False, chunk=128, prompts=prompts,
                   new_tokens=SHAREGPT_NEW)
-    return [dict(name="sharegpt", spec=True, env=static_graphs_env(root), **common),
+    return [dict(name="sharegpt", spec=True, env=debug_env(root), engine_kwargs=dict(STATIC_GRAPHS), **common),
             dict(name="sharegpt_plain", spec=False, **common)]
 
 
@@ -378,8 +446,9 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
     jobs = [
         dict(name="chain", root=str(pair_dir), spec=True, full=True),
         dict(name="tree", root=str(pair_dir), spec=True, full=True, block=TREE_NODES, topk=TREE_TOPK,
-             env=static_graphs_env(pair_dir)),
-        dict(name="adaptive", root=str(pair_dir), spec=True, full=True, env=adaptive_env(pair_dir)),
+             env=debug_env(pair_dir), engine_kwargs=dict(STATIC_GRAPHS)),
+        dict(name="adaptive", root=str(pair_dir), spec=True, full=True, env=debug_env(pair_dir),
+             engine_kwargs=dict(ADAPTIVE)),
         dict(name="plain", root=str(pair_dir), spec=False, full=True),
         dict(name="qwen3", root=str(qwen3_dir), spec=True, full=False, block=QWEN3_BLOCK),
         # capacity-planning mode: random draft weights, every step forced to commit SIM_ACC_LEN tokens
@@ -389,6 +458,9 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
                   "SGLANG_SIMULATE_ACC_TOKEN_MODE": "real-draft-token"}),
         *sharegpt_jobs(pair_dir),
     ]
+    selected = os.environ.get(ENGINES_ENV)
+    if selected:  # .ci/run's pass on the other supported SGLang: the three modes and plain (`-k` picks their tests)
+        jobs = [job for job in jobs if job["name"] in selected.split(",")]
     for job in jobs:
         job["out"] = str(Path(job["root"]) / f"{job['name']}.json")
     return run_children(jobs)
@@ -437,6 +509,53 @@ def test_stops_inside_a_block_match_plain_engine(runs, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_requests_up_to_the_context_limit(runs, mode):
+    """Requests decoding up to the context limit: identical to plain, every one to its last token, and no KV slot
+    lost (SGLang's idle leak check would have killed the Engine before the scenarios that follow)."""
+    spec, plain = runs[mode]["limit"], runs["plain"]["limit"]
+    # (SGLang ends a request at CONTEXT - 1 tokens in all, one short of max_new_tokens here)
+    assert spec == plain and [len(ids) for ids in spec] == [m - 1 for m in LIMIT_MARGINS]
+
+
+LOGPROB_TOL = 1e-4  # float32 logits of the same prefix through a verify row vs a 1-token decode
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_logprobs_match_plain_engine(runs, mode):
+    """return_logprob / top_logprobs_num / token_ids_logprob / logprob_start_len: the committed tokens' logprobs (from
+    the verify rows: a chain's row j, a tree's path nodes), the top-3 and the asked ids equal the plain Engine's."""
+    spec, plain = runs[mode]["logprob"]["greedy"], runs["plain"]["logprob"]["greedy"]
+    assert len(spec) == len(plain) == LOGPROB_PROMPTS
+    for s, p in zip(spec, plain):
+        assert s["ids"] == p["ids"] == s["out_ids"] and len(s["out"]) == GREEDY_NEW
+        assert s["input"][1:] == pytest.approx(p["input"][1:], abs=LOGPROB_TOL)  # (the first has none)
+        assert s["out"] == pytest.approx(p["out"], abs=LOGPROB_TOL)
+        assert [[i for _, i in row] for row in s["top"]] == [[i for _, i in row] for row in p["top"]]
+        assert [v for row in s["top"] for v, _ in row] == pytest.approx([v for row in p["top"] for v, _ in row],
+                                                                         abs=LOGPROB_TOL)
+        assert [[i for _, i in row] for row in s["token_ids"]] == [LOGPROB_IDS] * GREEDY_NEW
+        assert [v for row in s["token_ids"] for v, _ in row] == pytest.approx(
+            [v for row in p["token_ids"] for v, _ in row], abs=LOGPROB_TOL)
+        assert all(v == pytest.approx(row[0][0], abs=LOGPROB_TOL) for v, row in zip(s["out"], s["top"]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sampled_logprobs_are_the_targets(runs, pair_dir, mode):
+    """Sampled tokens (different from plain's draws) carry the target's log-probability at the request's
+    temperature, recomputed here with the HF target over the prompt and the tokens drawn before."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(pair_dir / "target", dtype=torch.float32).eval()
+    for prompt, s in zip(greedy_prompts(), runs[mode]["logprob"]["sampled"]):
+        ids = torch.tensor([prompt + s["ids"]])
+        with torch.no_grad():
+            logits = target(ids).logits[0, len(prompt) - 1 : -1]
+        want = torch.log_softmax(logits / LOGPROB_SAMPLED["temperature"], -1).gather(1, ids[0, len(prompt):, None])
+        assert len(s["out"]) == LOGPROB_SAMPLED["max_new_tokens"]
+        assert s["out"] == pytest.approx(want.squeeze(1).tolist(), abs=LOGPROB_TOL)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_abort_mid_decode(runs, mode):
     spec, plain = runs[mode]["abort"], runs["plain"]["abort"]
     assert spec["long_finish"]["type"] == "abort"
@@ -445,8 +564,22 @@ def test_abort_mid_decode(runs, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_grammar_requests_are_refused(runs, mode):
-    assert "does not support grammar-constrained requests yet (regex)" in runs[mode]["grammar"]
+def test_grammar_constrained_decoding(runs, mode):
+    """Regex-constrained requests: greedy output identical to the plain Engine's (each verify row masked by the
+    grammar state of its draft path), every sampled output matches the regex, and a regex that does not compile is
+    refused with the plain Engine's error."""
+    import re
+
+    spec, plain = runs[mode]["grammar"], runs["plain"]["grammar"]
+    assert spec["greedy"] == plain["greedy"]
+    assert all(re.fullmatch(GRAMMAR_REGEX, as_text(g["ids"])) for g in spec["greedy"]), spec["greedy"]
+    assert len(spec["sampled"]) == 24 and all(re.fullmatch(GRAMMAR_REGEX, as_text(ids)) for ids in spec["sampled"])
+    assert len({tuple(ids) for ids in spec["sampled"]}) > 1  # actually sampled
+    assert any(len(g["ids"]) > 6 for g in spec["greedy"])  # several steps constrained, not just one group
+    def error(message: str) -> str:  # (xgrammar stamps the time into it)
+        return re.sub(r"\[\d\d:\d\d:\d\d\] ", "", message)
+
+    assert error(spec["bad"]) == error(plain["bad"]) and spec["bad"].startswith("Failed to compile regex grammar")
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -1,14 +1,14 @@
 """DFLASH on a real SGLang Engine on CUDA (FlashInfer target attention, overlap scheduler, CUDA graphs for
 the target verify). Skipped without a GPU; on a GPU machine sglang must be installed with its CUDA deps
-(plain `pip install sglang==0.5.17`), not by .ci/install_sglang.sh.
+(plain `pip install sglang==0.5.17` beside torch 2.11, or 0.5.23 beside torch 2.14.1), not by .ci/install_sglang.sh.
 
 Same tiny pair and greedy prompts as tests/test_sglang_e2e.py, bf16, for the chain, for tree verification
 (`--speculative-eagle-topk 3`, 10 nodes) with the tree mask passed as SGLang's TARGET_VERIFY `custom_mask` to
 FlashInfer and to Triton (eager), and to FlashInfer under verify CUDA graphs captured with the mask buffers
-(`DFLASH_TREE_CUDA_GRAPH=1`; all ran without error on an H100, 2026-11-23), and for adaptive shapes (the e2e test's
+(`--speculative-dflash-tree-cuda-graph`; all ran without error on an H100, 2026-11-23), and for adaptive shapes (the e2e test's
 table: verify widths below the captured CUDA-graph width run eagerly). Every DFLASH Engine but the Triton one
 replays the draft pass and commit as captured CUDA graphs (adapter/draft_graphs.py, the default where the target
-captures graphs); the Triton one runs them eagerly (`DFLASH_DRAFT_CUDA_GRAPH=0`). Speculative and plain bf16 decoding are not
+captures graphs); the Triton one runs target and draft eagerly (`--disable-cuda-graph`). Speculative and plain bf16 decoding are not
 bit-identical (different kernels and batch shapes for the same tokens): on the H100, 8 or 9 of the 40 requests left
 the plain output in every mode, and the CPU Engine in bf16 does the same. So this checks that every request
 equals the plain output or first leaves it where the plain Engine's top two tokens nearly tie.
@@ -21,18 +21,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_sglang_e2e import (TREE_NODES, TREE_TOPK, adaptive_env, assert_close_to_plain_bf16, debug_logging_config,
+from test_sglang_e2e import (ADAPTIVE, TREE_NODES, TREE_TOPK, assert_close_to_plain_bf16, debug_logging_config,
                              run_children, write_pair)
 
 # job name -> (speculative, attention backend, extra job fields)
 ENGINES = {
     "chain": (True, "flashinfer", {}),
     "tree": (True, "flashinfer", {"block": TREE_NODES, "topk": TREE_TOPK}),
-    "tree_triton": (True, "triton", {"block": TREE_NODES, "topk": TREE_TOPK, "env": {"DFLASH_DRAFT_CUDA_GRAPH": "0"}}),
+    "tree_triton": (True, "triton", {"block": TREE_NODES, "topk": TREE_TOPK, "flags": {"disable_cuda_graph": True}}),
     # opt-in: verify CUDA graphs captured with the custom-mask buffers, so tree verifies replay graphs
     "tree_graph": (True, "flashinfer",
-                   {"block": TREE_NODES, "topk": TREE_TOPK, "env": {"DFLASH_TREE_CUDA_GRAPH": "1"}}),
-    "adaptive": (True, "flashinfer", {}),  # env: adaptive_env (set in the fixture, it needs the pair's dir)
+                   {"block": TREE_NODES, "topk": TREE_TOPK, "flags": {"speculative_dflash_tree_cuda_graph": True}}),
+    # the e2e test's table; the draft graphs are captured (no static-buffer mode on CUDA)
+    "adaptive": (True, "flashinfer", {"flags": {**ADAPTIVE, "speculative_dflash_draft_graphs": "auto"}}),
     "plain": (False, "flashinfer", {"top2": True}),  # top-2 logprobs: where bf16 may flip a choice
 }
 
@@ -55,10 +56,10 @@ def gpu_runs(gpu_root) -> dict[str, dict]:
     jobs = [
         dict(name=name, root=str(root), spec=spec, full=False, device="cuda", dtype="bfloat16",
              attention_backend=backend, out=str(Path(root) / f"{name}.json"),
-             engine_kwargs={"cuda_graph_max_bs_decode": 48}, **extra)  # 40 greedy requests; fewer graphs to capture
-        for name, (spec, backend, extra) in ENGINES.items()
+             # 40 greedy requests; fewer graphs to capture
+             engine_kwargs={"cuda_graph_max_bs_decode": 48, **extra.pop("flags", {})}, **extra)
+        for name, (spec, backend, extra) in ((n, (s, b, dict(e))) for n, (s, b, e) in ENGINES.items())
     ]
-    jobs[list(ENGINES).index("adaptive")]["env"] = {**adaptive_env(root), "DFLASH_DRAFT_CUDA_GRAPH": "auto"}
     for job in jobs:  # INFO/DEBUG lines of dflash_sglang in every child log (what the draft-graph test reads)
         job["env"] = {"SGLANG_LOGGING_CONFIG_PATH": str(debug_logging_config(root)), **job.get("env", {})}
     return run_children(jobs, shims=False)
@@ -66,7 +67,7 @@ def gpu_runs(gpu_root) -> dict[str, dict]:
 
 def test_draft_graphs_captured_on_gpu(gpu_runs, gpu_root):
     """Where the target captures its graphs, the DFLASH Engines captured the draft pass and commit and replayed
-    them (padded batches included); DFLASH_DRAFT_CUDA_GRAPH=0 kept the Triton Engine eager."""
+    them (padded batches included); --disable-cuda-graph kept the Triton Engine eager."""
     import re
 
     logs = {name: (gpu_root / f"{name}.log").read_text() for name, (spec, _, _) in ENGINES.items() if spec}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from importlib.metadata import entry_points
@@ -101,41 +102,135 @@ def test_register_is_idempotent(plugin):
 
 
 @child_only
-def test_unsupported_sglang_version_fails_at_import(monkeypatch):
-    """Importing the entry point module (what SGLang's plugin loader does) fails with one line on another SGLang."""
+@pytest.mark.parametrize("found", ["0.5.20", "0.5.24"])
+def test_unsupported_sglang_version_fails_at_import(monkeypatch, found):
+    """Importing the entry point module (what SGLang's plugin loader does) fails with one line naming the supported
+    set on any other SGLang (then SGLang logs it and keeps its builtin DFLASH)."""
     import importlib
     import importlib.metadata
     import sys
 
     real = importlib.metadata.version
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.5.23" if name == "sglang" else real(name))
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: found if name == "sglang" else real(name))
     for name in [m for m in sys.modules if m == "dflash_sglang.adapter" or m.startswith("dflash_sglang.adapter.")]:
         monkeypatch.delitem(sys.modules, name)  # restored after the test
-    with pytest.raises(ImportError, match=r"^dflash_sglang\.adapter supports sglang==0\.5\.17 only, found "
-                                          r"sglang==0\.5\.23: install sglang==0\.5\.17, or uninstall") as err:
+    with pytest.raises(ImportError, match=rf"^dflash_sglang\.adapter supports sglang==0\.5\.17 or sglang==0\.5\.23 "
+                                          rf"only, found sglang=={found}: install sglang==0\.5\.23, or uninstall") as err:
         importlib.import_module("dflash_sglang.adapter.plugin")
     assert type(err.value).__name__ == "UnsupportedSGLangError" and "\n" not in str(err.value)
 
 
-def _server_args(pair: Path, **kw):
-    from sglang.srt.server_args import ServerArgs
+def _argv(pair: Path, **kw) -> list[str]:
+    """Command-line flags of a DFLASH server on the tiny pair, plus `kw` (name=value -> --name value)."""
+    args = {**dict(model_path=str(pair / "target"), device="cpu", attention_backend="torch_native",
+                   skip_tokenizer_init=True, speculative_algorithm="DFLASH",
+                   speculative_draft_model_path=str(pair / "draft")), **kw}
+    argv = []
+    for name, value in args.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not False and value is not None:
+            argv += [flag, str(value)]
+    return argv
 
-    args = dict(
-        model_path=str(pair / "target"), device="cpu", attention_backend="torch_native", skip_tokenizer_init=True,
-        speculative_algorithm="DFLASH", speculative_draft_model_path=str(pair / "draft"),
-    )
-    return ServerArgs(**{**args, **kw})
+
+def _server_args(pair: Path, **kw):
+    """Parsed by SGLang's own parser (ours added to it) and resolved the way this SGLang resolves."""
+    from sglang.srt.server_args import prepare_server_args
+
+    from dflash_sglang.adapter.versions import resolve
+
+    return resolve(prepare_server_args(_argv(pair, **kw)))
+
+
+def _shape(server_args):
+    """What the worker reads (the attached settings) and what SGLang sizes from (the declared fields)."""
+    from dflash_sglang.adapter.settings import settings_of
+    from dflash_sglang.adapter.versions import resolved_value
+
+    s = settings_of(server_args)
+    declared = tuple(resolved_value(server_args, f) for f in ("speculative_num_draft_tokens",
+                                                               "speculative_dflash_block_size",
+                                                               "speculative_eagle_topk", "speculative_num_steps"))
+    assert declared == (s.nodes, s.block_size, s.topk, 1), (declared, s)
+    return s.mode, s.nodes, s.block_size, s.topk
 
 
 @child_only
 def test_server_args_resolution(plugin, pair, monkeypatch):
+    from dflash_sglang.adapter.settings import settings_of
+    from dflash_sglang.adapter.versions import resolved_value
+
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
     args = _server_args(pair)
-    assert args.speculative_num_draft_tokens == 6  # the checkpoint's block size
-    assert (args.speculative_num_steps, args.speculative_eagle_topk) == (1, 1)
-    assert args.disable_overlap_schedule  # synchronous spec worker on CPU
-    assert args.max_running_requests == 48
-    assert _server_args(pair, speculative_num_draft_tokens=4).speculative_num_draft_tokens == 4
+    assert _shape(args) == ("chain", 6, 6, 1)  # the checkpoint's block size
+    assert resolved_value(args, "disable_overlap_schedule")  # synchronous spec worker on CPU
+    assert resolved_value(args, "max_running_requests") == 48 == settings_of(args).max_running_requests
+    s = settings_of(args)
+    assert (s.draft_attention, s.draft_graphs, s.tree_cuda_graph, s.dummy_draft) == ("torch", "auto", False, False)
+    assert s.draft.block_size == 6 and s.draft_dir == str(pair / "draft") and s.device == "cpu"
+    assert _shape(_server_args(pair, speculative_num_draft_tokens=4)) == ("chain", 4, 4, 1)
+    assert _shape(_server_args(pair, speculative_dflash_block_size=5)) == ("chain", 5, 5, 1)
+    assert settings_of(_server_args(pair, speculative_draft_attention_backend="torch_native")).draft_attention == "torch"
+
+
+@child_only
+def test_settings_survive_the_trip_to_the_scheduler(plugin, pair, monkeypatch):
+    """The scheduler process gets the record pickled; the worker reads the same settings there."""
+    import pickle
+
+    from dflash_sglang.adapter.settings import settings_of
+
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    args = _server_args(pair, speculative_adaptive=True, speculative_dflash_adaptive_table="4:10x3,inf:4x1")
+    copy = pickle.loads(pickle.dumps(args))
+    assert settings_of(copy) == settings_of(args) and settings_of(copy).mode == "adaptive"
+    with pytest.raises(RuntimeError, match="not resolved by dflash-sglang's hooks"):
+        settings_of(SimpleNamespace())
+
+
+@child_only
+def test_engine_keywords_resolve_like_flags(plugin, pair, monkeypatch):
+    """`sgl.Engine(speculative_dflash_...=...)`: the Engine builds its ServerArgs through our class hook, with the same
+    result as the same flags on the command line."""
+    import sglang.srt.entrypoints.engine as engine
+
+    from dflash_sglang.adapter.settings import settings_of
+    from dflash_sglang.adapter.versions import resolve
+
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    plugin.register()  # the Engine module is loaded now: register() routes its keywords
+    kw = dict(model_path=str(pair / "target"), device="cpu", attention_backend="torch_native", skip_tokenizer_init=True,
+              speculative_algorithm="DFLASH", speculative_draft_model_path=str(pair / "draft"),
+              speculative_adaptive=True, speculative_dflash_adaptive_table="4:10x3,inf:4x1",
+              speculative_dflash_adaptive_token_budget=60, speculative_dflash_draft_graphs="static")
+    from_engine = settings_of(resolve(engine.Engine.server_args_class(**kw)))
+    from_cli = settings_of(_server_args(pair, **{k: v for k, v in kw.items() if k.startswith("speculative_")
+                                                 and k not in ("speculative_algorithm", "speculative_draft_model_path")}))
+    assert from_engine == from_cli
+    assert (from_engine.adaptive_token_budget, from_engine.draft_graphs) == (60, "static")
+    # keywords skip argparse's type and choice checks: resolution checks them
+    from dflash_sglang.adapter.args import UnsupportedFlagError
+
+    with pytest.raises(UnsupportedFlagError, match=r"^--speculative-dflash-draft-graphs sometimes: expected one of "
+                                                   r"auto, eager, static"):
+        resolve(engine.Engine.server_args_class(**{**kw, "speculative_dflash_draft_graphs": "sometimes"}))
+
+
+@child_only
+def test_help_lists_our_flags(plugin, pair, capsys):
+    from sglang.srt.server_args import prepare_server_args
+
+    from dflash_sglang.adapter.settings import PLUGIN_FLAGS
+
+    with pytest.raises(SystemExit):
+        prepare_server_args(["--help"])
+    out = capsys.readouterr().out
+    assert "dflash-sglang DFLASH" in out and all(s.flag in out for s in PLUGIN_FLAGS)
+    with pytest.raises(SystemExit):  # SGLang's parser checks our flags' types and choices
+        prepare_server_args(_argv(pair, speculative_dflash_draft_graphs="sometimes"))
+    assert "argument --speculative-dflash-draft-graphs: invalid choice: 'sometimes'" in capsys.readouterr().err
 
 
 @child_only
@@ -143,79 +238,116 @@ def test_tree_flags_resolution(plugin, pair, monkeypatch):
     """--speculative-eagle-topk k > 1: N = --speculative-num-draft-tokens tree nodes (default: the block size),
     the drafter block from --speculative-dflash-block-size or the checkpoint (6 here)."""
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
-    resolved = lambda a: (a.speculative_num_draft_tokens, a.speculative_dflash_block_size,  # noqa: E731
-                          a.speculative_eagle_topk, a.speculative_num_steps)
-    assert resolved(_server_args(pair, speculative_eagle_topk=3, speculative_num_draft_tokens=10)) == (10, 6, 3, 1)
-    assert resolved(_server_args(pair, speculative_eagle_topk=2)) == (6, 6, 2, 1)
-    tree = _server_args(pair, speculative_eagle_topk=2, speculative_dflash_block_size=4,
-                        speculative_num_draft_tokens=15)
-    assert resolved(tree) == (15, 4, 2, 1)  # 15 = every node of a depth-3 binary lattice
-    assert resolved(_server_args(pair, speculative_eagle_topk=1)) == (6, 6, 1, 1)  # k = 1 is the chain
+    assert _shape(_server_args(pair, speculative_eagle_topk=3, speculative_num_draft_tokens=10)) == ("tree", 10, 6, 3)
+    assert _shape(_server_args(pair, speculative_eagle_topk=2)) == ("tree", 6, 6, 2)
+    tree = _server_args(pair, speculative_eagle_topk=2, speculative_dflash_block_size=4, speculative_num_draft_tokens=15)
+    assert _shape(tree) == ("tree", 15, 4, 2)  # 15 = every node of a depth-3 binary lattice
+    assert _shape(_server_args(pair, speculative_eagle_topk=1)) == ("chain", 6, 6, 1)  # k = 1 is the chain
 
 
 @child_only
 def test_adaptive_flags_resolution(plugin, pair, monkeypatch):
-    """DFLASH_ADAPTIVE=1: the drafter block B as for a tree (checkpoint: 6), N = the largest shape the table can
-    pick after the depth-5 cap (or the explicit flag), top-k = the largest row top-k."""
+    """--speculative-adaptive: the drafter block B as for a tree (checkpoint: 6), N = the largest shape the table
+    can pick after the depth-5 cap (or the explicit flag), top-k = the largest row top-k. SGLang's own (EAGLE)
+    adaptive machinery stays off."""
+    from dflash_sglang.adapter.settings import settings_of
+    from dflash_sglang.adapter.versions import resolved_value
+
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
-    monkeypatch.setenv("DFLASH_ADAPTIVE", "1")
-    resolved = lambda a: (a.speculative_num_draft_tokens, a.speculative_dflash_block_size,  # noqa: E731
-                          a.speculative_eagle_topk, a.speculative_num_steps)
-    monkeypatch.setenv("DFLASH_ADAPTIVE_TABLE", "4:10x3,inf:4x1")
-    assert resolved(_server_args(pair)) == (10, 6, 3, 1)
-    assert resolved(_server_args(pair, speculative_num_draft_tokens=12)) == (12, 6, 3, 1)
-    assert resolved(_server_args(pair, speculative_dflash_block_size=3)) == (10, 3, 3, 1)  # 1 + 3 + 9 nodes
-    monkeypatch.setenv("DFLASH_ADAPTIVE_TABLE", "8:20x1,inf:3x1")  # a chain row is capped to the block
-    assert resolved(_server_args(pair)) == (6, 6, 1, 1)
-    monkeypatch.delenv("DFLASH_ADAPTIVE_TABLE")
-    assert resolved(_server_args(pair)) == (64, 6, 4, 1)  # the default table's 1:64x4 row
+
+    def adaptive(table=None, **kw):
+        return _server_args(pair, speculative_adaptive=True, speculative_dflash_adaptive_table=table, **kw)
+
+    args = adaptive("4:10x3,inf:4x1")
+    assert _shape(args) == ("adaptive", 10, 6, 3) and resolved_value(args, "speculative_adaptive") is False
+    assert settings_of(args).adaptive_table == "4:10x3,inf:4x1"
+    assert _shape(adaptive("4:10x3,inf:4x1", speculative_num_draft_tokens=12)) == ("adaptive", 12, 6, 3)
+    assert _shape(adaptive("4:10x3,inf:4x1", speculative_dflash_block_size=3)) == ("adaptive", 10, 3, 3)
+    assert _shape(adaptive("8:20x1,inf:3x1")) == ("adaptive", 6, 6, 1)  # a chain row is capped to the block
+    assert _shape(adaptive()) == ("adaptive", 64, 6, 4)  # the default table's 1:64x4 row
+    budget = settings_of(adaptive(speculative_dflash_adaptive_token_budget=100))
+    assert budget.adaptive_token_budget == 100 and budget.policy().choose(48).nodes == 2
+
+
+TABLE = "--speculative-dflash-adaptive-table"
+BUDGET = "--speculative-dflash-adaptive-token-budget"
 
 
 @pytest.mark.parametrize(
-    "env, kw, match",
+    "kw, match",
     [
-        ({"DFLASH_ADAPTIVE": "2"}, {}, r"^DFLASH_ADAPTIVE='2': expected 1"),
-        ({"DFLASH_ADAPTIVE_TABLE": "4:10x3"}, {}, r"^DFLASH_ADAPTIVE_TABLE='4:10x3': .* end with 'inf'"),
-        ({"DFLASH_ADAPTIVE_TABLE": "4:10x3,inf:4"}, {}, r"^DFLASH_ADAPTIVE_TABLE='4:10x3,inf:4': cannot parse row"),
-        ({"DFLASH_ADAPTIVE_TABLE": "4:10x3,inf:4x1"}, dict(speculative_num_draft_tokens=8),
-         r"^DFLASH_ADAPTIVE_TABLE='4:10x3,inf:4x1' has a 10x3 row .* more than --speculative-num-draft-tokens 8"),
-        ({"DFLASH_ADAPTIVE_TABLE": "4:10x17,inf:4x1"}, {}, r"^DFLASH_ADAPTIVE_TABLE=.* top-k 17 is larger than"),
-        ({"DFLASH_ADAPTIVE_TOKEN_BUDGET": "-3"}, {}, r"^DFLASH_ADAPTIVE_TOKEN_BUDGET='-3': expected a positive"),
-        ({"DFLASH_ADAPTIVE_TOKEN_BUDGET": "40"}, {}, r"^DFLASH_ADAPTIVE_TOKEN_BUDGET=40 is below --max-running"),
-        ({}, dict(speculative_eagle_topk=2), r"^--speculative-eagle-topk 2: with DFLASH_ADAPTIVE=1 the top-k"),
-        ({}, dict(page_size=4), r"^--page-size 4: tree verification \(tree rows in DFLASH_ADAPTIVE_TABLE\)"),
-        ({"DFLASH_ADAPTIVE_TABLE": "1:300x4,inf:4x1"}, {},
-         r"^DFLASH_ADAPTIVE_TABLE='1:300x4,inf:4x1' \(300 nodes\): the tree kernels verify at most 256 nodes"),
-        ({"DFLASH_ADAPTIVE": "0"}, dict(speculative_adaptive=True), r"^--speculative-adaptive: SGLang's adaptive mode "
-         r"is EAGLE-only; DFLASH picks its shape per step from the batch size with DFLASH_ADAPTIVE=1"),
+        (dict(speculative_dflash_adaptive_table="4:10x3"), rf"^{TABLE} '4:10x3': .* end with 'inf'"),
+        (dict(speculative_dflash_adaptive_table="4:10x3,inf:4"), rf"^{TABLE} '4:10x3,inf:4': cannot parse row"),
+        (dict(speculative_dflash_adaptive_table="4:10x3,inf:4x1", speculative_num_draft_tokens=8),
+         rf"^{TABLE} '4:10x3,inf:4x1' has a 10x3 row .* more than --speculative-num-draft-tokens 8"),
+        (dict(speculative_dflash_adaptive_table="4:10x17,inf:4x1"), rf"^{TABLE} .* top-k 17 is larger than"),
+        (dict(speculative_dflash_adaptive_token_budget=-3), rf"^{BUDGET} -3: expected a positive"),
+        (dict(speculative_dflash_adaptive_token_budget=40), rf"^{BUDGET} 40 is below --max-running"),
+        (dict(speculative_eagle_topk=2), r"^--speculative-eagle-topk 2: with --speculative-adaptive the top-k"),
+        (dict(page_size=4), rf"^--page-size 4: tree verification \(tree rows in {TABLE}\)"),
+        (dict(speculative_dflash_adaptive_table="1:300x4,inf:4x1"),
+         rf"^{TABLE} '1:300x4,inf:4x1' \(300 nodes\): the tree kernels verify at most 256 nodes"),
+        (dict(speculative_adaptive_config="/tmp/knobs.json"), r"^--speculative-adaptive-config /tmp/knobs.json: EAGLE"),
+        (dict(speculative_adaptive=False, speculative_dflash_adaptive_table="4:10x3,inf:4x1"),
+         rf"^{TABLE}: needs --speculative-adaptive"),
+        (dict(speculative_adaptive=False, speculative_dflash_adaptive_token_budget=64),
+         rf"^{BUDGET}: needs --speculative-adaptive"),
     ],
 )
 @child_only
-def test_adaptive_startup_errors_name_the_variable(plugin, pair, monkeypatch, env, kw, match):
+def test_adaptive_startup_errors_name_the_flag(plugin, pair, monkeypatch, kw, match):
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
-    for name, value in {"DFLASH_ADAPTIVE": "1", **env}.items():
-        monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=match) as err:
-        _server_args(pair, **kw)
+        _server_args(pair, **{"speculative_adaptive": True, **kw})
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["DFLASH_ADAPTIVE", "DFLASH_ADAPTIVE_TABLE", "DFLASH_ADAPTIVE_TOKEN_BUDGET",
+                                  "DFLASH_DRAFT_ATTENTION", "DFLASH_DRAFT_CUDA_GRAPH", "DFLASH_TREE_CUDA_GRAPH"])
+@child_only
+def test_retired_environment_variables_are_refused_naming_the_flag(plugin, pair, monkeypatch, name):
+    from dflash_sglang.adapter.settings import RETIRED_ENV
+
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    monkeypatch.setenv(name, "1")
+    with pytest.raises(ValueError, match=rf"^{name}='1': this variable is no longer read; use the server flag "
+                                         rf"{RETIRED_ENV[name].split()[0]}") as err:
+        _server_args(pair)
     assert "\n" not in str(err.value)
 
 
 @child_only
-def test_tree_refuses_attention_backends_without_a_tree_mask():
-    from dflash_sglang.adapter.args import UnsupportedFlagError, resolve_tree_flags
-    from dflash_sglang.core.config import DraftConfig
+def test_our_flags_are_refused_where_our_worker_does_not_serve(plugin, pair, monkeypatch):
+    """A --speculative-dflash-* flag with another algorithm, or with the builtin, would be ignored: refused."""
+    monkeypatch.setenv(plugin.IMPL_ENV, "builtin")
+    with pytest.raises(ValueError, match=r"^--speculative-dflash-tree-cuda-graph: a dflash-sglang flag, which only "
+                                         r".*\(here DFLASH, DFLASH_SGLANG_IMPL=builtin\)"):
+        _server_args(pair, speculative_dflash_tree_cuda_graph=True)
+    monkeypatch.delenv(plugin.IMPL_ENV)
+    with pytest.raises(ValueError, match=r"^--speculative-dflash-adaptive-table: a dflash-sglang flag, .*here EAGLE"):
+        _server_args(pair, speculative_algorithm="EAGLE", speculative_dflash_adaptive_table="inf:4x1")
 
-    cfg = DraftConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, vocab_size=16, mask_token_id=15, block_size=6, num_target_layers=4, target_layer_ids=(1,),
-    )
-    args = SimpleNamespace(speculative_dflash_block_size=None, speculative_num_draft_tokens=8, page_size=1,
-                           attention_backend="flashinfer", prefill_attention_backend=None,
+
+@child_only
+def test_mixed_chunk_is_turned_off_with_a_log_line(plugin, pair, monkeypatch, capfd):
+    from dflash_sglang.adapter.versions import resolved_value
+
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    args = _server_args(pair, enable_mixed_chunk=True)  # (SGLang's parser sets up logging to stderr)
+    assert resolved_value(args, "enable_mixed_chunk") is False
+    assert "DFLASH (dflash-sglang): --enable-mixed-chunk is turned off" in capfd.readouterr().err
+
+
+@child_only
+def test_tree_refuses_attention_backends_without_a_tree_mask(plugin):
+    from dflash_sglang.adapter.args import UnsupportedFlagError, check_tree_serving
+
+    args = SimpleNamespace(page_size=1, attention_backend="flashinfer", prefill_attention_backend=None,
                            decode_attention_backend="fa3")
     with pytest.raises(UnsupportedFlagError, match=r"^--decode-attention-backend fa3: tree verification supports"):
-        resolve_tree_flags(args, cfg, 2)
+        check_tree_serving(args, 8, "N", "trees")
     args.decode_attention_backend = "triton"
-    assert resolve_tree_flags(args, cfg, 2).nodes == 8
+    check_tree_serving(args, 8, "N", "trees")
 
 
 @pytest.mark.parametrize(
@@ -224,6 +356,7 @@ def test_tree_refuses_attention_backends_without_a_tree_mask():
         (dict(tp_size=2), r"^--tp-size 2: only 1 is supported yet"),
         (dict(pp_size=2), r"^--pp-size 2: only 1 is supported yet"),
         (dict(speculative_num_draft_tokens=1), r"^--speculative-num-draft-tokens 1: the block size must be >= 2"),
+        (dict(speculative_num_draft_tokens=5000), r"^--speculative-num-draft-tokens 5000: at most 256 verify tokens"),
         (dict(speculative_draft_window_size=64), r"^--speculative-draft-window-size 64: not supported yet"),
         (dict(speculative_num_draft_tokens=4, speculative_dflash_block_size=5), r"^--speculative-num-draft-tokens 4 and"),
         (dict(speculative_eagle_topk=0), r"^--speculative-eagle-topk 0: must be >= 1"),
@@ -238,6 +371,12 @@ def test_tree_refuses_attention_backends_without_a_tree_mask():
         (dict(speculative_eagle_topk=2, speculative_dflash_block_size=1),
          r"^--speculative-dflash-block-size 1: the draft block size must be >= 2"),
         (dict(speculative_eagle_topk=2, page_size=4), r"^--page-size 4: tree verification .* needs page size 1"),
+        (dict(speculative_token_map="/tmp/map.pt"), r"^--speculative-token-map /tmp/map.pt: draft-vocabulary maps"),
+        (dict(speculative_draft_attention_backend="triton"), r"^--speculative-draft-attention-backend triton: the "
+         r"drafter attends with flashinfer \(CUDA\) or torch_native"),
+        (dict(speculative_draft_attention_backend="flashinfer"), r"^--speculative-draft-attention-backend flashinfer: "
+         r"needs a CUDA device"),
+
     ],
 )
 @child_only
@@ -273,21 +412,68 @@ def test_draft_that_does_not_fit_fails_naming_file_and_field(plugin, pair, monke
 
 
 @child_only
+def test_weight_errors_surface_at_startup(plugin, pair, monkeypatch):
+    """A weight-level checkpoint error (here: one tensor missing) fails ServerArgs resolution with one line, before
+    any scheduler loads the target; a dummy-weight draft needs no weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from dflash_sglang.core.config import CheckpointError
+
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    broken = pair / "missing_tensor"
+    shutil.copytree(pair / "draft", broken, dirs_exist_ok=True)
+    tensors = load_file(broken / "model.safetensors")
+    dropped = sorted(tensors)[0]
+    save_file({k: v for k, v in tensors.items() if k != dropped}, broken / "model.safetensors")
+    with pytest.raises(CheckpointError, match=rf"missing_tensor/model\.safetensors: .*{dropped}") as err:
+        _server_args(pair, speculative_draft_model_path=str(broken))
+    assert "\n" not in str(err.value)
+    _server_args(pair, speculative_draft_model_path=str(broken), speculative_draft_load_format="dummy")
+
+
+@child_only
+def test_hybrid_linear_attention_target_is_refused(plugin, pair, monkeypatch, tmp_path):
+    """Qwen3-Next (gated-delta-net layers): their recurrent state cannot be rolled back for rejected drafts."""
+    from transformers import Qwen3NextConfig
+
+    from dflash_sglang.adapter.args import UnsupportedFlagError
+
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    base = json.loads((pair / "target" / "config.json").read_text())
+    cfg = Qwen3NextConfig(vocab_size=16, hidden_size=base["hidden_size"], num_hidden_layers=4,
+                          num_attention_heads=base["num_attention_heads"], num_key_value_heads=base["num_key_value_heads"],
+                          intermediate_size=64, head_dim=base.get("head_dim", 8), num_experts=2, num_experts_per_tok=1)
+    cfg.architectures = ["Qwen3NextForCausalLM"]
+    (tmp_path / "hybrid").mkdir()
+    cfg.save_pretrained(tmp_path / "hybrid")
+    with pytest.raises(UnsupportedFlagError, match=r"^--model-path .*hybrid: the target has recurrent / "
+                                                   r"linear-attention layers \(.*Qwen3Next.*\).* DFLASH_SGLANG_IMPL=builtin"):
+        # (without a radix cache: SGLang's own Mamba-cache checks refuse CPU before ours would run)
+        _server_args(pair, model_path=str(tmp_path / "hybrid"), disable_radix_cache=True)
+
+
+@child_only
 def test_verify_graph_mask_policy_hook(plugin, monkeypatch):
     """The applied hook on SGLang's resolve_dflash_verify_mask_policy (what the verify graph capture calls): FlashInfer
-    skips the custom mask unless DFLASH_TREE_CUDA_GRAPH=1 with trees on CUDA and our worker serving."""
-    import sglang.srt.server_args as sa
+    skips the custom mask unless the published settings ask for tree verify graphs (CUDA, trees) and ours serves."""
+    from sglang.srt import runtime_context
     from sglang.srt.speculative import dflash_utils
 
     class FlashInferAttnBackend:  # the policy keys on the class name
         pass
 
+    def publish(**settings):
+        settings = SimpleNamespace(**{"device": "cuda", "topk": 4, "tree_cuda_graph": False, **settings})
+        published = SimpleNamespace(server_args=SimpleNamespace(_dflash_settings=settings))
+        monkeypatch.setattr(runtime_context, "get_context", lambda: published)
+
     backend = FlashInferAttnBackend()
-    monkeypatch.setattr(sa, "get_global_server_args", lambda: SimpleNamespace(device="cuda", speculative_eagle_topk=4))
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
-    monkeypatch.delenv("DFLASH_TREE_CUDA_GRAPH", raising=False)
+    publish()
     assert dflash_utils.resolve_dflash_verify_mask_policy(backend) == ("FlashInferAttnBackend", False)
-    monkeypatch.setenv("DFLASH_TREE_CUDA_GRAPH", "1")
+    publish(tree_cuda_graph=True)
     assert dflash_utils.resolve_dflash_verify_mask_policy(backend) == ("FlashInferAttnBackend", True)
     monkeypatch.setenv(plugin.IMPL_ENV, "builtin")
     assert dflash_utils.resolve_dflash_verify_mask_policy(backend) == ("FlashInferAttnBackend", False)
@@ -297,6 +483,8 @@ def test_verify_graph_mask_policy_hook(plugin, monkeypatch):
 def test_hub_draft_id_resolves_to_its_snapshot(plugin, pair, monkeypatch, tmp_path):
     """--speculative-draft-model-path ORG/NAME is fetched (here: found offline in a hub cache laid out like
     huggingface_hub's, under --download-dir) and replaced by the local snapshot before the draft is read."""
+    from dflash_sglang.adapter.settings import settings_of
+    from dflash_sglang.adapter.versions import resolved_value
     from dflash_sglang.core.config import CheckpointError
 
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
@@ -309,11 +497,20 @@ def test_hub_draft_id_resolves_to_its_snapshot(plugin, pair, monkeypatch, tmp_pa
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("0" * 40)
     args = _server_args(pair, speculative_draft_model_path="acme/tiny-dflash", download_dir=str(tmp_path / "hub"))
-    assert Path(args.speculative_draft_model_path) == snap and args.speculative_num_draft_tokens == 6
+    assert Path(resolved_value(args, "speculative_draft_model_path")) == snap == Path(settings_of(args).draft_dir)
+    assert settings_of(args).nodes == 6
     with pytest.raises(CheckpointError, match=r"^--speculative-draft-model-path acme/missing: not a local directory, "
                                               r"and fetching it as a hub repo failed") as err:
         _server_args(pair, speculative_draft_model_path="acme/missing", download_dir=str(tmp_path / "hub"))
     assert "\n" not in str(err.value)
+
+
+def _flags(**kw):
+    """A read view of server args for check_supported_flags: the defaults, plus kw."""
+    return SimpleNamespace(**{
+        "device": "cpu", "tp_size": 1, "pp_size": 1, "dp_size": 1, "enable_dp_attention": False,
+        "speculative_draft_window_size": None, "speculative_draft_model_path": "/some/draft",
+        "disaggregation_mode": "null", "enable_hierarchical_cache": False, "kv_cache_dtype": "auto", **kw})
 
 
 @child_only
@@ -321,14 +518,10 @@ def test_missing_gpu_dependency_on_cuda(plugin, monkeypatch):
     from dflash_sglang.adapter import args as args_mod
 
     monkeypatch.setattr(args_mod.importlib.util, "find_spec", lambda name: None)
-    fake = SimpleNamespace(
-        device="cuda", tp_size=1, pp_size=1, dp_size=1, enable_dp_attention=False,
-        speculative_draft_window_size=None, speculative_draft_model_path="/some/draft",
-    )
     with pytest.raises(ImportError, match=r"^--device cuda: DFLASH needs the GPU-only package flashinfer"):
-        args_mod.check_supported_flags(fake)
+        args_mod.check_supported_flags(_flags(device="cuda"))
     with pytest.raises(args_mod.UnsupportedFlagError, match=r"^--device xpu: only cuda and cpu"):
-        args_mod.check_supported_flags(SimpleNamespace(**{**vars(fake), "device": "xpu"}))
+        args_mod.check_supported_flags(_flags(device="xpu"))
     # flashinfer present, no nvcc: refused at start-up (the kernels are built when the worker starts)
     monkeypatch.setattr(args_mod.importlib.util, "find_spec", lambda name: object())
 
@@ -337,36 +530,37 @@ def test_missing_gpu_dependency_on_cuda(plugin, monkeypatch):
 
     monkeypatch.setattr(args_mod, "find_nvcc", no_nvcc)
     with pytest.raises(args_mod.UnsupportedFlagError, match=r"^--device cuda: dflash_sglang CUDA ops need nvcc"):
-        args_mod.check_supported_flags(fake)
+        args_mod.check_supported_flags(_flags(device="cuda"))
 
 
 @pytest.mark.parametrize(
     "field,value,match",
     [
-        ("disaggregation_mode", "prefill", r"^--disaggregation-mode prefill: the draft KV pool cannot be transferred"),
-        ("enable_hierarchical_cache", True, r"^--enable-hierarchical-cache: the draft KV pool cannot be transferred"),
+        ("disaggregation_mode", "prefill", r"^--disaggregation-mode prefill: PD disaggregation cannot transfer"),
+        ("enable_hierarchical_cache", True, r"^--enable-hierarchical-cache: the draft KV pool cannot be offloaded"),
         ("kv_cache_dtype", "fp8_e4m3", r"^--kv-cache-dtype fp8_e4m3: the draft KV pool is kept in the model dtype"),
+        ("speculative_draft_kv_cache_dtype", "fp8_e4m3", r"^--speculative-draft-kv-cache-dtype fp8_e4m3: the draft KV "
+         r"pool is kept in the model dtype \(fp8 draft KV not yet\)"),
+        ("enable_dp_attention", True, r"^--enable-dp-attention: DP attention is not supported yet"),
+        ("pp_size", 2, r"^--pp-size 2: only 1"),
+        ("speculative_use_block_verification", True, r"^--speculative-use-block-verification: block verification"),
     ],
 )
 @child_only
 def test_flags_that_would_silently_degrade_are_refused(plugin, field, value, match):
+    """One line each, at start-up (fields only 0.5.23 has are read with getattr, so this runs on both)."""
     from dflash_sglang.adapter import args as args_mod
 
-    fake = SimpleNamespace(
-        device="cpu", tp_size=1, pp_size=1, dp_size=1, enable_dp_attention=False, speculative_draft_window_size=None,
-        speculative_draft_model_path="/some/draft", disaggregation_mode="null", enable_hierarchical_cache=False,
-        kv_cache_dtype="auto",
-    )
-    args_mod.check_supported_flags(fake)  # the defaults pass
+    args_mod.check_supported_flags(_flags())  # the defaults pass
     with pytest.raises(args_mod.UnsupportedFlagError, match=match) as err:
-        args_mod.check_supported_flags(SimpleNamespace(**{**vars(fake), field: value}))
-    assert "\n" not in str(err.value)
+        args_mod.check_supported_flags(_flags(**{field: value}))
+    assert "\n" not in str(err.value) and "DFLASH_SGLANG_IMPL=builtin" in str(err.value)
 
 
 @child_only
 def test_tree_checks_read_what_sglang_picked(plugin):
-    """SGLang 0.5.17 stashes its own choices (e.g. fa3 on Hopper when --attention-backend is unset) until the end of
-    ServerArgs resolution; the tree checks read them through its resolved view and say so."""
+    """SGLang stashes its own choices (e.g. fa3 on Hopper when --attention-backend is unset) as declarations; the tree
+    checks read them through the version seam's view and say so."""
     from dflash_sglang.adapter import args as args_mod
 
     def fake(**declared):
@@ -380,3 +574,69 @@ def test_tree_checks_read_what_sglang_picked(plugin):
         args_mod.check_tree_serving(fake(attention_backend="fa3"), 10, "N", "trees")
     with pytest.raises(args_mod.UnsupportedFlagError, match=r"^--page-size 64: .* needs page size 1 \(SGLang chose it"):
         args_mod.check_tree_serving(fake(attention_backend="flashinfer", page_size=64), 10, "N", "trees")
+
+
+@child_only
+def test_worker_answers_the_draft_runner_members_itself(plugin, pair, monkeypatch):
+    """SGLang 0.5.23 reads `primary_draft_kv_pool` and `preloaded_weights_bytes` off the spec worker; they must not
+    fall through to the target worker (whose preloaded bytes would then be counted twice when sizing the KV pool)."""
+    from dflash_sglang.adapter.worker import DFlashWorker
+
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    args = _server_args(pair)
+    runner = SimpleNamespace(spec_aux_config=SimpleNamespace(dflash_target_layer_ids=None),
+                             model_config=SimpleNamespace(context_len=512))
+    target = SimpleNamespace(model_runner=runner, device="cpu", preloaded_weights_bytes=123,
+                             primary_draft_kv_pool="target pool")
+    worker = DFlashWorker(server_args=args, gpu_id=0, nccl_port=0, target_worker=target)
+    assert worker.primary_draft_kv_pool is None and worker.preloaded_weights_bytes == 0
+    assert worker.stride == 6 and worker.schedule.describe() == "chain of 6"
+    assert DFlashWorker(server_args=args, gpu_id=0, nccl_port=0, target_worker=target, ps=object()).stride == 6
+
+
+def _req(**kw):
+    params = SimpleNamespace(**{"json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
+                                "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+                                "min_new_tokens": 0, **kw.pop("params", {})})
+    return SimpleNamespace(**{"origin_input_ids": [1, 2, 3], "vocab_size": 16, "sampling_params": params,
+                              "return_logprob": False, "custom_logit_processor": None, "return_hidden_states": False,
+                              **kw})
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(origin_input_ids=[1, 16, 2]), r"input token id 16 is outside the target vocabulary \[0, 16\)"),
+        (dict(origin_input_ids=[-1]), r"input token id -1 is outside"),
+        (dict(origin_input_ids=[]), r"empty prompt \(no input tokens\)"),
+        (dict(params={"frequency_penalty": 0.5}), r"does not support frequency_penalty yet \(got 0.5\)"),
+        (dict(params={"presence_penalty": -0.2}), r"does not support presence_penalty yet"),
+        (dict(params={"repetition_penalty": 1.3}), r"does not support repetition_penalty yet"),
+        (dict(params={"min_new_tokens": 3}), r"does not support min_new_tokens yet \(got 3\)"),
+        (dict(custom_logit_processor="serialized"), "custom logit processors"),
+        (dict(return_hidden_states=True), "return_hidden_states"),
+    ],
+)
+@child_only
+def test_requests_our_worker_would_serve_differently_are_refused(plugin, monkeypatch, kw, match):
+    from sglang.srt.speculative import dflash_utils
+
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    assert dflash_utils.validate_dflash_request(_req(), enable_overlap=False) is None
+    # logprobs are served (SGLang 0.5.17 alone would refuse them for DFLASH)
+    assert dflash_utils.validate_dflash_request(_req(return_logprob=True), enable_overlap=False) is None
+    error = dflash_utils.validate_dflash_request(_req(**kw), enable_overlap=False)
+    assert error is not None and error.startswith("DFLASH (dflash-sglang)") and re.search(match, error), error
+
+
+@child_only
+def test_every_setting_is_documented():
+    """README's flag table and docs/sglang.md name every setting, and every retired variable with its flag."""
+    from dflash_sglang.adapter.settings import RETIRED_ENV, SETTINGS
+
+    repo = Path(__file__).resolve().parents[1]
+    readme, guide = (repo / "README.md").read_text(), (repo / "docs" / "sglang.md").read_text()
+    for s in SETTINGS:
+        assert f"`{s.flag}" in readme and f"`{s.flag}" in guide, s.flag
+    for name in RETIRED_ENV:
+        assert name in guide, name

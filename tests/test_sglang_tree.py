@@ -46,13 +46,13 @@ def test_flat_custom_mask_matches_concatenated_rows():
         assert allow_matrix(int(prefix[b]), tree.mask[b]).shape == (n, int(prefix[b]) + n)
 
 
-def test_verify_mask_under_masked_verify_graphs(monkeypatch):
-    """DFLASH_TREE_CUDA_GRAPH=1 (trees on CUDA): graphs captured with mask buffers need a mask on every verify, so a
-    chain passes its causal one, whose flattened rows equal the plain causal verify's visibility."""
+def test_verify_mask_under_masked_verify_graphs():
+    """--speculative-dflash-tree-cuda-graph (trees on CUDA): graphs captured with mask buffers need a mask on every
+    verify, so a chain passes its causal one, whose flattened rows equal the plain causal verify's visibility."""
     from types import SimpleNamespace
 
     from dflash_sglang.adapter.tree_attention import allow_matrix, flat_custom_mask
-    from dflash_sglang.adapter.verify import TREE_GRAPH_ENV, masked_verify_graphs, verify_mask
+    from dflash_sglang.adapter.verify import masked_verify_graphs, verify_mask
 
     tree = _random_tree(bs=2, depth=3, k=2, nodes=5)
     assert verify_mask(tree.mask, 2, 5, False, "cpu") is tree.mask and verify_mask(None, 2, 5, False, "cpu") is None
@@ -63,13 +63,13 @@ def test_verify_mask_under_masked_verify_graphs(monkeypatch):
     causal = torch.cat([torch.ones(5, 3, dtype=torch.bool), torch.ones(5, 5, dtype=torch.bool).tril()], 1)
     assert torch.equal(flat[:40], causal.flatten()) and torch.equal(flat[40:], chain[1].flatten())
     assert torch.equal(flat[:40], allow_matrix(3, chain[0]).flatten())
-    args = SimpleNamespace(device="cuda", speculative_eagle_topk=3)
-    monkeypatch.delenv(TREE_GRAPH_ENV, raising=False)
-    assert not masked_verify_graphs(args)  # opt-in
-    monkeypatch.setenv(TREE_GRAPH_ENV, "1")
-    assert masked_verify_graphs(args)
-    assert not masked_verify_graphs(SimpleNamespace(device="cuda", speculative_eagle_topk=1))  # chains only
-    assert not masked_verify_graphs(SimpleNamespace(device="cpu", speculative_eagle_topk=3))  # no graphs on CPU
+    def settings(**kw):  # the three fields of DFlashSettings the switch reads
+        return SimpleNamespace(**{"device": "cuda", "topk": 3, "tree_cuda_graph": True, **kw})
+
+    assert masked_verify_graphs(settings())
+    assert not masked_verify_graphs(settings(tree_cuda_graph=False))  # opt-in
+    assert not masked_verify_graphs(settings(topk=1))  # trees only
+    assert not masked_verify_graphs(settings(device="cpu"))  # no graphs on CPU
 
 
 def test_tree_attention_matches_brute_force():

@@ -1,113 +1,70 @@
-"""Adaptive speculation shape per decode step in the SGLang worker (`DFLASH_ADAPTIVE=1`).
+"""Adaptive speculation shape per decode step in the SGLang worker (`--speculative-adaptive`).
 
 Each decode step verifies `core.adaptive.AdaptivePolicy.choose(running batch size)`: large trees at low
 concurrency (the verify is memory-bound, extra nodes are nearly free), short chains at high concurrency (it is
-compute-bound). Configuration, read from the environment of the server (every SGLang process inherits it):
-
-- `DFLASH_ADAPTIVE=1` turns it on (`0` or unset: the fixed chain / tree of the flags);
-- `DFLASH_ADAPTIVE_TABLE` (core/adaptive.py syntax `MAX_BS:NODESxTOPK,...,inf:NODESxTOPK`, default
-  `core.adaptive.DEFAULT_TABLE`); chain rows longer than the drafter block and tree rows larger than its lattice
-  are capped to them, as in the reference decoder;
-- `DFLASH_ADAPTIVE_TOKEN_BUDGET` (optional int): at most this many verify tokens per step over the whole batch
-  (bs * nodes); it must be >= --max-running-requests (every request verifies at least its root).
+compute-bound). Settings (adapter/settings.py): `--speculative-dflash-adaptive-table` (core/adaptive.py syntax
+`MAX_BS:NODESxTOPK,...,inf:NODESxTOPK`, default `core.adaptive.DEFAULT_TABLE`; chain rows longer than the drafter
+block and tree rows larger than its lattice are capped to them, as in the reference decoder) and
+`--speculative-dflash-adaptive-token-budget` (optional: at most this many verify tokens per step over the whole
+batch, bs * nodes; it must be >= --max-running-requests, as every request verifies at least its root).
 
 SGLang sizes the result row stride and the per-step KV reservation (`DFlashDraftInputV2.prepare_for_decode`:
 2*N slots past the committed length) from `speculative_num_draft_tokens` = N, read once. In adaptive mode N is
 the largest shape the table can pick (or the explicit --speculative-num-draft-tokens, which every row must fit),
-each step verifies only its own shape's nodes, and result rows stay N wide (-1 padded). Errors are raised at
-ServerArgs construction (adapter/args.py) and again at worker start, one line naming the variable.
+each step verifies only its own shape's nodes, and result rows stay N wide (-1 padded). `adaptive_limits` checks a
+table at start-up (adapter/args.py), one line naming the flag.
 
 `ShapeSchedule` is what the worker asks each step; in fixed mode it returns the one shape of the flags.
 """
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 
-from dflash_sglang.core.adaptive import DEFAULT_TABLE, ENV_TABLE, AdaptivePolicy, SpecShape
+from dflash_sglang.core.adaptive import AdaptivePolicy, SpecShape
+
+from .settings import DFlashSettings
 
 logger = logging.getLogger(__name__)
-
-ENV_SWITCH = "DFLASH_ADAPTIVE"
-ENV_BUDGET = "DFLASH_ADAPTIVE_TOKEN_BUDGET"
-_SWITCH_VALUES = {"": False, "0": False, "1": True}
+TABLE_FLAG = "--speculative-dflash-adaptive-table"
+BUDGET_FLAG = "--speculative-dflash-adaptive-token-budget"
 
 
 class AdaptiveConfigError(ValueError):
-    """A malformed or unservable adaptive configuration; the message is one line naming the variable."""
-
-
-@dataclass(frozen=True)
-class AdaptiveEnv:
-    """The adaptive-mode environment, parsed and checked for syntax (not yet against the server flags)."""
-
-    table: str  # DFLASH_ADAPTIVE_TABLE, or the default table
-    token_budget: int | None  # DFLASH_ADAPTIVE_TOKEN_BUDGET
-
-    @classmethod
-    def read(cls, env: dict[str, str] | None = None) -> AdaptiveEnv | None:
-        """The configuration when DFLASH_ADAPTIVE=1, else None. Raises AdaptiveConfigError."""
-        env = os.environ if env is None else env
-        switch = env.get(ENV_SWITCH, "").strip()
-        if switch not in _SWITCH_VALUES:
-            raise AdaptiveConfigError(f"{ENV_SWITCH}={switch!r}: expected 1 (adaptive shapes) or 0")
-        if not _SWITCH_VALUES[switch]:
-            ignored = [name for name in (ENV_TABLE, ENV_BUDGET) if env.get(name)]
-            if ignored:
-                logger.warning("%s set but %s is not 1: the fixed chain/tree flags apply", " and ".join(ignored),
-                               ENV_SWITCH)
-            return None
-        raw_budget = env.get(ENV_BUDGET, "").strip()
-        budget = None
-        if raw_budget:
-            try:
-                budget = int(raw_budget)
-            except ValueError:
-                budget = 0
-            if budget < 1:
-                raise AdaptiveConfigError(f"{ENV_BUDGET}={raw_budget!r}: expected a positive integer (verify tokens "
-                                          f"per step over the batch)")
-        settings = cls(env.get(ENV_TABLE, "").strip() or DEFAULT_TABLE, budget)
-        settings.policy(block_size=None)  # syntax errors surface here, naming the variable
-        return settings
-
-    def policy(self, block_size: int | None) -> AdaptivePolicy:
-        """The policy for a drafter block of `block_size` (None: uncapped depth)."""
-        max_depth = None if block_size is None else block_size - 1
-        try:
-            return AdaptivePolicy.parse(self.table, self.token_budget, max_depth)
-        except ValueError as e:
-            why = str(e).removeprefix(f"{ENV_TABLE}: ")
-            raise AdaptiveConfigError(f"{ENV_TABLE}={self.table!r}: {why}") from None
+    """A malformed or unservable adaptive configuration; the message is one line naming the flag."""
 
 
 def adaptive_limits(
-    settings: AdaptiveEnv, block_size: int, nodes: int | None, vocab_size: int, max_running: int | None,
+    table: str, token_budget: int | None, block_size: int, nodes: int | None, vocab_size: int, max_running: int,
 ) -> tuple[AdaptivePolicy, SpecShape]:
     """The policy for a drafter block of `block_size`, and the largest shape any step may get: (N, max top-k).
 
     nodes: --speculative-num-draft-tokens when given (every row must fit in it), else None (N = the largest row).
     max_running: --max-running-requests, the largest decode batch (must fit in the token budget).
     """
-    policy = settings.policy(block_size)
+    if token_budget is not None and (not isinstance(token_budget, int) or token_budget < 1):
+        raise AdaptiveConfigError(f"{BUDGET_FLAG} {token_budget!r}: expected a positive integer (verify tokens per "
+                                  f"step over the batch)")
+    try:
+        policy = AdaptivePolicy.parse(table, token_budget, block_size - 1)
+    except ValueError as e:
+        raise AdaptiveConfigError(f"{TABLE_FLAG} {table!r}: {e}") from None
     shapes = policy.row_shapes()
     largest = max(shapes, key=lambda s: s.nodes)
     if nodes is not None and largest.nodes > nodes:
         raise AdaptiveConfigError(
-            f"{ENV_TABLE}={settings.table!r} has a {largest.nodes}x{largest.topk} row ({largest.nodes} verify nodes "
+            f"{TABLE_FLAG} {table!r} has a {largest.nodes}x{largest.topk} row ({largest.nodes} verify nodes "
             f"per request with block size {block_size}), more than --speculative-num-draft-tokens {nodes} (the "
             f"per-step maximum): raise the flag, drop it, or shrink the table"
         )
     topk = max(s.topk for s in shapes)
     if topk > vocab_size:
-        raise AdaptiveConfigError(f"{ENV_TABLE}={settings.table!r}: top-k {topk} is larger than the draft "
-                                  f"vocabulary ({vocab_size} tokens)")
-    budget = settings.token_budget
-    if budget is not None and max_running is not None and budget < max_running:
+        raise AdaptiveConfigError(f"{TABLE_FLAG} {table!r}: top-k {topk} is larger than the draft vocabulary "
+                                  f"({vocab_size} tokens)")
+    if token_budget is not None and token_budget < max_running:
         raise AdaptiveConfigError(
-            f"{ENV_BUDGET}={budget} is below --max-running-requests {max_running}: every running request "
+            f"{BUDGET_FLAG} {token_budget} is below --max-running-requests {max_running}: every running request "
             f"verifies at least one token per step"
         )
     return policy, SpecShape(nodes if nodes is not None else largest.nodes, topk)
@@ -135,17 +92,12 @@ class ShapeSchedule:
             self.current = self.fixed
 
     @classmethod
-    def from_env(
-        cls, nodes: int, topk: int, block_size: int, vocab_size: int, max_running: int | None
-    ) -> ShapeSchedule:
-        """The worker's schedule from the resolved flags (N = nodes, k = topk, drafter block B = block_size):
-        adaptive when DFLASH_ADAPTIVE=1 (the environment ServerArgs were resolved in, checked again against the
-        resolved N), else the fixed shape N x k (the chain: N = B, k = 1)."""
-        settings = AdaptiveEnv.read()
-        if settings is None:
-            return cls(nodes, fixed=SpecShape(nodes, topk))
-        policy, _ = adaptive_limits(settings, block_size, nodes, vocab_size, max_running)
-        return cls(nodes, policy=policy, table=settings.table)
+    def from_settings(cls, settings: DFlashSettings) -> ShapeSchedule:
+        """Adaptive mode: the table's policy under N = settings.nodes; else the fixed shape N x k (the chain:
+        N = B, k = 1). The table was checked at start-up."""
+        if settings.mode != "adaptive":
+            return cls(settings.nodes, fixed=SpecShape(settings.nodes, settings.topk))
+        return cls(settings.nodes, policy=settings.policy(), table=settings.adaptive_table)
 
     @property
     def is_adaptive(self) -> bool:

@@ -1,31 +1,27 @@
-"""Server-arg resolution for `--speculative-algorithm DFLASH` when dflash_sglang serves it.
+"""Server-arg resolution for `--speculative-algorithm DFLASH` when dflash_sglang serves it: flags -> `DFlashSettings`.
 
-Replaces SGLang's `_handle_dflash` (which refuses CPU). Runs in the process that builds ServerArgs,
-before any scheduler starts, so every startup error is one line naming the flag or file:
+Runs once, in the process that builds ServerArgs and before any scheduler starts, so every start-up error is one
+line naming the flag, file or field (no check runs again in the worker):
 
-- flags this adapter does not support yet (tp/pp/dp > 1, DP attention, draft window) are refused;
-- a hub repo id as the draft is fetched to its local snapshot (`resolve_draft_path`), then the draft
-  checkpoint is parsed and checked against the target config (`CheckpointError` names the file and field);
-- on CUDA the GPU-only dependency (flashinfer) must be importable and nvcc findable (our kernels are built at
-  worker start-up); PD disaggregation, HiCache and quantized KV are refused (no transferable draft KV pool yet);
-- tree checks read the values SGLang picked itself (attention backend, page size), not only the flags.
+- `precheck` (before SGLang's generic speculative handling): refuses what we do not serve (flags, retired
+  environment variables), fetches a hub draft id to its local snapshot and reads the draft config. It also takes
+  `--speculative-adaptive` out of SGLang's hands: SGLang's meaning (EAGLE's step count by acceptance) does not
+  apply to DFLASH, ours (the verify shape by batch size) does.
+- `handle_dflash_args` (replaces SGLang's `_handle_dflash`, which refuses CPU): checks the draft against the target
+  (config, weight headers, hybrid linear-attention layers), resolves the mode and shape, declares what SGLang must
+  size from it and attaches the settings to the record (adapter/settings.py).
 
-`precheck` runs before SGLang's generic speculative handling, `handle_dflash_args` replaces `_handle_dflash`.
-
-Flag mapping (`SpecFlags`):
-- chain (`--speculative-eagle-topk` 1, the default): block size B = `--speculative-num-draft-tokens` (alias
-  `--speculative-dflash-block-size`), default the checkpoint's `block_size`; N = B tokens verified per step.
-- tree (`--speculative-eagle-topk k`, k > 1): the drafter block B = `--speculative-dflash-block-size`, default
-  the checkpoint's `block_size`; N = `--speculative-num-draft-tokens` (default B) tree nodes verified per step,
-  root (bonus token) included, best-first over the top-k of each of the B-1 draft positions.
-- adaptive (`DFLASH_ADAPTIVE=1`, adapter/adaptive.py): B as for a tree; each step's shape comes from
-  `DFLASH_ADAPTIVE_TABLE` by batch size; N = the largest shape it can pick (or the explicit
-  `--speculative-num-draft-tokens`, which every row must fit), k = its largest top-k; `--speculative-eagle-topk`
-  is refused (the table picks it).
-Resolved values are written back (`speculative_num_draft_tokens` = N, `speculative_dflash_block_size` = B,
-`speculative_eagle_topk` = k, `speculative_num_steps` = 1): SGLang sizes its per-step KV reservation from N
-(`DFlashDraftInputV2.prepare_for_decode` reserves 2*N slots past the committed length), which is what a
-step writes: N verify rows at `seq_len + node index`.
+Shape per mode (N verify rows per request and step, B the drafter block, k the top-k):
+- chain (`--speculative-eagle-topk` 1, the default): B = `--speculative-num-draft-tokens` (alias
+  `--speculative-dflash-block-size`), default the checkpoint's `block_size`; N = B.
+- tree (`--speculative-eagle-topk k`, k > 1): B = `--speculative-dflash-block-size` (default the checkpoint's);
+  N = `--speculative-num-draft-tokens` (default B) nodes, root included, best-first over the top-k of each of the
+  B-1 draft positions.
+- adaptive (`--speculative-adaptive`): B as for a tree; each step's shape from `--speculative-dflash-adaptive-table`
+  by batch size; N = the largest shape it can pick (or the explicit `--speculative-num-draft-tokens`, which every
+  row must fit), k = its largest top-k.
+SGLang sizes its per-step KV reservation from the declared N (`DFlashDraftInputV2.prepare_for_decode` reserves
+2*N slots past the committed length) and the result row stride from it.
 """
 from __future__ import annotations
 
@@ -33,14 +29,17 @@ import importlib.util
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from dflash_sglang.core.checkpoint import check_fit
-from dflash_sglang.core.config import CheckpointError, DraftConfig
+from dflash_sglang.core.checkpoint import check_fit, check_weight_headers
+from dflash_sglang.core.config import CheckpointError, DraftConfig, recurrent_layers
 from dflash_sglang.core.tree import max_tree_nodes
 from dflash_sglang.ops import MAX_NODES, find_nvcc
 
-from .adaptive import ENV_SWITCH, ENV_TABLE, AdaptiveEnv, adaptive_limits
+from .adaptive import AdaptiveConfigError, adaptive_limits
+from .settings import DRAFT_ATTENTION, DRAFT_GRAPHS, IMPL_ENV, PLUGIN_DEFAULTS, DFlashSettings, plugin_flags_of, refuse_retired_env
+from .simulate import SimulatedAcceptance
+from .versions import declare, model_config, view
 
 if TYPE_CHECKING:
     from sglang.srt.server_args import ServerArgs
@@ -52,6 +51,7 @@ DEFAULT_MAX_RUNNING_REQUESTS = 48  # same default as SGLang's builtin DFLASH
 # Target attention backends that take the tree mask: torch_native through adapter/tree_attention.py, the GPU
 # ones through the verify input's `custom_mask` (the layout EAGLE's tree verify uses).
 TREE_ATTENTION_BACKENDS = ("torch_native", "flashinfer", "triton")
+SOURCE = "dflash_sglang"  # the source named in SGLang's declarations
 
 
 class UnsupportedFlagError(ValueError):
@@ -60,29 +60,42 @@ class UnsupportedFlagError(ValueError):
 
 def _refuse(flag: str, value, why: str) -> None:
     shown = f"{flag} {value}" if value != "" else flag
-    raise UnsupportedFlagError(
-        f"{shown}: {why} (dflash-sglang DFLASH; set DFLASH_SGLANG_IMPL=builtin for SGLang's own)"
-    )
+    raise UnsupportedFlagError(f"{shown}: {why} (dflash-sglang DFLASH; set {IMPL_ENV}=builtin for SGLang's own)")
 
 
-def check_supported_flags(server_args: ServerArgs) -> None:
-    device = str(server_args.device)
+def check_supported_flags(cfg) -> None:
+    """One line per flag our worker does not serve. cfg: a read view of the server args."""
+    device = str(cfg.device)
     if device.split(":")[0] not in DEVICES:
         _refuse("--device", device, f"only {' and '.join(DEVICES)} are supported")
     for flag, name in (("--tp-size", "tp_size"), ("--pp-size", "pp_size"), ("--dp-size", "dp_size")):
-        value = int(getattr(server_args, name, 1) or 1)
+        value = int(getattr(cfg, name, 1) or 1)
         if value != 1:
             _refuse(flag, value, "only 1 is supported yet")
-    if getattr(server_args, "enable_dp_attention", False):
-        _refuse("--enable-dp-attention", "", "DP attention is not supported yet")
-    if getattr(server_args, "speculative_adaptive", False):
-        raise UnsupportedFlagError(
-            f"--speculative-adaptive: SGLang's adaptive mode is EAGLE-only; DFLASH picks its shape per step from the "
-            f"batch size with {ENV_SWITCH}=1 (see docs/sglang.md)"
-        )
-    if server_args.speculative_draft_window_size is not None:
-        _refuse("--speculative-draft-window-size", server_args.speculative_draft_window_size, "not supported yet")
-    if server_args.speculative_draft_model_path is None:
+    refusals = (
+        ("--enable-dp-attention", "enable_dp_attention", (None, False), "DP attention is not supported yet"),
+        ("--speculative-draft-window-size", "speculative_draft_window_size", (None,), "not supported yet"),
+        ("--speculative-adaptive-config", "speculative_adaptive_config", (None, ""),
+         "EAGLE's adaptive tuning file; DFLASH's adaptive shapes are --speculative-dflash-adaptive-table"),
+        ("--speculative-use-block-verification", "speculative_use_block_verification", (None, False),
+         "block verification is not supported (sampled drafts are verified by lossless rejection sampling)"),
+        ("--speculative-token-map", "speculative_token_map", (None, ""), "draft-vocabulary maps are not served yet"),
+        # We expose no draft KV pool to transfer or offload: the draft KV would go stale (lossless, but tau drops).
+        ("--disaggregation-mode", "disaggregation_mode", (None, "null"),
+         "PD disaggregation cannot transfer the draft KV pool yet"),
+        ("--enable-hierarchical-cache", "enable_hierarchical_cache", (None, False),
+         "the draft KV pool cannot be offloaded yet"),
+        ("--speculative-draft-kv-cache-dtype", "speculative_draft_kv_cache_dtype",
+         (None, "auto", "bf16", "bfloat16"), "the draft KV pool is kept in the model dtype (fp8 draft KV not yet)"),
+    )
+    for flag, name, ok, why in refusals:
+        value = getattr(cfg, name, None)
+        if value not in ok:
+            _refuse(flag, "" if value is True else value, why)
+    kv_dtype = str(getattr(cfg, "kv_cache_dtype", "auto") or "auto")
+    if kv_dtype not in ("auto", "bfloat16", "float16", "float32"):
+        _refuse("--kv-cache-dtype", kv_dtype, "the draft KV pool is kept in the model dtype (quantized KV not yet)")
+    if cfg.speculative_draft_model_path is None:
         raise UnsupportedFlagError("--speculative-algorithm DFLASH needs --speculative-draft-model-path DIR")
     if device.startswith("cuda"):
         if importlib.util.find_spec("flashinfer") is None:
@@ -92,68 +105,151 @@ def check_supported_flags(server_args: ServerArgs) -> None:
             find_nvcc()  # our kernels are built at worker start-up (cached); a missing compiler fails here, not mid-run
         except RuntimeError as e:
             raise UnsupportedFlagError(f"--device cuda: {e}") from None
-    for flag, name, ok in (("--disaggregation-mode", "disaggregation_mode", (None, "null")),
-                           ("--enable-hierarchical-cache", "enable_hierarchical_cache", (None, False))):
-        value = getattr(server_args, name, None)
-        if value not in ok:
-            # We expose no draft KV pool to transfer or offload: the draft KV would go stale (lossless, but tau drops).
-            _refuse(flag, "" if value is True else value, "the draft KV pool cannot be transferred or offloaded yet")
-    kv_dtype = str(getattr(server_args, "kv_cache_dtype", "auto") or "auto")
-    if kv_dtype not in ("auto", "bfloat16", "float16", "float32"):
-        _refuse("--kv-cache-dtype", kv_dtype, "the draft KV pool is kept in the model dtype (quantized KV not yet)")
 
 
-def load_draft_config(server_args: ServerArgs) -> DraftConfig:
-    """Parse the draft's config.json and check it against the target's config; raises CheckpointError."""
-    draft_dir = server_args.speculative_draft_model_path
-    source = f"{draft_dir}/config.json"
-    cfg = DraftConfig.load(draft_dir)
-    check_fit(cfg, server_args.get_model_config().hf_config, draft_source=source)
+@dataclass(frozen=True)
+class Precheck:
+    """What `precheck` read before SGLang's handling, for `handle_dflash_args` (bookkeeping on the record)."""
+
+    flags: dict[str, Any]  # our flags, and the operator's own values of the SGLang flags SGLang's handling rewrites
+    draft: DraftConfig  # the draft's config.json, parsed once
+
+
+def precheck(server_args: ServerArgs) -> None:
+    """Before SGLang's own speculative handling: refuse what we do not serve, fetch a hub draft, fail on an
+    unreadable draft config, and keep our raw inputs that SGLang's handling would rewrite."""
+    refuse_retired_env()
+    cfg = view(server_args)
+    check_supported_flags(cfg)
+    resolve_draft_path(server_args)
+    draft = DraftConfig.load(view(server_args).speculative_draft_model_path)
+    # The operator's own values: SGLang would turn --speculative-adaptive off for DFLASH (EAGLE-only there), and may
+    # pick a draft attention backend for its own draft runner.
+    flags = {**plugin_flags_of(server_args), "speculative_adaptive": bool(cfg.speculative_adaptive),
+             "speculative_draft_attention_backend": server_args.speculative_draft_attention_backend}
+    setattr(server_args, "_dflash_precheck", Precheck(flags, draft))  # bookkeeping, not a field: allowed when sealed
+    if cfg.speculative_adaptive:
+        declare(server_args, SOURCE, speculative_adaptive=False)  # SGLang's EAGLE adaptive machinery stays off
+
+
+def handle_dflash_args(server_args: ServerArgs) -> DFlashSettings:
+    """SGLang's `_handle_dflash`, ours: resolve, declare and attach the settings (the AROUND hook calls this, after
+    the precheck on SGLang's `handle_speculative_decoding`)."""
+    checked = getattr(server_args, "_dflash_precheck", None)
+    assert checked is not None, "precheck ran first (the hook on handle_speculative_decoding)"
+    flags, cfg = checked.flags, view(server_args)
+    draft = check_draft_fits(server_args, checked.draft)
+    dummy = cfg.speculative_draft_load_format == "dummy"
+    if not dummy:
+        check_weight_headers(cfg.speculative_draft_model_path, draft)
+    max_running = int(cfg.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS)
+    mode, block, nodes, topk, table = resolve_shape(server_args, draft, flags, max_running)
+    settings = DFlashSettings(
+        draft_dir=str(cfg.speculative_draft_model_path), draft=draft, mode=mode, block_size=block, nodes=nodes,
+        topk=topk, max_running_requests=max_running, device=str(cfg.device),
+        draft_attention=draft_attention(flags["speculative_draft_attention_backend"], str(cfg.device)),
+        draft_graphs=draft_graphs(flags["speculative_dflash_draft_graphs"]),
+        tree_cuda_graph=bool(flags["speculative_dflash_tree_cuda_graph"]) and topk > 1,
+        dummy_draft=dummy, adaptive_table=table,
+        adaptive_token_budget=flags["speculative_dflash_adaptive_token_budget"] if table else None,
+        simulation=SimulatedAcceptance.from_env(),
+    )
+    if settings.simulation is not None and mode != "chain":
+        raise UnsupportedFlagError("SGLANG_SIMULATE_ACC_LEN: simulated acceptance forces a chain's commit length; "
+                                   "unset it for tree verification and --speculative-adaptive")
+    if cfg.speculative_num_steps not in (None, 1):
+        logger.warning("DFLASH: --speculative-num-steps %s is ignored (one drafter pass per step)",
+                       cfg.speculative_num_steps)
+    # SGLang sizes the KV reservation and buffers from N (the most any step verifies) and num_steps.
+    decisions = dict(speculative_num_draft_tokens=nodes, speculative_dflash_block_size=block,
+                     speculative_eagle_topk=topk, speculative_num_steps=1, max_running_requests=max_running)
+    if cfg.enable_mixed_chunk:
+        decisions["enable_mixed_chunk"] = False
+        logger.warning("DFLASH (dflash-sglang): --enable-mixed-chunk is turned off (decode and prefill run as "
+                       "separate batches)")
+    if str(cfg.device) == "cpu" and not cfg.disable_overlap_schedule:
+        # SGLang has no overlap scheduler for speculative decoding on CPU; run the worker synchronously.
+        decisions["disable_overlap_schedule"] = True
+    declare(server_args, SOURCE, **decisions)
+    setattr(server_args, "_dflash_settings", settings)
+    return settings
+
+
+def draft_graphs(value: str) -> str:
+    """--speculative-dflash-draft-graphs (an Engine keyword skips argparse's choices check)."""
+    if value not in DRAFT_GRAPHS:
+        _refuse("--speculative-dflash-draft-graphs", value, f"expected one of {', '.join(DRAFT_GRAPHS)}")
+    return value
+
+
+def draft_attention(flag_value: str | None, device: str) -> str:
+    """--speculative-draft-attention-backend -> our drafter attention: flashinfer (the CUDA default) or torch."""
+    if flag_value not in DRAFT_ATTENTION:
+        _refuse("--speculative-draft-attention-backend", flag_value, "the drafter attends with flashinfer (CUDA) or "
+                "torch_native (any device)")
+    choice = DRAFT_ATTENTION[flag_value]
+    on_cuda = device.startswith("cuda")
+    if choice == "flashinfer" and not on_cuda:
+        _refuse("--speculative-draft-attention-backend", flag_value, f"needs a CUDA device, not {device}")
+    return choice if choice != "auto" else ("flashinfer" if on_cuda else "torch")
+
+
+def check_draft_fits(server_args: ServerArgs, cfg: DraftConfig) -> DraftConfig:
+    """The draft's config against the target's (and a target we can serve at all); raises CheckpointError."""
+    source = f"{view(server_args).speculative_draft_model_path}/config.json"
+    hf_config = model_config(server_args).hf_config
+    hybrid = recurrent_layers(hf_config)
+    if hybrid is not None:
+        raise UnsupportedFlagError(
+            f"--model-path {view(server_args).model_path}: the target has recurrent / linear-attention layers "
+            f"({hybrid}), whose state dflash-sglang cannot roll back for rejected drafts; serve it with "
+            f"{IMPL_ENV}=builtin")
+    check_fit(cfg, hf_config, draft_source=source)
     if list(cfg.target_layer_ids) != sorted(set(cfg.target_layer_ids)):
         # SGLang captures layer outputs in layer order; the fc input expects them in checkpoint order.
         raise CheckpointError(f"{source}: field 'dflash_config.target_layer_ids' must be strictly increasing")
     return cfg
 
 
-@dataclass(frozen=True)
-class SpecFlags:
-    """The per-step speculation shape resolved from the server flags (see the module docstring)."""
-
-    block_size: int  # B: drafter block [bonus, MASK x (B-1)], one drafter pass per step
-    nodes: int  # N: verify rows per request and step, root included (the chain: N == B)
-    topk: int  # k: draft candidates per block position (1: chain)
-
-    @property
-    def is_tree(self) -> bool:
-        return self.topk > 1
-
-    @classmethod
-    def from_server_args(cls, server_args: ServerArgs) -> SpecFlags:
-        """The values `handle_dflash_args` wrote back (read in the scheduler process)."""
-        nodes = int(server_args.speculative_num_draft_tokens)
-        block = server_args.speculative_dflash_block_size
-        return cls(int(block) if block is not None else nodes, nodes, int(server_args.speculative_eagle_topk or 1))
-
-
-def resolve_spec_flags(server_args: ServerArgs, cfg: DraftConfig) -> SpecFlags:
-    adaptive = AdaptiveEnv.read()
-    if adaptive is not None:
-        return resolve_adaptive_flags(server_args, cfg, adaptive)
-    topk = 1 if server_args.speculative_eagle_topk is None else int(server_args.speculative_eagle_topk)
+def resolve_shape(server_args: ServerArgs, cfg: DraftConfig, flags: dict, max_running: int
+                  ) -> tuple[str, int, int, int, str | None]:
+    """(mode, B, N, k, adaptive table or None) from the flags (see the module docstring)."""
+    v = view(server_args)
+    topk_flag = v.speculative_eagle_topk
+    if flags["speculative_adaptive"]:
+        if topk_flag is not None:
+            _refuse("--speculative-eagle-topk", topk_flag, "with --speculative-adaptive the top-k of each batch size "
+                    "comes from --speculative-dflash-adaptive-table; drop the flag")
+        block = draft_block_size(v, cfg)
+        table, budget = flags["speculative_dflash_adaptive_table"], flags["speculative_dflash_adaptive_token_budget"]
+        explicit = v.speculative_num_draft_tokens
+        try:
+            _, largest = adaptive_limits(table, budget, block, None if explicit is None else int(explicit),
+                                         cfg.vocab_size, max_running)
+        except AdaptiveConfigError as e:
+            raise UnsupportedFlagError(str(e)) from None
+        if largest.topk > 1:
+            source = f"--speculative-dflash-adaptive-table {table!r} ({largest.nodes} nodes)"
+            if explicit is not None:
+                source = f"--speculative-num-draft-tokens {largest.nodes}"
+            check_tree_serving(server_args, largest.nodes, source, "tree rows in --speculative-dflash-adaptive-table")
+        return "adaptive", block, largest.nodes, largest.topk, table
+    given = [flag for flag, name in (("--speculative-dflash-adaptive-table", "speculative_dflash_adaptive_table"),
+                                     ("--speculative-dflash-adaptive-token-budget",
+                                      "speculative_dflash_adaptive_token_budget"))
+             if flags[name] != PLUGIN_DEFAULTS[name]]
+    if given:
+        _refuse(given[0], "", "needs --speculative-adaptive")
+    topk = 1 if topk_flag is None else int(topk_flag)
     if topk < 1:
         _refuse("--speculative-eagle-topk", topk, "must be >= 1 (1: chain, > 1: tree verification)")
     if topk == 1:
-        block = resolve_block_size(server_args, cfg)
-        return SpecFlags(block, block, 1)
-    return resolve_tree_flags(server_args, cfg, topk)
-
-
-def resolve_tree_flags(server_args: ServerArgs, cfg: DraftConfig, topk: int) -> SpecFlags:
-    """Tree mode: B from the block-size flag (or the checkpoint), N from --speculative-num-draft-tokens."""
-    block = draft_block_size(server_args, cfg)
+        block = chain_block_size(v, cfg)
+        return "chain", block, block, 1, None
+    block = draft_block_size(v, cfg)
     if topk > cfg.vocab_size:
         _refuse("--speculative-eagle-topk", topk, f"larger than the draft vocabulary ({cfg.vocab_size} tokens)")
-    explicit = server_args.speculative_num_draft_tokens
+    explicit = v.speculative_num_draft_tokens
     nodes = int(explicit if explicit is not None else block)
     most = max_tree_nodes(block - 1, topk)
     if nodes < 2:
@@ -162,33 +258,37 @@ def resolve_tree_flags(server_args: ServerArgs, cfg: DraftConfig, topk: int) -> 
         _refuse("--speculative-num-draft-tokens", nodes, f"a tree of depth {block - 1} (block size {block}) with "
                 f"--speculative-eagle-topk {topk} has at most {most} nodes")
     check_tree_serving(server_args, nodes, f"--speculative-num-draft-tokens {nodes}", "--speculative-eagle-topk > 1")
-    return SpecFlags(block, nodes, topk)
+    return "tree", block, nodes, topk, None
 
 
-def resolve_adaptive_flags(server_args: ServerArgs, cfg: DraftConfig, settings: AdaptiveEnv) -> SpecFlags:
-    """DFLASH_ADAPTIVE=1: B as for a tree, N = the largest shape the table can pick (or the explicit flag, which
-    every row must fit), k = the largest top-k; the tree constraints apply when any row is a tree."""
-    if server_args.speculative_eagle_topk is not None:
-        _refuse("--speculative-eagle-topk", server_args.speculative_eagle_topk,
-                f"with {ENV_SWITCH}=1 the top-k of each batch size comes from {ENV_TABLE}; drop the flag")
-    block = draft_block_size(server_args, cfg)
-    explicit = server_args.speculative_num_draft_tokens
-    _, largest = adaptive_limits(settings, block, None if explicit is None else int(explicit), cfg.vocab_size,
-                                 server_args.max_running_requests)
-    if largest.topk > 1:
-        source = f"{ENV_TABLE}={settings.table!r} ({largest.nodes} nodes)"
-        if explicit is not None:
-            source = f"--speculative-num-draft-tokens {largest.nodes}"
-        check_tree_serving(server_args, largest.nodes, source, f"tree rows in {ENV_TABLE}")
-    return SpecFlags(block, largest.nodes, largest.topk)
-
-
-def draft_block_size(server_args: ServerArgs, cfg: DraftConfig) -> int:
+def draft_block_size(v, cfg: DraftConfig) -> int:
     """The drafter block B of tree and adaptive modes: --speculative-dflash-block-size, else the checkpoint's."""
-    alias = server_args.speculative_dflash_block_size
+    alias = v.speculative_dflash_block_size
     block = int(alias if alias is not None else cfg.block_size)
     if block < 2:
         _refuse("--speculative-dflash-block-size", block, "the draft block size must be >= 2")
+    if block > MAX_NODES:
+        _refuse("--speculative-dflash-block-size", block, f"at most {MAX_NODES}")
+    return block
+
+
+def chain_block_size(v, cfg: DraftConfig) -> int:
+    """The chain's B = N: --speculative-num-draft-tokens or its alias --speculative-dflash-block-size, else the
+    checkpoint's."""
+    explicit, alias = v.speculative_num_draft_tokens, v.speculative_dflash_block_size
+    if alias is not None and explicit is not None and int(alias) != int(explicit):
+        raise UnsupportedFlagError(f"--speculative-num-draft-tokens {explicit} and --speculative-dflash-block-size "
+                                   f"{alias} differ (both are the DFLASH block size)")
+    block = int(explicit if explicit is not None else alias if alias is not None else cfg.block_size)
+    if block < 2:
+        raise UnsupportedFlagError(f"--speculative-num-draft-tokens {block}: the block size must be >= 2")
+    if block > MAX_NODES:
+        # A verify of that many rows per request would exhaust memory at warm-up, far from this flag.
+        raise UnsupportedFlagError(f"--speculative-num-draft-tokens {block}: at most {MAX_NODES} verify tokens per "
+                                   f"request and step (the draft was trained for {cfg.block_size})")
+    if block > cfg.block_size:
+        logger.warning("DFLASH block size %d is larger than the draft was trained for (%d); acceptance will suffer",
+                       block, cfg.block_size)
     return block
 
 
@@ -197,63 +297,35 @@ def check_tree_serving(server_args: ServerArgs, nodes: int, nodes_source: str, t
     backend that takes the tree mask. nodes_source / tree_source name where N / the tree shapes come from."""
     if nodes > MAX_NODES:
         raise UnsupportedFlagError(f"{nodes_source}: the tree kernels verify at most {MAX_NODES} nodes")
-    view = resolved(server_args)  # what SGLang picked by itself so far (backend and page size for this GPU/model)
-    page_size = int(view.page_size or 1)
+    v = view(server_args)  # what SGLang picked by itself so far (backend and page size for this GPU/model)
+    page_size = int(v.page_size or 1)
     if page_size != 1:
         # The accepted path is committed by permuting req_to_token entries, which only a page size of 1 allows.
         _refuse("--page-size", page_size, f"tree verification ({tree_source}) needs page size 1"
-                + _picked(server_args, view, "page_size"))
+                + _picked(server_args, v, "page_size"))
     for flag in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
-        backend = getattr(view, flag, None)
+        backend = getattr(v, flag, None)
         if backend is not None and backend not in TREE_ATTENTION_BACKENDS:
             _refuse(f"--{flag.replace('_', '-')}", backend, f"tree verification supports "
-                    f"{', '.join(TREE_ATTENTION_BACKENDS)} target attention" + _picked(server_args, view, flag))
+                    f"{', '.join(TREE_ATTENTION_BACKENDS)} target attention" + _picked(server_args, v, flag))
 
 
-def resolved(server_args: ServerArgs):
-    """ServerArgs as resolved so far: SGLang 0.5.17 stashes its own choices (the attention backend for the GPU,
-    the page size) as declarations it applies only at the end of resolution, after our hooks ran."""
-    try:
-        from sglang.srt.arg_groups.overrides import resolved_view
-    except ImportError:
-        return server_args
-    return resolved_view(server_args)
-
-
-def _picked(server_args: ServerArgs, view, field: str) -> str:
+def _picked(server_args: ServerArgs, v, field: str) -> str:
     """A hint when the value is SGLang's own choice, not what the user passed."""
-    if getattr(server_args, field, None) != getattr(view, field, None):
+    if getattr(server_args, field, None) != getattr(v, field, None):
         return f" (SGLang chose it for this model/GPU; pass --{field.replace('_', '-')} explicitly)"
     return ""
 
 
-def resolve_block_size(server_args: ServerArgs, cfg: DraftConfig) -> int:
-    explicit = server_args.speculative_num_draft_tokens
-    alias = server_args.speculative_dflash_block_size
-    if alias is not None and explicit is not None and int(alias) != int(explicit):
-        raise UnsupportedFlagError(
-            f"--speculative-num-draft-tokens {explicit} and --speculative-dflash-block-size {alias} differ "
-            f"(both are the DFLASH block size)"
-        )
-    block = int(explicit if explicit is not None else alias if alias is not None else cfg.block_size)
-    if block < 2:
-        raise UnsupportedFlagError(f"--speculative-num-draft-tokens {block}: the block size must be >= 2")
-    if block > cfg.block_size:
-        logger.warning(
-            "DFLASH block size %d is larger than the draft was trained for (%d); acceptance will suffer",
-            block, cfg.block_size,
-        )
-    return block
-
-
 def resolve_draft_path(server_args: ServerArgs) -> None:
-    """A hub repo id in --speculative-draft-model-path becomes its local snapshot, in place.
+    """A hub repo id in --speculative-draft-model-path becomes its local snapshot (declared).
 
     SGLang's builtin downloads the draft inside its draft model loader; we read the draft's config.json at
     start-up, so the id is resolved here, once, in the process that builds ServerArgs (the scheduler processes
     get the local path). HF_HUB_OFFLINE / HF_HOME / --download-dir / --speculative-draft-model-revision apply.
     """
-    path = server_args.speculative_draft_model_path
+    cfg = view(server_args)
+    path = cfg.speculative_draft_model_path
     if path is None or os.path.isdir(path) or not _looks_like_repo_id(path):
         return  # a local path: DraftConfig.load names what is missing in it
     if os.path.exists(path):
@@ -263,50 +335,16 @@ def resolve_draft_path(server_args: ServerArgs) -> None:
 
     offline = os.environ.get("HF_HUB_OFFLINE", "0").strip().upper() in ("1", "ON", "YES", "TRUE")
     try:
-        local = snapshot_download(path, revision=server_args.speculative_draft_model_revision,
-                                  cache_dir=server_args.download_dir, allow_patterns=["*.json", "*.safetensors"],
-                                  local_files_only=offline)
+        local = snapshot_download(path, revision=cfg.speculative_draft_model_revision, cache_dir=cfg.download_dir,
+                                  allow_patterns=["*.json", "*.safetensors"], local_files_only=offline)
     except Exception as e:  # hub errors come in many types; the one line must name the flag and the cause
         raise CheckpointError(f"--speculative-draft-model-path {path}: not a local directory, and fetching it as a "
                               f"hub repo failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
                               ) from None
     logger.info("DFLASH (dflash-sglang): draft %s -> %s", path, local)
-    server_args.speculative_draft_model_path = local
+    declare(server_args, SOURCE, speculative_draft_model_path=local)
 
 
 def _looks_like_repo_id(path: str) -> bool:
     """`name` or `org/name` (what the hub accepts); absolute, ./ ../ ~ and deeper paths are local."""
     return not (os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1 or "\\" in path)
-
-
-def precheck(server_args: ServerArgs) -> None:
-    """Before SGLang's own speculative-arg handling: refuse unsupported flags, fetch a hub draft, and fail on an
-    unreadable draft config with one line."""
-    check_supported_flags(server_args)
-    resolve_draft_path(server_args)
-    DraftConfig.load(server_args.speculative_draft_model_path)
-
-
-def handle_dflash_args(server_args: ServerArgs) -> None:
-    """In-place resolution of DFLASH server args (the AROUND hook on `_handle_dflash` calls this)."""
-    check_supported_flags(server_args)
-    cfg = load_draft_config(server_args)
-    if server_args.max_running_requests is None:  # before the flags: the adaptive token budget is checked against it
-        server_args.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
-    flags = resolve_spec_flags(server_args, cfg)
-    # SGLang's KV reservation and buffer sizing read num_draft_tokens (N verify rows per step, the most any
-    # adaptive step verifies) and num_steps.
-    server_args.speculative_num_draft_tokens = flags.nodes
-    server_args.speculative_dflash_block_size = flags.block_size
-    server_args.speculative_eagle_topk = flags.topk
-    server_args.speculative_num_steps = 1
-    draft_backend = getattr(server_args, "speculative_draft_attention_backend", None)
-    if draft_backend not in (None, "flashinfer") and str(server_args.device) != "cpu":
-        logger.warning("DFLASH (dflash-sglang): --speculative-draft-attention-backend %s is not used: the drafter "
-                       "attends with FlashInfer (DFLASH_DRAFT_ATTENTION=torch for the torch reference)", draft_backend)
-    if server_args.enable_mixed_chunk:
-        server_args.enable_mixed_chunk = False
-        logger.warning("DFLASH: --enable-mixed-chunk is turned off (decode and prefill run as separate batches)")
-    if str(server_args.device) == "cpu" and not server_args.disable_overlap_schedule:
-        # SGLang has no overlap scheduler for speculative decoding on CPU; run the worker synchronously.
-        server_args.disable_overlap_schedule = True

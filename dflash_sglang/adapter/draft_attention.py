@@ -12,7 +12,6 @@ pool slice), so FlashInfer plans once per step.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +20,6 @@ from torch import Tensor
 
 from dflash_sglang import ops
 
-ENV_BACKEND = "DFLASH_DRAFT_ATTENTION"  # auto (FlashInfer on CUDA, torch on CPU) | flashinfer | torch
 _WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended split-k workspace
 
 
@@ -83,7 +81,7 @@ def paged_attention_reference(q: Tensor, k_rows: Tensor, v_rows: Tensor, layout:
 
 
 class TorchPagedAttention:
-    """`paged_attention_reference` behind the backend interface (CPU, or `DFLASH_DRAFT_ATTENTION=torch`)."""
+    """`paged_attention_reference` behind the backend interface (CPU, or `--speculative-draft-attention-backend torch_native`)."""
 
     name = "torch"
 
@@ -163,21 +161,21 @@ class FlashInferPagedAttention:
         return self.wrapper.run(q.contiguous(), (k_rows.unsqueeze(1), v_rows.unsqueeze(1)))
 
 
-def select_backend(device, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
-    """The paged attention backend for `device` (raises at start-up: a wrong DFLASH_DRAFT_ATTENTION value, or
-    `flashinfer` asked for without a CUDA device or without the package)."""
-    choice = os.environ.get(ENV_BACKEND, "auto").strip().lower()
-    if choice not in ("auto", "flashinfer", "torch"):
-        raise ValueError(f"{ENV_BACKEND}={choice!r}: expected auto, flashinfer or torch")
+def select_backend(device, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                   choice: str = "auto"):
+    """The paged attention backend: `choice` is "flashinfer", "torch" or "auto" (FlashInfer on CUDA, torch
+    elsewhere), as resolved from --speculative-draft-attention-backend at start-up (adapter/args.py)."""
+    assert choice in ("auto", "flashinfer", "torch"), choice
     scale = head_dim**-0.5
     on_cuda = torch.device(device).type == "cuda"
     if choice == "torch" or (choice == "auto" and not on_cuda):
         return TorchPagedAttention(scale)
     if not on_cuda:
-        raise ValueError(f"{ENV_BACKEND}=flashinfer needs a CUDA device, the drafter runs on {device}")
+        raise ValueError(f"--speculative-draft-attention-backend flashinfer needs a CUDA device, the drafter runs on "
+                         f"{device}")
     try:
         import flashinfer  # noqa: F401
     except ImportError as e:
         raise ImportError(f"DFLASH draft attention on CUDA needs FlashInfer (pip install flashinfer-python), "
-                          f"or set {ENV_BACKEND}=torch: {e}") from None
+                          f"or --speculative-draft-attention-backend torch_native: {e}") from None
     return FlashInferPagedAttention(num_heads, num_kv_heads, head_dim, dtype, device, scale)

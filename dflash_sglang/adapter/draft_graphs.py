@@ -14,15 +14,15 @@ and the drafter's padding scratch rows (`PagedDrafter.pad_slot`); their logits a
 write KV slot 0, which SGLang's allocators never hand out (its padding slot). Batches larger than every captured
 size, shapes without a commit graph, and layouts longer than the index buffer run eagerly.
 
-`DFLASH_DRAFT_CUDA_GRAPH`: `auto` (default: capture on CUDA when the target captures its decode graphs, at its
-batch sizes), `1` (capture even when the target runs eagerly), `0` (eager), `static` (the same static buffers and
-padding replayed without capture, on any device: how the CPU tests run this path inside a real Engine).
+When: on CUDA, wherever the target captures its decode graphs, at its batch sizes (`graph_mode`; SGLang's
+`--disable-cuda-graph` turns both off; `--speculative-dflash-draft-graphs eager` only the draft's). `static` replays
+the same static buffers and padding without capture, on any device: how the CPU tests run this path inside a real
+Engine.
 """
 from __future__ import annotations
 
 import bisect
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,34 +35,29 @@ from .draft_attention import DraftLayout, host_indptrs
 from .model import PagedDrafter, TargetHead
 
 logger = logging.getLogger(__name__)
-ENV_GRAPHS = "DFLASH_DRAFT_CUDA_GRAPH"
 PAD_SLOT = 0  # SGLang's padding KV slot: its token allocators start at 1
 _MAX_INDEX_ROWS = 1 << 24  # the shared int32 kv_indices buffer stays <= 64 MiB; longer layouts run eagerly
 _DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
 
 
-def graph_mode(device, target_captures: bool, attention: str | None) -> str | None:
-    """'capture', 'static' or None (eager) from DFLASH_DRAFT_CUDA_GRAPH; raises ValueError naming the variable
-    on a bad value or on `1` where nothing can be captured.
+def graph_mode(device, target_captures: bool, attention: str | None, choice: str = "auto") -> str | None:
+    """'capture', 'static' or None (eager), from --speculative-dflash-draft-graphs: `auto` captures on CUDA with
+    FlashInfer draft attention wherever the target captures its decode graphs (SGLang's --disable-cuda-graph turns
+    both off), `eager` never captures, `static` replays the static buffers without capture on any device.
 
     target_captures: the target replays its decode/verify steps as CUDA graphs; attention: the drafter's paged
-    backend name (None: causal / sliding-window layers on the dense path, which has no static shapes).
+    backend name (None: causal / sliding-window layers on the dense path, which has no static shapes and runs
+    eagerly).
     """
-    choice = os.environ.get(ENV_GRAPHS, "auto").strip().lower()
-    if choice not in ("auto", "0", "1", "static"):
-        raise ValueError(f"{ENV_GRAPHS}={choice!r}: expected auto, 0, 1 or static")
-    if choice == "0" or (choice == "auto" and attention is None):
-        return None
     if attention is None:
-        raise ValueError(f"{ENV_GRAPHS}={choice}: the drafter has causal or sliding-window layers, whose dense "
-                         f"attention path runs eagerly")
-    if choice == "static":
-        return "static"
+        if choice == "static":
+            raise ValueError("--speculative-dflash-draft-graphs static: the drafter has causal or sliding-window "
+                             "layers, whose dense attention path runs eagerly")
+        return None
+    if choice != "auto":
+        return "static" if choice == "static" else None
     capturable = torch.device(device).type == "cuda" and attention == "flashinfer"
-    if choice == "1" and not capturable:
-        raise ValueError(f"{ENV_GRAPHS}=1 needs a CUDA device and FlashInfer draft attention "
-                         f"(device {device}, draft attention {attention})")
-    return "capture" if capturable and (choice == "1" or target_captures) else None
+    return "capture" if capturable and target_captures else None
 
 
 def default_sizes(max_requests: int) -> list[int]:
@@ -250,5 +245,5 @@ def _capture(body: Callable[[], None], pool, stream, what: str) -> torch.cuda.CU
             body()
     except RuntimeError as e:
         raise RuntimeError(f"DFLASH (dflash-sglang): capturing the CUDA graph of the {what} failed: {e}. "
-                           f"{ENV_GRAPHS}=0 runs the draft pass and commit eagerly") from e
+                           f"--disable-cuda-graph runs the target and the draft eagerly") from e
     return graph

@@ -92,7 +92,7 @@ class PagedDrafter:
     """
 
     def __init__(self, drafter: DFlashDrafter, pool: DraftKVPool, scratch_base: int, block: int,
-                 pad_slot: int | None = None) -> None:
+                 pad_slot: int | None = None, attention: str = "auto") -> None:
         self.drafter = drafter
         self.cfg = drafter.cfg
         self.pool = pool
@@ -102,15 +102,15 @@ class PagedDrafter:
         cfg = self.cfg
         plain = all(not cfg.layer_is_causal(i) and cfg.layer_window(i) is None for i in range(cfg.num_hidden_layers))
         self.attention = (select_backend(pool.k.device, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, pool.k.dtype) if plain else None)
+                                         cfg.head_dim, pool.k.dtype, attention) if plain else None)
 
     @classmethod
     def load(cls, draft_dir: str | Path, slots: int, req_slots: int, block: int, dtype: torch.dtype, device,
-             dummy: bool = False) -> PagedDrafter:
+             dummy: bool = False, attention: str = "auto") -> PagedDrafter:
         """slots: target KV slots (pool rows mirrored), req_slots: request-pool slots (block scratch owners; one
         more scratch block is the padding slot). dummy: random weights of the checkpoint's config
         (`--speculative-draft-load-format dummy`), no weight files read, for capacity planning with simulated
-        acceptance."""
+        acceptance. attention: the paged backend ("auto", "flashinfer" or "torch", see `select_backend`)."""
         if dummy:
             drafter = random_drafter(DraftConfig.load(draft_dir), device, dtype)
         else:
@@ -118,7 +118,7 @@ class PagedDrafter:
         cfg = drafter.cfg
         pool = DraftKVPool(cfg.num_hidden_layers, slots + (req_slots + 1) * block, cfg.num_key_value_heads,
                            cfg.head_dim, dtype, device)
-        return cls(drafter, pool, slots, block, pad_slot=req_slots)
+        return cls(drafter, pool, slots, block, pad_slot=req_slots, attention=attention)
 
     @property
     def backend_name(self) -> str:

@@ -59,9 +59,9 @@ class SimulatedAcceptance:
 
     def sample_commit_len(self, block_size: int) -> int:
         """One commit length L in [1, block_size], drawn by SGLang's own sampler (same law as the builtin)."""
-        from sglang.srt.speculative.spec_utils import _sample_simulated_acc_len
+        from .versions import sample_simulated_acc_len
 
-        return _sample_simulated_acc_len(self.mean, self.method, block_size)
+        return sample_simulated_acc_len(self.mean, self.method, block_size)
 
     def force(self, drafts: Tensor, target_argmax: Tensor, commit_len: int) -> tuple[Tensor, Tensor, Tensor]:
         """Outcome of a step that commits `commit_len` tokens for every request.

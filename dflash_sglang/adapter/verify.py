@@ -14,7 +14,6 @@ sampling of point-mass drafts against the target's temperature/top-k/top-p(/min-
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,22 +32,16 @@ if TYPE_CHECKING:
     from sglang.srt.managers.tp_worker import TpModelWorker
 
 
-TREE_GRAPH_ENV = "DFLASH_TREE_CUDA_GRAPH"
-
-
-def masked_verify_graphs(server_args) -> bool:
+def masked_verify_graphs(settings) -> bool:
     """Whether the target's TARGET_VERIFY CUDA graphs are captured with a custom mask: opt-in
-    (`DFLASH_TREE_CUDA_GRAPH=1`), CUDA, tree rows configured (`speculative_eagle_topk` > 1 as `handle_dflash_args`
-    resolved it).
+    (`--speculative-dflash-tree-cuda-graph`), CUDA, tree rows configured (k > 1, resolved at start-up).
 
-    SGLang 0.5.17 captures DFLASH verify graphs without a mask on FlashInfer / Triton, so a tree verify runs
-    eagerly unless the capture takes the mask buffers (the plugin's hook on `resolve_dflash_verify_mask_policy`
-    asks for them from this switch). Then every verify that may replay a graph passes a mask, chains included (a
-    lower-triangular tree). Not yet validated on a GPU, hence off by default.
+    SGLang captures DFLASH verify graphs without a mask on FlashInfer / Triton, so a tree verify runs eagerly unless
+    the capture takes the mask buffers (the plugin's hook on `resolve_dflash_verify_mask_policy` asks for them from
+    this setting). Then every verify that may replay a graph passes a mask, chains included (a lower-triangular
+    tree). Not yet validated on a GPU, hence off by default.
     """
-    if os.environ.get(TREE_GRAPH_ENV, "0").strip() != "1" or server_args is None:
-        return False
-    return str(server_args.device).startswith("cuda") and int(server_args.speculative_eagle_topk or 1) > 1
+    return settings.tree_cuda_graph and settings.device.startswith("cuda") and settings.topk > 1
 
 
 def verify_mask(tree_mask: Tensor | None, bs: int, width: int, masked_graphs: bool, device) -> Tensor | None:

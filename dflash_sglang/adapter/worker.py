@@ -1,20 +1,22 @@
 """`DFlashWorker`: the spec-v2 worker SGLang's scheduler drives for `--speculative-algorithm DFLASH`.
 
-The scheduler contract (SGLang 0.5.17, the same one its builtin DFLASH worker meets):
-- built as `DFlashWorker(server_args, gpu_id, ps, nccl_port, target_worker)` inside each scheduler process;
-  then `alloc_memory_pool(...)`, `init_attention_backends()`, `init_cuda_graphs()`;
-- `forward_batch_generation(batch, on_publish=None, grammar_barrier=None) -> GenerationBatchResult`, called
-  synchronously (CPU, `--disable-overlap-schedule`) or on the overlap forward stream (GPU default);
+The scheduler contract (SGLang 0.5.17 and 0.5.23, the one its builtin DFLASH worker meets):
+- built with the keywords `server_args, gpu_id, nccl_port, target_worker` (0.5.17 adds `ps`) inside each
+  scheduler process; then `alloc_memory_pool(...)`, `init_attention_backends()`, `init_cuda_graphs()`. The server
+  args carry our resolved `DFlashSettings` (adapter/settings.py), the only configuration this worker reads;
+- `forward_batch_generation(batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None) ->
+  GenerationBatchResult`, called synchronously (CPU, `--disable-overlap-schedule`) or on the overlap forward
+  stream (GPU default);
 - the relayed per-request state is SGLang's own `DFlashDraftInputV2` (bonus token + committed length), whose
   `prepare_for_decode` reserves 2*N KV slots past the committed length before every decode step
-  (N = server_args.speculative_num_draft_tokens);
+  (N = the declared speculative_num_draft_tokens, settings.nodes);
 - results: `next_token_ids` [bs*N] (row i: accepted drafts, then the bonus), `accept_lens` [bs] int32 =
   tokens committed (bonus included), `speculative_num_draft_tokens` = N as the row stride. The scheduler
   appends them and applies stop strings / EOS / max_new_tokens per request, trimming anything after the
   stop, so no extra token is ever emitted; it also counts `spec_verify_ct` etc. for the per-request
   `spec_accept_length` in meta_info.
 
-One decode step: pick the step's shape (fixed by the flags, or by batch size with DFLASH_ADAPTIVE=1,
+One decode step: pick the step's shape (fixed by the flags, or by batch size with --speculative-adaptive,
 adapter/adaptive.py) -> block `[bonus, MASK...]` -> drafter pass over the paged draft KV -> draft logits through
 the target lm_head -> verify rows (chain of n: the first n-1 greedy drafts after the bonus; tree: n best-first
 nodes from the per-position top-k, adapter/tree.py) -> target TARGET_VERIFY over those n rows per request
@@ -39,17 +41,19 @@ from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
+from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
+from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask
 
 from dflash_sglang import ops
 from dflash_sglang.core.adaptive import SpecShape
-from dflash_sglang.core.checkpoint import check_fit
-from dflash_sglang.core.config import CheckpointError, DraftConfig
+from dflash_sglang.core.config import CheckpointError
 
 from .adaptive import ShapeSchedule
-from .args import TREE_ATTENTION_BACKENDS, SpecFlags, UnsupportedFlagError
+from .args import TREE_ATTENTION_BACKENDS, UnsupportedFlagError
 from .draft_graphs import DraftGraphs, default_sizes, graph_mode
+from .logprobs import attach_logprobs
 from .model import PagedDrafter, TargetHead
-from .simulate import SimulatedAcceptance
+from .settings import settings_of
 from .tree import compact_path_slots, fit_rows, propose_tree
 from .verify import accept_block, accept_tree, masked_verify_graphs, run_target_verify, sampling_params
 
@@ -117,7 +121,7 @@ def _extend_positions(batch: ScheduleBatch, device) -> Tensor:
 class DFlashWorker(BaseSpecWorker):
     """DFlash speculative decoding: one drafter pass per block, chain verify, lossless accept."""
 
-    def __init__(self, server_args, gpu_id: int, ps, nccl_port: int, target_worker) -> None:
+    def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker, ps=None) -> None:
         super().__init__()
         self.server_args = server_args
         self.gpu_id, self.ps, self.nccl_port = gpu_id, ps, nccl_port
@@ -125,23 +129,19 @@ class DFlashWorker(BaseSpecWorker):
         self._draft_worker = DraftHandle()  # the drafter is not a TpModelWorker: see self.drafter
         self.model_runner = target_worker.model_runner
         self.device = target_worker.device
-        self.flags = SpecFlags.from_server_args(server_args)
-        self.block_size = self.flags.block_size
-        self.stride = self.flags.nodes  # N: the most verify rows per request = row stride of next_token_ids
-        self.draft_dir = server_args.speculative_draft_model_path
+        self.context_len = int(self.model_runner.model_config.context_len)
+        self.settings = settings_of(server_args)  # resolved and checked at start-up (adapter/args.py)
+        self.cfg = self.settings.draft
+        self.block_size = self.settings.block_size
+        self.stride = self.settings.nodes  # N: the most verify rows per request = row stride of next_token_ids
+        self.draft_dir = self.settings.draft_dir
         self.drafter: PagedDrafter | None = None  # set by alloc_memory_pool (needs the slot count)
         self.head: TargetHead | None = None  # the target's embedding and lm_head, borrowed by the drafter
         self.graphs: DraftGraphs | None = None  # set by init_cuda_graphs (None: the draft work runs eagerly)
-        self._check_fit()
-        self.schedule = ShapeSchedule.from_env(self.flags.nodes, self.flags.topk, self.block_size, self.cfg.vocab_size,
-                                               server_args.max_running_requests)
-        self.simulation = SimulatedAcceptance.from_env()  # SGLANG_SIMULATE_ACC_LEN: forced commit lengths
-        self.masked_graphs = masked_verify_graphs(server_args)  # DFLASH_TREE_CUDA_GRAPH=1: tree verify graphs
-        if self.simulation is not None and (self.schedule.is_adaptive or self.flags.is_tree):
-            raise UnsupportedFlagError(
-                "SGLANG_SIMULATE_ACC_LEN: simulated acceptance forces a chain's commit length; unset it for tree "
-                "verification (--speculative-eagle-topk > 1) and DFLASH_ADAPTIVE=1"
-            )
+        self._check_captured_layers()
+        self.schedule = ShapeSchedule.from_settings(self.settings)
+        self.simulation = self.settings.simulation  # SGLANG_SIMULATE_ACC_LEN: forced commit lengths (chain only)
+        self.masked_graphs = masked_verify_graphs(self.settings)  # tree verifies replay masked verify graphs
 
     @property
     def speculative_num_draft_tokens(self) -> int:
@@ -149,10 +149,20 @@ class DFlashWorker(BaseSpecWorker):
         # active"): the last step's verify nodes per request. The row stride stays self.stride.
         return self.schedule.current.nodes if self.schedule.current is not None else self.stride
 
-    def _check_fit(self) -> None:
+    @property
+    def primary_draft_kv_pool(self) -> None:
+        # SGLang 0.5.23 reads it for PD transfer / HiCache (both refused at start-up); we have no SGLang KV pool.
+        return None
+
+    @property
+    def preloaded_weights_bytes(self) -> int:
+        # SGLang 0.5.23 adds it to the target's weight-cache bytes when sizing the KV pool; our drafter is loaded
+        # from disk, never preloaded (falling through to the target worker would count the target twice).
+        return 0
+
+    def _check_captured_layers(self) -> None:
+        """The target layers SGLang captures must be the draft's (SGLang derives them from the same config)."""
         source = f"{self.draft_dir}/config.json"
-        self.cfg = DraftConfig.load(self.draft_dir)
-        check_fit(self.cfg, self.model_runner.model_config.hf_config, draft_source=source)
         captured = self.model_runner.spec_aux_config.dflash_target_layer_ids
         if captured is not None and tuple(captured) != self.cfg.target_layer_ids:
             raise CheckpointError(
@@ -166,19 +176,19 @@ class DFlashWorker(BaseSpecWorker):
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         target_pool = self.model_runner.token_to_kv_pool
         rows = int(target_pool.size) + int(target_pool.page_size)
-        if self.flags.is_tree and int(target_pool.page_size) != 1:
+        if self.settings.topk > 1 and int(target_pool.page_size) != 1:
             # ServerArgs may resolve the page size after our checks; the accepted path is committed by
             # permuting req_to_token entries, which only a page size of 1 allows.
             raise UnsupportedFlagError(f"--page-size {target_pool.page_size}: tree verification "
                                        f"(--speculative-eagle-topk > 1) needs page size 1")
-        # --speculative-draft-load-format dummy (capacity planning): random weights of the checkpoint's shapes.
-        dummy = getattr(self.server_args, "speculative_draft_load_format", None) == "dummy"
         kernels = ops.load_kernels(self.device)  # nvcc build (cached) now, not in the first decode step
         if kernels is not None:
             logger.info("DFLASH (dflash-sglang): CUDA ops %s", kernels)
         req_slots = int(req_to_token_pool.req_to_token.shape[0])
+        # dummy_draft (--speculative-draft-load-format dummy, capacity planning): random weights of the shapes.
         self.drafter = PagedDrafter.load(self.draft_dir, rows, req_slots, self.block_size, self.model_runner.dtype,
-                                         self.device, dummy=dummy)
+                                         self.device, dummy=self.settings.dummy_draft,
+                                         attention=self.settings.draft_attention)
         target = self.model_runner.model
         self.head = TargetHead(target.get_input_embeddings(), target.lm_head.weight[: self.cfg.vocab_size],
                                self.cfg.mask_token_id, self.cfg.input_embedding_scale)
@@ -193,7 +203,7 @@ class DFlashWorker(BaseSpecWorker):
         # The drafter's attention needs no SGLang backend state. The target's backend exists by now: a tree
         # needs one that takes its mask (ServerArgs may pick the backend after our flag checks).
         backend = type(self.model_runner.attn_backend).__name__
-        if self.flags.is_tree and backend not in _TREE_BACKEND_CLASSES:
+        if self.settings.topk > 1 and backend not in _TREE_BACKEND_CLASSES:
             raise UnsupportedFlagError(
                 f"--attention-backend: tree verification supports {', '.join(TREE_ATTENTION_BACKENDS)} target "
                 f"attention, the target runs {backend}"
@@ -203,7 +213,7 @@ class DFlashWorker(BaseSpecWorker):
         # Called after the target captured its graphs: ours take the target's batch sizes (adapter/draft_graphs.py).
         sizes = getattr(getattr(self.model_runner, "decode_cuda_graph_runner", None), "capture_bs", None)
         attention = self.drafter.attention.name if self.drafter.attention is not None else None
-        mode = graph_mode(self.device, bool(sizes), attention)
+        mode = graph_mode(self.device, bool(sizes), attention, self.settings.draft_graphs)
         if mode is None:
             logger.info("DFLASH (dflash-sglang): the draft pass and commit run eagerly")
             return
@@ -228,12 +238,14 @@ class DFlashWorker(BaseSpecWorker):
         return getattr(self._target_worker, name)
 
     # ------------------------------------------------------------------ hot path
-    def forward_batch_generation(self, batch: ScheduleBatch, on_publish=None, grammar_barrier=None):
+    def forward_batch_generation(self, batch: ScheduleBatch, on_publish=None, grammar_barrier=None,
+                                 pp_proxy_tensors=None):
+        assert pp_proxy_tensors is None, "pipeline parallelism is refused at start-up"
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
             return self._prefill(batch, on_publish)
         if batch.forward_mode.is_idle():
             return self._idle(on_publish)
-        return self._decode(batch, on_publish)
+        return self._decode(batch, on_publish, grammar_barrier)
 
     def _prefill(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
         """Target prefill with feature capture; the prompt's draft K/V are written right away (a radix-cache
@@ -262,15 +274,19 @@ class DFlashWorker(BaseSpecWorker):
             new_seq_lens=empty,
         )
 
-    def _decode(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
+    def _decode(self, batch: ScheduleBatch, on_publish, grammar_barrier=None) -> GenerationBatchResult:
         state = batch.spec_info
         assert isinstance(state, DFlashDraftInputV2), "the scheduler relays DFlashDraftInputV2 between steps"
         seq_lens = batch.seq_lens
         if seq_lens.is_cuda:  # carried over from the previous overlap iteration, maybe made on another stream
             seq_lens.record_stream(torch.cuda.current_stream(seq_lens.device))
         shape = self.schedule.choose(seq_lens.numel())
+        # Near the context limit the verify rows (positions seq_len .. seq_len + n - 1) must stay inside it: the
+        # target has no positions past it, and no request can commit past it anyway.
+        longest = int(batch.seq_lens_cpu.max()) if batch.seq_lens_cpu is not None else int(seq_lens.max())
+        shape = shape.at_most(self.context_len - longest)
         step_fn = self._chain_step if shape.is_chain else self._tree_step
-        step = step_fn(batch, state.bonus_tokens, shape)
+        step = step_fn(batch, state.bonus_tokens, shape, grammar_barrier)
 
         commit_lens = (step.accept_len + 1).to(torch.int32)
         new_seq_lens = seq_lens + commit_lens.to(seq_lens.dtype)
@@ -280,6 +296,10 @@ class DFlashWorker(BaseSpecWorker):
         if step.tree_result is not None:
             compact_path_slots(self.req_to_token_pool.req_to_token, batch.req_pool_indices, seq_lens, step.tree_result)
         logits_output = step.logits_output
+        if batch.return_logprob:
+            logits = logits_output.next_token_logits.view(seq_lens.numel(), step.positions.shape[1], -1)
+            accept_nodes = step.tree_result.accept_nodes if step.tree_result is not None else None
+            attach_logprobs(batch, logits_output, logits, step.out_tokens, accept_nodes)
         # Every verify row's draft K/V goes to that row's own slot: rejected rows land past the new committed
         # length (reserved slots the next step rewrites), so none is filtered out (a boolean gather = a host sync).
         rows = (logits_output.hidden_states, step.positions.reshape(-1), step.slots.reshape(-1))
@@ -297,7 +317,7 @@ class DFlashWorker(BaseSpecWorker):
             new_seq_lens=new_seq_lens,
         )
 
-    def _chain_step(self, batch: ScheduleBatch, bonus: Tensor, shape: SpecShape) -> _Accepted:
+    def _chain_step(self, batch: ScheduleBatch, bonus: Tensor, shape: SpecShape, grammar_barrier) -> _Accepted:
         """Verify [bonus, the first n-1 greedy drafts of one block pass] causally, n = shape.nodes <= B (n = 1: a
         plain decoding step, no drafter pass); accept the longest valid prefix (core/accept.py)."""
         seq_lens, bs, n = batch.seq_lens, batch.seq_lens.numel(), shape.nodes
@@ -308,9 +328,10 @@ class DFlashWorker(BaseSpecWorker):
         depth = torch.arange(n, device=self.device).expand(bs, n).contiguous()  # a chain is a tree of depth i at i
         req_to_token = self.req_to_token_pool.req_to_token
         inputs = ops.build_tree_inputs(ids, depth, seq_lens, req_to_token, batch.req_pool_indices)
+        grammar = GrammarTree.from_linear_chain(ids) if batch.has_grammar else None  # (host copy before the verify)
         logits_output, graph = run_target_verify(self.target_worker, batch, ids, inputs.positions, inputs.out_cache_loc,
                                                  masked_graphs=self.masked_graphs)
-        logits = self._verify_logits(logits_output, batch.sampling_info, bs, n)
+        logits = self._verify_logits(logits_output, batch, n, grammar, grammar_barrier)
         result = accept_block(drafts, logits, sampling_params(batch.sampling_info, bs), batch.sampling_info)
         accept_len, out_tokens, bonus = result.accept_len, result.out_tokens, result.bonus
         if self.simulation is not None:  # the verify ran as usual (same cost); only its outcome is forced
@@ -319,7 +340,7 @@ class DFlashWorker(BaseSpecWorker):
         return _Accepted(fit_rows(out_tokens, self.stride), accept_len, bonus,
                          inputs.positions, inputs.out_cache_loc, logits_output, graph)
 
-    def _tree_step(self, batch: ScheduleBatch, bonus: Tensor, shape: SpecShape) -> _Accepted:
+    def _tree_step(self, batch: ScheduleBatch, bonus: Tensor, shape: SpecShape, grammar_barrier) -> _Accepted:
         """Verify the best-first tree of shape.nodes nodes (top-shape.topk per position) with its ancestor mask;
         accept one root-to-node path."""
         seq_lens, bs, n = batch.seq_lens, batch.seq_lens.numel(), shape.nodes
@@ -327,27 +348,38 @@ class DFlashWorker(BaseSpecWorker):
         inputs = ops.build_tree_inputs(
             tree.tokens, tree.depth, seq_lens, self.req_to_token_pool.req_to_token, batch.req_pool_indices
         )
+        grammar = None
+        if batch.has_grammar:
+            grammar = GrammarTree.from_device(tree.retrive_next_token, tree.retrive_next_sibling, tree.tokens)
         logits_output, graph = run_target_verify(
             self.target_worker, batch, inputs.input_ids, inputs.positions, inputs.out_cache_loc, tree_mask=tree.mask,
             masked_graphs=self.masked_graphs,
         )
-        logits = self._verify_logits(logits_output, batch.sampling_info, bs, n)
+        logits = self._verify_logits(logits_output, batch, n, grammar, grammar_barrier)
         params = sampling_params(batch.sampling_info, bs)
         result = accept_tree(tree, logits, params, inputs.out_cache_loc, batch.sampling_info)
         return _Accepted(fit_rows(result.out_tokens, self.stride), result.accept_len, result.bonus,
                          inputs.positions, inputs.out_cache_loc,
                          logits_output, graph, tree_result=result)
 
-    def _verify_logits(self, logits_output, sampling_info, bs: int, n: int) -> Tensor:
-        """next_token_logits [bs*n, V] (n verify rows per request) -> [bs, n, V], with penalties / logit bias /
-        custom processors applied in place as the same bias at every verify row of a request (as the builtin)."""
+    def _verify_logits(self, logits_output, batch: ScheduleBatch, n: int, grammar, grammar_barrier) -> Tensor:
+        """next_token_logits [bs*n, V] (n verify rows per request) -> [bs, n, V], adjusted in place as plain decoding
+        would sample from them: logit bias applied (the same at every verify row of a request; penalties and custom
+        processors are refused per request), then, for grammar-constrained requests, each row masked by the grammar
+        state its draft path reaches (`grammar`: the verify rows as a tree, SGLang's `GrammarTree`; rows past a
+        draft the grammar rejects stay unmasked: acceptance never reaches them). The scheduler advances each
+        request's grammar by the tokens the step commits."""
+        sampling_info = batch.sampling_info
         if sampling_info is not None:
-            from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
-
             apply_dflash_verify_logits_adjustments(
                 next_token_logits=logits_output.next_token_logits, sampling_info=sampling_info, draft_token_num=n,
             )
-        return logits_output.next_token_logits.view(bs, n, -1)
+        if grammar is not None:
+            mask = build_grammar_vocab_mask(reqs=batch.reqs, tree=grammar, sampling_info=sampling_info,
+                                            device=logits_output.next_token_logits.device, barrier=grammar_barrier)
+            if mask is not None:
+                mask.apply(logits_output.next_token_logits)
+        return logits_output.next_token_logits.view(batch.seq_lens.numel(), n, -1)
 
     def _draft_logits(self, batch: ScheduleBatch, bonus: Tensor) -> Tensor:
         """One drafter pass over the block [bonus, MASK x (B-1)] at seq_len.. -> draft logits [bs, B-1, V] for

@@ -2,5 +2,6 @@
 
 Never imports sglang. Modules: config (checkpoint config), drafter (the DFlash module),
 checkpoint (safetensors load/save), block (block inputs), accept (greedy + rejection sampling),
-tree (draft trees), features (target feature capture), reference (the reference decoder).
+tree (draft trees), features (target feature capture), reference (the reference decoder),
+token_map (reduced draft vocabulary).
 """

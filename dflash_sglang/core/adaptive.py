@@ -3,7 +3,8 @@
 At low concurrency decoding is memory-bound and a verify of 64 tokens costs about what a verify of 1 costs,
 so a large tree (more accepted tokens per target pass) is free. At high concurrency the verify becomes
 compute-bound and every extra token is paid for, so short chains win. The default table below encodes
-that; deployments override it with `DFLASH_ADAPTIVE_TABLE` (or `AdaptivePolicy.parse`) after measuring.
+that; deployments override it (the server flag `--speculative-dflash-adaptive-table`, `dflash-sglang generate
+--adaptive-table`, or `AdaptivePolicy.parse`) after measuring.
 
 Table syntax: comma-separated `MAX_BS:NODESxTOPK` rows, ascending by MAX_BS; the last MAX_BS may be `inf`.
 `NODES` counts verify tokens per request including the root (the bonus token): a chain of block B is
@@ -12,12 +13,10 @@ Table syntax: comma-separated `MAX_BS:NODESxTOPK` rows, ascending by MAX_BS; the
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 from .tree import max_tree_nodes
 
-ENV_TABLE = "DFLASH_ADAPTIVE_TABLE"
 # Chosen for Hopper-class GPUs with small (<= 8B) targets, where a verify stays memory-bound up to roughly
 # 256-512 tokens per step; re-derive with scripts/ when the hardware or model changes.
 DEFAULT_TABLE = "1:64x4,4:32x2,8:16x2,32:16x1,64:8x1,inf:4x1"
@@ -31,6 +30,11 @@ class SpecShape:
     @property
     def is_chain(self) -> bool:
         return self.topk == 1
+
+    def at_most(self, nodes: int) -> SpecShape:
+        """This shape with at most `nodes` verify tokens (>= 1); a tree cut below 3 nodes is a chain."""
+        assert nodes >= 1, nodes
+        return self if nodes >= self.nodes else _shape(nodes, self.topk)
 
 
 @dataclass(frozen=True)
@@ -58,12 +62,8 @@ class AdaptivePolicy:
                 nodes, topk = shape.lower().split("x")
                 rows.append((float(bs), SpecShape(int(nodes), int(topk))))
             except ValueError:
-                raise ValueError(f"{ENV_TABLE}: cannot parse row {item!r} (expected MAX_BS:NODESxTOPK)") from None
+                raise ValueError(f"cannot parse row {item!r} (expected MAX_BS:NODESxTOPK)") from None
         return cls(tuple(rows), token_budget, max_depth)
-
-    @classmethod
-    def from_env(cls, token_budget: int | None = None, max_depth: int | None = None) -> AdaptivePolicy:
-        return cls.parse(os.environ.get(ENV_TABLE, DEFAULT_TABLE), token_budget, max_depth)
 
     def row_shapes(self) -> tuple[SpecShape, ...]:
         """Each row's shape after the max_depth cap. Every `choose` result is one of these or has fewer nodes

@@ -15,6 +15,15 @@ from typing import Any
 CONFIG_FILE = "config.json"
 ZLAB_ARCHITECTURES = ("DFlashDraftModel",)
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# The z-lab DFlash fields: in a `dflash_config` object (older drafts) or at the top level (newer ones).
+ZLAB_FIELDS = ("mask_token_id", "target_layer_ids", "block_size", "input_embedding_scale")
+# DFlash2 drafts scale / softcap logits, project features differently and add selector and convolution layers:
+# loaded as v1 they would draft garbage, so these keys (and any key naming selector or conv layers) are refused.
+DFLASH2_FIELDS = ("output_multiplier", "final_logit_softcapping", "projector_type")
+DFLASH2_KEY_PARTS = ("selector", "conv")
+DFLASH2_HINT = (
+    "is a DFlash2 feature that dflash-sglang does not serve (use SGLang's builtin DFLASH: DFLASH_SGLANG_IMPL=builtin)"
+)
 
 
 class CheckpointError(ValueError):
@@ -56,8 +65,7 @@ class DraftConfig:
     # None: sliding layers causal, full layers bidirectional (z-lab rule); True/False forces all layers.
     is_causal: bool | None = None
     input_embedding_scale: float = 1.0
-    output_multiplier: float | None = None
-    final_logit_softcapping: float | None = None
+    # "zlab" (dflash_config object), "zlab-flat" (DFlash fields at the top level) or "speculators".
     source_format: str = "zlab"
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -100,6 +108,7 @@ class DraftConfig:
     def from_dict(cls, d: dict[str, Any], source: str = CONFIG_FILE) -> DraftConfig:
         if not isinstance(d, dict):
             raise CheckpointError(f"{source}: top level must be a JSON object")
+        _refuse_dflash2(d, source)
         if d.get("speculators_model_type") == "dflash" or "transformer_layer_config" in d:
             return _from_speculators(d, source)
         return _from_zlab(d, source)
@@ -140,11 +149,15 @@ class DraftConfig:
         dc = out["dflash_config"]
         if self.input_embedding_scale != 1.0:
             dc["input_embedding_scale"] = self.input_embedding_scale
-        if self.output_multiplier is not None:
-            dc["output_multiplier"] = self.output_multiplier
-        if self.final_logit_softcapping is not None:
-            dc["final_logit_softcapping"] = self.final_logit_softcapping
         return out
+
+    def field_name(self, key: str) -> str:
+        """How this config's source file spells a DFlash field (for error messages), e.g. 'mask_token_id'."""
+        if self.source_format == "zlab":
+            return f"dflash_config.{key}"
+        if self.source_format == "speculators" and key == "target_layer_ids":
+            return "aux_hidden_state_layer_ids"
+        return key
 
     def summary(self) -> dict[str, Any]:
         d = asdict(self)
@@ -251,21 +264,47 @@ def _common(d: dict, source: str, prefix: str = "") -> dict[str, Any]:
     )
 
 
-def _finish(kw: dict[str, Any], source: str, ids_field: str) -> DraftConfig:
+def _finish(kw: dict[str, Any], source: str, names: dict[str, str]) -> DraftConfig:
+    """Cross-field checks; `names` spells mask_token_id / block_size / target_layer_ids as the file does."""
     if kw["mask_token_id"] >= kw["vocab_size"]:
         raise CheckpointError(
-            f"{source}: field 'mask_token_id'={kw['mask_token_id']} is outside the vocabulary "
+            f"{source}: field '{names['mask_token_id']}'={kw['mask_token_id']} is outside the vocabulary "
             f"(vocab_size={kw['vocab_size']})"
         )
     if kw["block_size"] < 2:
-        raise CheckpointError(f"{source}: field 'block_size' must be >= 2, got {kw['block_size']}")
+        raise CheckpointError(f"{source}: field '{names['block_size']}' must be >= 2, got {kw['block_size']}")
     ntl = kw.get("num_target_layers")
     if ntl is not None and any(i >= ntl for i in kw["target_layer_ids"]):
         raise CheckpointError(
-            f"{source}: field '{ids_field}'={list(kw['target_layer_ids'])} has ids out of range for "
+            f"{source}: field '{names['target_layer_ids']}'={list(kw['target_layer_ids'])} has ids out of range for "
             f"num_target_layers={ntl}"
         )
     return DraftConfig(**kw)
+
+
+def _is_dflash2_key(key: str) -> bool:
+    low = key.lower()
+    return key in DFLASH2_FIELDS or any(part in low for part in DFLASH2_KEY_PARTS)
+
+
+def _refuse_dflash2(d: dict, source: str) -> None:
+    """Refuse DFlash2-only keys at the top level or in dflash_config, naming the first one found."""
+    dc = d.get("dflash_config")
+    for obj, prefix in ((dc if isinstance(dc, dict) else {}, "dflash_config."), (d, "")):
+        for key, value in obj.items():
+            # null / false / 0 / empty mean "feature off" (Gemma-derived configs carry final_logit_softcapping: null).
+            if value and _is_dflash2_key(key):
+                raise CheckpointError(f"{source}: field '{prefix}{key}' {DFLASH2_HINT}")
+
+
+def _zlab_place(d: dict, dc: dict | None, key: str) -> tuple[dict, str]:
+    """(object, prefix) holding a z-lab DFlash field: dflash_config wins over the top level; a field in
+    neither is reported where the file's format keeps it."""
+    if dc is not None and dc.get(key) is not None:
+        return dc, "dflash_config."
+    if d.get(key) is not None or dc is None:
+        return d, ""
+    return dc, "dflash_config."
 
 
 def _from_zlab(d: dict, source: str) -> DraftConfig:
@@ -275,26 +314,36 @@ def _from_zlab(d: dict, source: str) -> DraftConfig:
             f"{source}: field 'architectures'={arch!r} is not a DFlash v1 draft (expected {list(ZLAB_ARCHITECTURES)})"
         )
     dc = d.get("dflash_config")
-    if not isinstance(dc, dict):
-        raise CheckpointError(f"{source}: missing field 'dflash_config' (object with mask_token_id, target_layer_ids)")
+    if dc is not None and not isinstance(dc, dict):
+        raise CheckpointError(f"{source}: field 'dflash_config' must be an object, got {dc!r}")
+    # block_size alone is no evidence of the flat format: nested-format files often repeat it at the top level.
+    if dc is None and d.get("mask_token_id") is None and d.get("target_layer_ids") is None:
+        raise CheckpointError(
+            f"{source}: missing field 'dflash_config' (object with mask_token_id, target_layer_ids; newer drafts "
+            f"give both at the top level)"
+        )
     kw = _common(d, source)
-    kw["mask_token_id"] = _req(dc, "mask_token_id", int, source, "dflash_config.")
-    kw["block_size"] = _opt(dc, "block_size", int, source, _opt(d, "block_size", int, source, 16))
+    place = {key: _zlab_place(d, dc, key) for key in ZLAB_FIELDS}
+    names = {key: prefix + key for key, (_, prefix) in place.items()}
+    obj, prefix = place["mask_token_id"]
+    kw["mask_token_id"] = _req(obj, "mask_token_id", int, source, prefix)
+    obj, prefix = place["block_size"]
+    kw["block_size"] = _opt(obj, "block_size", int, source, 16, prefix)
     kw["num_target_layers"] = _opt(d, "num_target_layers", int, source, None)
-    if dc.get("target_layer_ids") is not None:
-        kw["target_layer_ids"] = _layer_ids(dc["target_layer_ids"], source, "dflash_config.target_layer_ids")
+    obj, _ = place["target_layer_ids"]
+    if obj.get("target_layer_ids") is not None:
+        kw["target_layer_ids"] = _layer_ids(obj["target_layer_ids"], source, names["target_layer_ids"])
     elif kw["num_target_layers"] is not None:
         # The z-lab code derives one id per draft layer when the list is absent.
         kw["target_layer_ids"] = build_target_layer_ids(kw["num_target_layers"], kw["num_hidden_layers"])
     else:
         raise CheckpointError(
-            f"{source}: missing field 'dflash_config.target_layer_ids' (and no 'num_target_layers' to derive it)"
+            f"{source}: missing field '{names['target_layer_ids']}' (and no 'num_target_layers' to derive it)"
         )
-    kw["input_embedding_scale"] = _opt(dc, "input_embedding_scale", float, source, 1.0, "dflash_config.")
-    kw["output_multiplier"] = _opt(dc, "output_multiplier", float, source, None, "dflash_config.")
-    kw["final_logit_softcapping"] = _opt(dc, "final_logit_softcapping", float, source, None, "dflash_config.")
-    kw["source_format"] = "zlab"
-    return _finish(kw, source, "dflash_config.target_layer_ids")
+    obj, prefix = place["input_embedding_scale"]
+    kw["input_embedding_scale"] = _opt(obj, "input_embedding_scale", float, source, 1.0, prefix)
+    kw["source_format"] = "zlab" if dc is not None else "zlab-flat"
+    return _finish(kw, source, names)
 
 
 def _from_speculators(d: dict, source: str) -> DraftConfig:
@@ -317,9 +366,70 @@ def _from_speculators(d: dict, source: str) -> DraftConfig:
     kw["mask_token_id"] = _req(d, "mask_token_id", int, source)
     kw["block_size"] = _opt(d, "block_size", int, source, 16)
     kw["num_target_layers"] = _opt(d, "num_target_layers", int, source, None)
-    ids = d.get("aux_hidden_state_layer_ids") or d.get("target_layer_ids")
-    if ids is None:
+    # Older speculators exports call the list target_layer_ids; report it under the name the file uses.
+    ids_key = "aux_hidden_state_layer_ids"
+    if d.get(ids_key) is None and d.get("target_layer_ids") is not None:
+        ids_key = "target_layer_ids"
+    if d.get(ids_key) is None:
         raise CheckpointError(f"{source}: missing field 'aux_hidden_state_layer_ids' (speculators DFlash format)")
-    kw["target_layer_ids"] = _layer_ids(ids, source, "aux_hidden_state_layer_ids")
+    kw["target_layer_ids"] = _layer_ids(d[ids_key], source, ids_key)
     kw["source_format"] = "speculators"
-    return _finish(kw, source, "aux_hidden_state_layer_ids")
+    return _finish(kw, source, {"mask_token_id": "mask_token_id", "block_size": "block_size",
+                                "target_layer_ids": ids_key})
+
+
+# -------------------------------------------------------------------- target models
+# Targets with recurrent / linear-attention layers (GDN, Mamba, short convolutions, lightning attention) keep
+# per-request state that a rejected draft suffix would have to roll back; DFlash's verify-and-truncate of the KV
+# cache alone cannot. Matched case- and underscore-insensitively against architectures and model_type.
+RECURRENT_ARCHITECTURES = (
+    "Mamba", "Jamba", "NemotronH", "FalconH1", "Zamba", "Qwen3Next", "Qwen3_5", "GraniteMoeHybrid", "Lfm2",
+    "Bamba", "Plamo2", "MiniMaxText01", "MiniMaxM1", "KimiLinear", "RecurrentGemma",
+)
+# layer_types entries that hold no recurrent state (NemotronH lists its mlp / moe blocks there too).
+STATELESS_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention", "mlp", "moe")
+
+
+def config_value(cfg: Any, name: str) -> Any:
+    """cfg.name for config objects, cfg[name] for dicts (parsed config.json); None when absent."""
+    return cfg.get(name) if isinstance(cfg, dict) else getattr(cfg, name, None)
+
+
+def _listed(cfg: Any, name: str) -> tuple:
+    v = config_value(cfg, name)
+    return (v,) if isinstance(v, str) else tuple(v or ())
+
+
+def _squash(name: str) -> str:
+    return name.replace("_", "").replace("-", "").lower()
+
+
+def recurrent_layers(target_hf_config: Any) -> str | None:
+    """Evidence that a target has recurrent / linear-attention layers, e.g. "architecture Qwen3NextForCausalLM"
+    or "layer_types has 'linear_attention'"; None for pure attention targets (Llama, Qwen3, Gemma, ...).
+
+    Looks at the config (an HF PretrainedConfig, any object with attributes, or a config.json dict) and its
+    nested text_config (multimodal wrappers such as Qwen3.5).
+    """
+    configs = [target_hf_config]
+    text = config_value(target_hf_config, "text_config")
+    if text is not None:
+        configs.append(text)
+    families = [_squash(a) for a in RECURRENT_ARCHITECTURES]
+    for cfg in configs:
+        for arch in _listed(cfg, "architectures"):
+            if any(f in _squash(str(arch)) for f in families):
+                return f"architecture {arch}"
+        model_type = config_value(cfg, "model_type")
+        if isinstance(model_type, str) and any(f in _squash(model_type) for f in families):
+            return f"model_type {model_type!r}"
+        for kind in _listed(cfg, "layer_types"):
+            if str(kind) not in STATELESS_LAYER_TYPES:
+                return f"layer_types has {kind!r}"
+        pattern = config_value(cfg, "hybrid_override_pattern")
+        if isinstance(pattern, str) and "M" in pattern:
+            return f"hybrid_override_pattern {pattern!r} has 'M' (Mamba) layers"
+        for kind in _listed(cfg, "layers_block_type"):
+            if "mamba" in str(kind).lower():
+                return f"layers_block_type has {kind!r}"
+    return None

@@ -177,6 +177,9 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg)
+        # [K] int64 target ids of a reduced draft vocabulary (core/token_map.py), None = full vocabulary. A
+        # non-persistent buffer: it follows .to(device) but stays out of state_dict (its own file on disk).
+        self.register_buffer("token_map", None, persistent=False)
 
     def fuse(self, target_hidden: Tensor) -> Tensor:
         """target_hidden [..., n_feat * H] (concatenated target layer outputs) -> context feature [..., H]."""
@@ -259,17 +262,6 @@ class DFlashDrafter(nn.Module):
         out: a preallocated [..., V] buffer to write in place (inference only: the CUDA-graph runner shares one
         across its batch sizes); None allocates, out of place (training differentiates through this).
         """
-        scale, cap = self.cfg.output_multiplier, self.cfg.final_logit_softcapping
         if out is not None:
-            torch.matmul(hidden, lm_head_weight.t(), out=out)
-            if scale is not None:
-                out.mul_(scale)
-            if cap is not None:
-                out.div_(cap).tanh_().mul_(cap)
-            return out
-        out = F.linear(hidden, lm_head_weight)
-        if scale is not None:
-            out = out * scale
-        if cap is not None:
-            out = torch.tanh(out / cap) * cap
-        return out
+            return torch.matmul(hidden, lm_head_weight.t(), out=out)
+        return F.linear(hidden, lm_head_weight)

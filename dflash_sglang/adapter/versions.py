@@ -1,0 +1,107 @@
+"""The SGLang version seam: every difference between the SGLang releases we serve on lives here, nowhere else.
+
+Supported: SGLang 0.5.17 and 0.5.23 (see docs/sglang.md, "Supported versions"). Each function below names the
+upstream symbol it adapts and what changed:
+
+| what | 0.5.17 | 0.5.23 |
+|---|---|---|
+| ServerArgs resolution | inside `ServerArgs.__post_init__`; plain assignment | `ServerArgs.resolve_once()`; the record is sealed while resolving: decisions go through `arg_groups.overrides.declare_resolution` |
+| reading a resolved value | the field itself (declarations are materialized at the end) | `overrides.resolution_result` (fields keep the raw input) |
+| a live read view while resolving | `overrides.resolved_view` | `arg_groups.model_override_base.resolving_view` |
+| the target's ModelConfig | `ServerArgs.get_model_config()` | `model_override_base.model_config_of(server_args)` |
+| simulated acceptance sampler | `spec_utils._sample_simulated_acc_len` | `spec_utils.sample_simulated_acc_len` |
+
+What did not change (checked against both wheels): the plugin entry-point group and `HookRegistry`, the hooked
+symbols (adapter/plugin.py), `DFlashDraftInputV2` / `DFlashVerifyInput`, `get_context().server_args`, and the
+spec-worker constructor keywords (0.5.17 adds `ps`, which the worker takes as an optional keyword).
+"""
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+SUPPORTED = ("0.5.17", "0.5.23")
+NEWEST = SUPPORTED[-1]
+
+
+class UnsupportedSGLangError(ImportError):
+    """The installed SGLang is not a version this adapter was written against."""
+
+
+def require_supported_sglang() -> str:
+    """The installed SGLang version, or one line naming the supported set (raised at plugin import, so SGLang logs
+    it and keeps its builtin DFLASH)."""
+    supported = " or ".join(f"sglang=={v}" for v in SUPPORTED)
+    try:
+        found = version("sglang")
+    except PackageNotFoundError:
+        raise UnsupportedSGLangError(
+            f"dflash_sglang.adapter needs {supported}, but sglang is not installed (pip install 'dflash-sglang[sglang]')"
+        ) from None
+    if found not in SUPPORTED:
+        raise UnsupportedSGLangError(
+            f"dflash_sglang.adapter supports {supported} only, found sglang=={found}: install sglang=={NEWEST}, "
+            f"or uninstall dflash-sglang to use SGLang's builtin DFLASH"
+        )
+    return found
+
+
+SGLANG_VERSION = require_supported_sglang()
+_SEALED_RESOLUTION = SGLANG_VERSION != "0.5.17"  # 0.5.23: resolve_once(), declare_resolution, raw fields
+
+
+def resolve(server_args: Any) -> Any:
+    """Run SGLang's ServerArgs resolution if construction did not (0.5.23: `ServerArgs.resolve_once`); returns the
+    record. Launchers do this themselves; tests and scripts that build a ServerArgs call this."""
+    if _SEALED_RESOLUTION:
+        server_args.resolve_once()
+    return server_args
+
+
+def view(server_args: Any) -> Any:
+    """A read-only view of what resolution has decided so far, over the raw fields (during and after resolution)."""
+    if _SEALED_RESOLUTION:
+        from sglang.srt.arg_groups.model_override_base import resolving_view
+
+        return resolving_view(server_args)
+    from sglang.srt.arg_groups.overrides import resolved_view
+
+    return resolved_view(server_args)  # a snapshot: build a new one after declaring
+
+
+def declare(server_args: Any, source: str, **fields: Any) -> None:
+    """Record resolution decisions (`overrides.declare_resolution` on 0.5.23, where assignment raises while
+    resolving; plain assignment on 0.5.17)."""
+    if _SEALED_RESOLUTION and hasattr(server_args, "resolve_once"):
+        from sglang.srt.arg_groups.overrides import declare_resolution
+
+        declare_resolution(server_args, source, **fields)
+        return
+    for name, value in fields.items():
+        setattr(server_args, name, value)
+
+
+def resolved_value(server_args: Any, field: str) -> Any:
+    """A field's value after resolution (0.5.23 keeps the operator's raw input in the field itself)."""
+    if _SEALED_RESOLUTION and hasattr(server_args, "resolve_once"):
+        from sglang.srt.arg_groups.overrides import resolution_result
+
+        return resolution_result(server_args, field)
+    return getattr(server_args, field)
+
+
+def model_config(server_args: Any) -> Any:
+    """The target's SGLang ModelConfig for these server args."""
+    if _SEALED_RESOLUTION:
+        from sglang.srt.arg_groups.model_override_base import model_config_of
+
+        return model_config_of(server_args)
+    return server_args.get_model_config()
+
+
+def sample_simulated_acc_len(mean: float, method: str, block_size: int) -> int:
+    """SGLang's simulated-acceptance sampler (renamed in 0.5.23), so both workers draw the same law."""
+    from sglang.srt.speculative import spec_utils
+
+    sampler = spec_utils.sample_simulated_acc_len if _SEALED_RESOLUTION else spec_utils._sample_simulated_acc_len
+    return sampler(mean, method, block_size)
