@@ -67,11 +67,12 @@ for job in json.load(sys.stdin):
     if job["ours"]:
         # Our worker's own start-up flag checks on what SGLang parsed (device set to cpu: the flags, not this
         # machine's missing GPU packages, are under test).
-        from dflash_sglang.adapter.args import check_supported_flags
+        from dflash_sglang.adapter.args import check_supported_flags, draft_attention
         probe = copy.copy(ns)
         probe.device = "cpu"
         try:
             check_supported_flags(probe)
+            draft_attention(ns.speculative_draft_attention_backend, "cuda")
             rec["ours_error"] = None
         except Exception as e:
             rec["ours_error"] = f"{type(e).__name__}: {e}"
@@ -133,14 +134,15 @@ def test_recipe_uses_a_known_pair(parsed, name, hw):
 @pytest.mark.parametrize("name,hw", ALL)
 def test_default_worker_accepts_the_recipe(parsed, name, hw):
     """Where a table defaults to our worker, our start-up flag checks accept what SGLang parsed; where our worker
-    refuses the table (TP > 1), the default is the builtin and asking for ours is a RecipeError naming the field."""
+    refuses the table (`builtin_only`), the default is the builtin and asking for ours is a RecipeError naming the
+    field. TP > 1 tables run ours (tensor parallelism is served)."""
     r = recipes.load(name)
     if r.default_impl(hw) == "ours":
         assert parsed[(name, hw, "spec")]["ours_error"] is None, parsed[(name, hw, "spec")]["ours_error"]
         assert r.server_env(hw)[recipes.IMPL_ENV] == "ours"
     else:
-        assert r.on(hw).tp > 1 and r.server_env(hw)[recipes.IMPL_ENV] == "builtin"
-        with pytest.raises(recipes.RecipeError, match=r"\[hw\.%s\]: field 'tp' = %d.*--impl builtin" % (hw, r.on(hw).tp)):
+        assert r.on(hw).builtin_only and r.server_env(hw)[recipes.IMPL_ENV] == "builtin"
+        with pytest.raises(recipes.RecipeError, match=r"\[hw\.%s\]: field 'builtin_only' = .*--impl builtin" % hw):
             r.server_args(hw, "ours")
 
 

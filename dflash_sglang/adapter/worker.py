@@ -45,6 +45,7 @@ from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjus
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask
 
 from dflash_sglang import ops
+from dflash_sglang.core.accept import AcceptResult
 from dflash_sglang.core.adaptive import SpecShape
 from dflash_sglang.core.config import CheckpointError
 
@@ -54,6 +55,7 @@ from .draft_graphs import DraftGraphs, default_sizes, graph_mode
 from .logprobs import attach_logprobs
 from .model import PagedDrafter, TargetHead
 from .settings import settings_of
+from .tp import DraftVocab
 from .tree import compact_path_slots, fit_rows, propose_tree
 from .verify import accept_block, accept_tree, masked_verify_graphs, run_target_verify, sampling_params
 
@@ -137,6 +139,7 @@ class DFlashWorker(BaseSpecWorker):
         self.draft_dir = self.settings.draft_dir
         self.drafter: PagedDrafter | None = None  # set by alloc_memory_pool (needs the slot count)
         self.head: TargetHead | None = None  # the target's embedding and lm_head, borrowed by the drafter
+        self.vocab: DraftVocab | None = None  # this TP rank's lm_head rows and the proposal merge over ranks
         self.graphs: DraftGraphs | None = None  # set by init_cuda_graphs (None: the draft work runs eagerly)
         self._check_captured_layers()
         self.schedule = ShapeSchedule.from_settings(self.settings)
@@ -190,8 +193,9 @@ class DFlashWorker(BaseSpecWorker):
                                          self.device, dummy=self.settings.dummy_draft,
                                          attention=self.settings.draft_attention)
         target = self.model_runner.model
-        self.head = TargetHead(target.get_input_embeddings(), target.lm_head.weight[: self.cfg.vocab_size],
-                               self.cfg.mask_token_id, self.cfg.input_embedding_scale)
+        self.vocab = DraftVocab(target.lm_head, self.cfg.vocab_size)
+        self.head = TargetHead(target.get_input_embeddings(), self.vocab.weight, self.cfg.mask_token_id,
+                               self.cfg.input_embedding_scale)
         logger.info(
             "DFLASH (dflash-sglang): block_size=%d, %s, draft layers=%d, target layer ids=%s, draft attention %s, "
             "draft KV %.1f MiB%s", self.block_size, self.schedule.describe(), self.cfg.num_hidden_layers,
@@ -323,7 +327,7 @@ class DFlashWorker(BaseSpecWorker):
         seq_lens, bs, n = batch.seq_lens, batch.seq_lens.numel(), shape.nodes
         drafts = torch.empty((bs, 0), dtype=torch.int64, device=self.device)
         if n > 1:
-            drafts = self._draft_logits(batch, bonus)[:, : n - 1].argmax(-1)
+            drafts = self.vocab.argmax(self._draft_logits(batch, bonus)[:, : n - 1])
         ids = torch.cat([bonus[:, None].to(torch.int64), drafts], dim=1)
         depth = torch.arange(n, device=self.device).expand(bs, n).contiguous()  # a chain is a tree of depth i at i
         req_to_token = self.req_to_token_pool.req_to_token
@@ -333,18 +337,18 @@ class DFlashWorker(BaseSpecWorker):
                                                  masked_graphs=self.masked_graphs)
         logits = self._verify_logits(logits_output, batch, n, grammar, grammar_barrier)
         result = accept_block(drafts, logits, sampling_params(batch.sampling_info, bs), batch.sampling_info)
-        accept_len, out_tokens, bonus = result.accept_len, result.out_tokens, result.bonus
         if self.simulation is not None:  # the verify ran as usual (same cost); only its outcome is forced
             commit = self.simulation.sample_commit_len(n)
-            accept_len, out_tokens, bonus = self.simulation.force(drafts, logits.argmax(-1), commit)
-        return _Accepted(fit_rows(out_tokens, self.stride), accept_len, bonus,
+            result = AcceptResult(*self.simulation.force(drafts, logits.argmax(-1), commit))
+        result = self.vocab.same_on_every_rank(result)
+        return _Accepted(fit_rows(result.out_tokens, self.stride), result.accept_len, result.bonus,
                          inputs.positions, inputs.out_cache_loc, logits_output, graph)
 
     def _tree_step(self, batch: ScheduleBatch, bonus: Tensor, shape: SpecShape, grammar_barrier) -> _Accepted:
         """Verify the best-first tree of shape.nodes nodes (top-shape.topk per position) with its ancestor mask;
         accept one root-to-node path."""
         seq_lens, bs, n = batch.seq_lens, batch.seq_lens.numel(), shape.nodes
-        tree = propose_tree(bonus, self._draft_logits(batch, bonus), shape.topk, n)
+        tree = propose_tree(bonus, *self.vocab.topk(self._draft_logits(batch, bonus), shape.topk), n)
         inputs = ops.build_tree_inputs(
             tree.tokens, tree.depth, seq_lens, self.req_to_token_pool.req_to_token, batch.req_pool_indices
         )
@@ -357,7 +361,8 @@ class DFlashWorker(BaseSpecWorker):
         )
         logits = self._verify_logits(logits_output, batch, n, grammar, grammar_barrier)
         params = sampling_params(batch.sampling_info, bs)
-        result = accept_tree(tree, logits, params, inputs.out_cache_loc, batch.sampling_info)
+        result = self.vocab.same_on_every_rank(accept_tree(tree, logits, params, inputs.out_cache_loc,
+                                                           batch.sampling_info))
         return _Accepted(fit_rows(result.out_tokens, self.stride), result.accept_len, result.bonus,
                          inputs.positions, inputs.out_cache_loc,
                          logits_output, graph, tree_result=result)

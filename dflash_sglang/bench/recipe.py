@@ -6,8 +6,9 @@ table per hardware (h100, h200, b200, b300) with `tp`, `attention_backend`, `dra
 `mem_fraction_static`, `cuda_graph_bs`, `max_running_requests`, optional `args`/`env`, and `measured` (the
 result line, or "not yet measured"). `--impl` picks the DFLASH worker: ours (this package), builtin (SGLang's
 own, via DFLASH_SGLANG_IMPL=builtin) or none (no speculation: the baseline). The default is ours wherever our
-worker supports the table (`ours_refusal`: TP 1 only yet), else builtin; asking for ours on a table it cannot
-serve is a RecipeError naming the file, table and field. Attention backends are checked against the hardware
+worker supports the table (`ours_refusal`), else builtin; asking for ours on a table it cannot serve is a
+RecipeError naming the file, table and field. `draft_attention_backend` is the builtin's draft backend; our worker
+drafts with FlashInfer (its paged draft attention) on every table. Attention backends are checked against the hardware
 generation at load (FA3 is Hopper-only, FA4 and TRT-LLM MHA Blackwell-only).
 """
 from __future__ import annotations
@@ -18,10 +19,11 @@ from pathlib import Path
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 IMPL_ENV = "DFLASH_SGLANG_IMPL"
+OURS_DRAFT_BACKEND = "flashinfer"  # our drafter's paged attention on GPU (adapter/draft_attention.py)
 IMPLS = ("ours", "builtin", "none")
 HARDWARE = ("h100", "h200", "b200", "b300")
 _HW_KEYS = {"tp", "attention_backend", "draft_attention_backend", "mem_fraction_static", "cuda_graph_bs",
-            "max_running_requests", "args", "env", "measured"}
+            "max_running_requests", "args", "env", "measured", "builtin_only"}
 _TOP_KEYS = {"name", "target", "draft", "block_size", "args", "env", "hw"}
 GENERATION = {"h100": "hopper", "h200": "hopper", "b200": "blackwell", "b300": "blackwell"}
 # SGLang 0.5.17 attention backends per GPU generation (fa3 needs sm90; fa4 and trtllm_mha need sm100).
@@ -43,6 +45,7 @@ class HwConfig:
     measured: str
     args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    builtin_only: str = ""  # why our worker cannot serve this table (e.g. a target with recurrent layers); "": it can
 
 
 @dataclass(frozen=True)
@@ -58,10 +61,11 @@ class Recipe:
     env: dict[str, str] = field(default_factory=dict)
 
     def ours_refusal(self, hw: str) -> str | None:
-        """Why dflash-sglang's worker cannot serve this table (None: it can). Mirrors adapter/args.py's checks."""
+        """Why dflash-sglang's worker cannot serve this table (None: it can): the table's `builtin_only` reason, e.g. a
+        target with recurrent layers (adapter/args.py refuses those at start-up)."""
         h = self.on(hw)
-        if h.tp != 1:
-            return f"{self.path} [hw.{hw}]: field 'tp' = {h.tp}: dflash-sglang's DFLASH worker runs TP 1 only yet"
+        if h.builtin_only:
+            return f"{self.path} [hw.{hw}]: field 'builtin_only' = {h.builtin_only!r}"
         return None
 
     def default_impl(self, hw: str) -> str:
@@ -86,7 +90,8 @@ class Recipe:
             argv += ["--speculative-algorithm", "DFLASH",
                      "--speculative-draft-model-path", draft or self.draft,
                      "--speculative-num-draft-tokens", str(self.block_size),
-                     "--speculative-draft-attention-backend", h.draft_attention_backend]
+                     "--speculative-draft-attention-backend",
+                     OURS_DRAFT_BACKEND if impl == "ours" else h.draft_attention_backend]
         return argv + list(self.args) + list(h.args) + list(extra)
 
     def server_env(self, hw: str, impl: str | None = None) -> dict[str, str]:
@@ -170,7 +175,7 @@ def load(name_or_path: str | Path) -> Recipe:
             draft_attention_backend=_get(t, "draft_attention_backend", str, w),
             mem_fraction_static=_get(t, "mem_fraction_static", float, w), cuda_graph_bs=tuple(bs),
             max_running_requests=_get(t, "max_running_requests", int, w), measured=_get(t, "measured", str, w),
-            args=_strs(t, "args", w), env=_env(t, w),
+            args=_strs(t, "args", w), env=_env(t, w), builtin_only=str(t.get("builtin_only", "")),
         )
         allowed = BACKENDS[GENERATION[hw]]
         for key in ("attention_backend", "draft_attention_backend"):

@@ -1,0 +1,77 @@
+"""Tensor parallelism (`--tp-size N`) in our worker: layout and the two collectives a decode step adds.
+
+Layout: the drafter is replicated on every rank (a few hundred MB at most for published drafts, against a target
+that needs TP), with its draft KV pool per rank, and runs the same pass on every rank; the target's embedding
+(all-reduced inside SGLang's VocabParallelEmbedding) and its vocab-parallel lm_head are borrowed as on one rank.
+So the draft pass's logits on rank r cover only r's vocabulary shard, and the step adds:
+
+1. the proposal merge (core/vocab_parallel.py): per draft position each rank's k best candidates and its log-sum-exp
+   are all-gathered (k + 1 numbers instead of the shard's logits) and merged to the exact full-vocabulary argmax (a
+   chain) or top-k with log-probabilities (a tree);
+2. the accept decision broadcast from TP rank 0, so every rank commits the same tokens and KV slots whatever the
+   floating-point details of its sampler (the target's verify logits are all-gathered by SGLang and identical).
+
+The draft pass's CUDA graph covers the local logits; the merge runs after its replay.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from dflash_sglang.core.vocab_parallel import VocabShard, local_candidates, merge_candidates
+
+
+class DraftVocab:
+    """This rank's rows of the target lm_head for the draft vocabulary, and the merge over ranks."""
+
+    def __init__(self, lm_head, draft_vocab: int) -> None:
+        """lm_head: the target's (Parallel)LMHead or tied VocabParallelEmbedding; draft_vocab: the draft's vocab size
+        (its ids are the target's first draft_vocab ids)."""
+        from sglang.srt.distributed import get_tp_group
+
+        self.group = get_tp_group()
+        indices = getattr(lm_head, "shard_indices", None)
+        if self.group.world_size == 1 or indices is None:
+            self.shard = VocabShard(0, draft_vocab)
+        else:
+            start = int(indices.org_vocab_start_index)
+            stop = min(int(indices.org_vocab_end_index), draft_vocab)
+            self.shard = VocabShard(start, max(stop - start, 0))
+        self.weight: Tensor = lm_head.weight[: max(self.shard.size, 1)]  # [rows, H]: at least one (a zero-row matmul)
+
+    @property
+    def world_size(self) -> int:
+        return self.group.world_size
+
+    def topk(self, logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """Local draft logits [bs, D, rows] -> (token ids [bs, D, k] int64, log-probs [bs, D, k] float32) over the
+        whole vocabulary (k = 1: the argmax)."""
+        values, ids, lse = local_candidates(logits, self.shard, k)
+        if self.world_size > 1:
+            values, ids, lse = (self._gather(t) for t in (values, ids, lse))
+        else:
+            values, ids, lse = values[None], ids[None], lse[None]
+        return merge_candidates(values, ids, lse, k)
+
+    def argmax(self, logits: Tensor) -> Tensor:
+        """Local draft logits [bs, D, rows] -> the drafts [bs, D] int64."""
+        return self.topk(logits, 1)[0][..., 0]
+
+    def _gather(self, t: Tensor) -> Tensor:
+        """[...] on each rank -> [R, ...] in rank order."""
+        return self.group.all_gather(t.contiguous()[None], dim=0)
+
+    def same_on_every_rank(self, result):
+        """The accept result (a dataclass of tensors) as TP rank 0 decided it, on every rank."""
+        if self.world_size == 1:
+            return result
+        fields = {}
+        for f in dataclasses.fields(result):
+            value = getattr(result, f.name)
+            if isinstance(value, torch.Tensor):
+                value = value.contiguous()
+                self.group.broadcast(value, src=0)
+            fields[f.name] = value
+        return dataclasses.replace(result, **fields)

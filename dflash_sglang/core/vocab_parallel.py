@@ -1,0 +1,52 @@
+"""Draft proposals when the vocabulary is split across tensor-parallel ranks.
+
+Under tensor parallelism the target's lm_head is vocab-parallel: rank r holds the rows of a contiguous id range
+(plus padding rows). The drafter is small, so every rank runs it whole, but its logits through the local rows cover
+only that range. Rather than gathering [bs, B-1, V] logits, each rank reduces its shard to k candidates and its
+log-sum-exp, the ranks exchange those (k + 1 numbers per position), and every rank merges them to exactly the
+full-vocabulary result: the argmax (a chain's drafts; ties go to the lowest id, as `argmax` does over the whole
+vocabulary) or the top-k tokens with their log-probabilities (a tree's candidates, normalised by the global
+log-sum-exp).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's rows of the vocabulary: local row i is token id start + i for i < size; rows past size are padding
+    (or past the draft's vocabulary) and never proposed."""
+
+    start: int
+    size: int
+
+
+def local_candidates(logits: Tensor, shard: VocabShard, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """logits [..., V_local] over this rank's rows -> (values [..., k] float32, token ids [..., k] int64, log-sum-exp
+    [...] float32) of the shard. A shard with fewer than k rows pads with -inf values."""
+    valid = logits[..., : shard.size].float()
+    if valid.shape[-1] < k:
+        pad = valid.new_full((*valid.shape[:-1], k - valid.shape[-1]), float("-inf"))
+        valid = torch.cat([valid, pad], dim=-1)
+    values, rows = valid.topk(k, dim=-1) if k > 1 else valid.max(dim=-1, keepdim=True)
+    lse = torch.logsumexp(valid, dim=-1)
+    return values, rows + shard.start, lse
+
+
+def merge_candidates(values: Tensor, ids: Tensor, lse: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Every rank's candidates, stacked in rank order (values / ids [R, ..., k], lse [R, ...]) -> (token ids [..., k]
+    int64, log-probabilities [..., k] float32) over the whole vocabulary, best first."""
+    r = values.shape[0]
+    flat_values = values.movedim(0, -2).flatten(-2)  # [..., R*k], rank-major: lower ids first
+    flat_ids = ids.movedim(0, -2).flatten(-2)
+    if k == 1:
+        best = flat_values.argmax(dim=-1, keepdim=True)  # the first maximum: the lowest id among ties
+        top_values = flat_values.gather(-1, best)
+    else:
+        top_values, best = flat_values.topk(k, dim=-1)
+    total = torch.logsumexp(lse, dim=0) if r > 1 else lse[0]
+    return flat_ids.gather(-1, best), top_values - total[..., None]

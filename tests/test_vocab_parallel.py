@@ -1,0 +1,60 @@
+"""core/vocab_parallel.py: candidates merged across vocabulary shards equal the full-vocabulary argmax / top-k."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_sglang.core.speculate import draft_topk
+from dflash_sglang.core.vocab_parallel import VocabShard, local_candidates, merge_candidates
+
+
+def shards(logits: torch.Tensor, ranks: int, pad: int):
+    """The full logits [..., V] split like a vocab-parallel lm_head: contiguous ranges of ceil(V / ranks) ids, the
+    last one short, each padded with `pad` garbage rows (what SGLang's padded shards hold)."""
+    vocab = logits.shape[-1]
+    per = -(-vocab // ranks)
+    out = []
+    for r in range(ranks):
+        start, stop = min(r * per, vocab), min((r + 1) * per, vocab)
+        local = logits[..., start:stop]
+        garbage = torch.full((*logits.shape[:-1], pad + per - (stop - start)), 1e4)  # must never win
+        out.append((torch.cat([local, garbage], dim=-1), VocabShard(start, stop - start)))
+    return out
+
+
+def merged(logits: torch.Tensor, ranks: int, k: int, pad: int = 3):
+    parts = [local_candidates(local, shard, k) for local, shard in shards(logits, ranks, pad)]
+    values, ids, lse = (torch.stack(t) for t in zip(*parts))
+    return merge_candidates(values, ids, lse, k)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 8])
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("vocab", [37, 96])
+def test_merge_equals_the_full_vocabulary(ranks, k, vocab):
+    g = torch.Generator().manual_seed(ranks * 100 + k + vocab)
+    logits = torch.randn(3, 5, vocab, generator=g) * 3
+    tokens, logp = merged(logits, ranks, k)
+    want_tokens, want_logp = draft_topk(logits, k)
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(logp, want_logp, rtol=1e-5, atol=1e-5)
+    if k == 1:
+        assert torch.equal(tokens[..., 0], logits.argmax(-1))
+
+
+def test_argmax_ties_go_to_the_lowest_id_across_shards():
+    logits = torch.zeros(1, 1, 10)
+    logits[0, 0, [3, 7]] = 5.0  # the same maximum on rank 0 and rank 1
+    tokens, _ = merged(logits, ranks=2, k=1)
+    assert tokens.item() == 3 == logits.argmax(-1).item()
+
+
+def test_shards_past_the_draft_vocabulary_are_never_proposed():
+    """A rank whose rows all lie past the draft's vocabulary (size 0) only contributes -inf."""
+    logits = torch.randn(2, 3, 8)
+    parts = [local_candidates(logits, VocabShard(0, 8), 2), local_candidates(torch.randn(2, 3, 8), VocabShard(8, 0), 2)]
+    values, ids, lse = (torch.stack(t) for t in zip(*parts))
+    tokens, logp = merge_candidates(values, ids, lse, 2)
+    want_tokens, want_logp = draft_topk(logits, 2)
+    assert torch.equal(tokens, want_tokens) and (tokens < 8).all()
+    torch.testing.assert_close(logp, want_logp)
