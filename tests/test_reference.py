@@ -19,12 +19,21 @@ def hf_greedy(target, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+# A reduced draft vocabulary (core/token_map.py): the 6 ids the llama target emits most often, as build_token_map
+# picks them; its greedy outputs also hold 1 and 4, which can never be drafted.
+TOKEN_MAP = (0, 2, 3, 5, 6, 7)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "llama+token_map"])
 def pair(request):
     # vocab 8: a random drafter then agrees with the target often enough to exercise partial acceptance
     # seeds picked so that mean acceptance is ~1.6-2: every block size sees rejections and long accepts
-    target = tiny_target(request.param, vocab=8, seed=2)
-    return target, tiny_drafter(draft_config_for(target, block_size=16), seed=2)
+    arch, _, mapped = request.param.partition("+")
+    target = tiny_target(arch, vocab=8, seed=2)
+    drafter = tiny_drafter(draft_config_for(target, block_size=16), seed=2)
+    if mapped:
+        drafter.token_map = torch.tensor(TOKEN_MAP)
+    return target, drafter
 
 
 @pytest.mark.parametrize("spec", CHAINS + TREES + ADAPTIVE, ids=str)
@@ -68,13 +77,18 @@ def _exact_joint(target, prompt, n, vocab):
     return probs
 
 
-@pytest.mark.parametrize("arch,block,tree", [("llama", 4, None), ("qwen3", 3, None), ("llama", 4, SpecShape(7, 3))])
-def test_sampling_matches_target_distribution(arch, block, tree):
+@pytest.mark.parametrize("arch,block,tree,token_map", [
+    ("llama", 4, None, None), ("qwen3", 3, None, None), ("llama", 4, SpecShape(7, 3), None),
+    ("llama", 4, None, (0, 2, 3)), ("llama", 4, SpecShape(7, 3), (1, 2, 4)),
+])
+def test_sampling_matches_target_distribution(arch, block, tree, token_map):
     from scipy.stats import chisquare
 
     vocab, n_new, n_samples = 5, 3, 12000
     target = tiny_target(arch, vocab=vocab, seed=4)
     drafter = tiny_drafter(draft_config_for(target, block_size=block), seed=5)
+    if token_map is not None:  # a reduced draft vocabulary: tokens outside it are only ever sampled by the target
+        drafter.token_map = torch.tensor(token_map)
     prompt = [1, 3, 2]
     exact = _exact_joint(target, prompt, n_new, vocab)
     dec = ReferenceDecoder(target, drafter)

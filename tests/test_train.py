@@ -211,12 +211,18 @@ def test_held_out_validation_is_logged_and_leaves_training_unchanged(tmp_path):
     assert end["labels"] > labels and end["acc"][0] == 0.0
 
 
-def test_loss_decreases_and_export_loads(tmp_path):
+@pytest.mark.parametrize("draft_vocab", [0, 24], ids=["full-vocab", "token-map"])
+def test_loss_decreases_and_export_loads(tmp_path, draft_vocab):
+    """Also with a reduced head (`--draft-vocab 24`: the 24 most frequent response tokens of the 39 the data
+    holds, so some labels are misses); the export carries its token map."""
+    from dflash_sglang.train.cli import draft_token_map
+
     frozen, data = _tiny_cache(tmp_path)
+    token_map = draft_token_map(data, draft_vocab, VOCAB)
     # unit output norm: the tiny target's embeddings are small, so logits start small anyway
     tcfg = TrainConfig(epochs=20, batch_size=4, num_anchors=8, lr=5e-3, seed=0, save_every=1000, bf16=False,
                        output_norm_init=1.0)
-    trainer = Trainer(draft_cfg(), tcfg, frozen, data, tmp_path / "out")
+    trainer = Trainer(draft_cfg(), tcfg, frozen, data, tmp_path / "out", token_map=token_map)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         before = float(trainer.loss_on(data, gen)[0])
@@ -226,6 +232,47 @@ def test_loss_decreases_and_export_loads(tmp_path):
     assert after < 0.9 * before, (before, after)
     loaded = load_drafter(tmp_path / "out")
     assert loaded.cfg.mask_token_id == MASK_ID and loaded.cfg.target_layer_ids == LAYER_IDS
+    if draft_vocab:
+        assert trainer.head.shape == (draft_vocab, HIDDEN) and torch.equal(loaded.token_map, token_map)
+    else:
+        assert trainer.head is frozen.lm_head and loaded.token_map is None
+
+
+def test_reduced_head_loss_leaves_out_labels_outside_the_map_and_counts_them_as_misses():
+    """block_loss_terms with a token map: CE is the restricted softmax's over the in-map labels only (weight_sum
+    too), while every labelled row still counts, so accuracy is comparable with the full head's."""
+    from dflash_sglang.core.token_map import inverse_map, restrict_head
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(4, VOCAB, (30,), generator=gen) for _ in range(3)]
+    batch = build_block_batch(tokens, [torch.tensor([2, 9, 20])] * 3, 4, MASK_ID, 4.0)
+    hidden, head = torch.randn(3, 12, HIDDEN, generator=gen), torch.randn(VOCAB, HIDDEN, generator=gen)
+    token_map = batch.labels[batch.weights > 0].unique()[::2].contiguous()  # about half of the labels are outside
+    logits_fn = lambda h, w: h @ w.t()  # noqa: E731
+    full = block_loss_terms(hidden, head, batch, logits_fn)
+    mapped = block_loss_terms(hidden, restrict_head(head, token_map), batch, logits_fn, inverse_map(token_map, VOCAB))
+    sel = batch.weights > 0
+    y, w, logits = batch.labels[sel], batch.weights[sel], hidden[sel] @ head[token_map].t()
+    inside = torch.isin(y, token_map)
+    assert 0 < int(inside.sum()) < len(y)
+    assert torch.equal(mapped.counts, full.counts) and float(mapped.weight_sum) == pytest.approx(float(w[inside].sum()))
+    ce = torch.nn.functional.cross_entropy(logits[inside], torch.searchsorted(token_map, y[inside]), reduction="none")
+    assert float(mapped.ce_sum) == pytest.approx(float((ce * w[inside]).sum()), rel=1e-5)
+    hits = token_map[logits.argmax(-1)] == y
+    assert float(mapped.hits.sum()) == float(hits.sum()) and bool((mapped.hits <= mapped.counts).all())
+
+
+def test_a_resumed_run_keeps_its_checkpoints_token_map(tmp_path):
+    frozen, data = _tiny_cache(tmp_path, n=8)
+    tcfg = TrainConfig(max_steps=4, batch_size=4, num_anchors=4, lr=1e-3, seed=0, save_every=2, bf16=False)
+    first = Trainer(draft_cfg(), tcfg, frozen, data, tmp_path / "out", token_map=torch.arange(4, 36))
+    first.train(progress=False, time_budget_s=0.0)  # one step, checkpoint, export
+    moved = Trainer(draft_cfg(), tcfg, frozen, data, tmp_path / "out", token_map=torch.arange(5, 37))
+    assert moved.maybe_resume() and torch.equal(moved.model.token_map, torch.arange(4, 36))
+    assert moved.head.shape == (32, HIDDEN) and int(moved.label_map[4]) == 0
+    for other, asked in ((torch.arange(4, 20), "16"), (None, "full")):
+        with pytest.raises(ValueError, match=rf"trained with draft vocabulary 32, this run asks for {asked}"):
+            Trainer(draft_cfg(), tcfg, frozen, data, tmp_path / "out", token_map=other).maybe_resume()
 
 
 def test_resume_continues_the_same_run(tmp_path):
@@ -368,19 +415,24 @@ def test_cli_holds_out_the_prompts_after_the_training_ones(tmp_path, capsys):
     rc = main(["train", "--target", str(target_dir), "--data", str(data), "--out", str(out), "--num-samples", "6",
                "--val-samples", "3", "--max-new-tokens", "6", "--gen-batch-size", "4", "--num-layers", "1",
                "--num-features", "2", "--mask-token-id", "95", "--init", "random", "--max-steps", "3",
-               "--batch-size", "2", "--num-anchors", "4", "--save-every", "2", "--device", "cpu", "--no-bf16"])
+               "--batch-size", "2", "--num-anchors", "4", "--save-every", "2", "--device", "cpu", "--no-bf16",
+               "--draft-vocab", "20"])
     assert rc == 0
+    assert load_drafter(out).token_map.shape == (20,)  # the 20 most frequent regenerated response tokens
     prompts = [p.ids for p in make_prompts(load_split("train", data), tok, 9)]
     trained = sorted(tuple(s.tokens[: s.prompt_len].tolist()) for s in load(out / "cache"))
     held_out = sorted(tuple(s.tokens[: s.prompt_len].tolist()) for s in load(out / "cache" / "val"))
     assert trained == sorted(prompts[:6]) and held_out == sorted(prompts[6:9])
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["sequences"] == 6 and summary["held_out"] == 3 and summary["final"]["val"]["labels"] > 0
+    assert summary["draft_vocab"] == 20
     steps = [r["step"] for r in map(json.loads, (out / "train_log.jsonl").read_text().splitlines()) if "loss" not in r]
     assert steps == [0, 2, 3]
     capsys.readouterr()
     assert main(["train", "--target", "nowhere", "--out", str(out), "--val-samples", "-1"]) != 0
     assert "--val-samples must be >= 0, got -1" in capsys.readouterr().err  # before the target is even read
+    assert main(["train", "--target", "nowhere", "--out", str(out), "--draft-vocab", "-1"]) != 0
+    assert "--draft-vocab must be >= 0 (0: full vocabulary), got -1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, expect", [({"avx2", "fma"}, False), ({"avx2", "avx512_bf16"}, True),
@@ -397,3 +449,47 @@ def test_bf16_autocast_only_where_the_cpu_has_bf16_instructions(monkeypatch, fla
     data = [Sequence_(torch.randint(0, VOCAB, (12,)), 4, torch.randn(12, len(LAYER_IDS) * HIDDEN).half())]
     for choice, want in (("auto", expect), ("on", True), ("off", False)):
         assert Trainer(draft_cfg(), TrainConfig(bf16=BF16_CHOICES[choice]), frozen, data, "unused").bf16 is want
+
+
+def _script(name: str):
+    """scripts/<name>.py as a module (scripts/ is not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_train_curve_adds_up_cpu_over_launches():
+    """scripts/train_curve.py: a resumed launch's cpu_s restarts at 0; the curve keeps counting."""
+    mod = _script("train_curve")
+    val = {"loss": 3.0, "tau_est": 1.5, "acc": [0.0, 0.4]}
+    records = [{"step": 0, "val": val}, {"step": 1, "loss": 4.0, "cpu_s": 1800.0},
+               {"step": 2, "loss": 4.0, "cpu_s": 3600.0}, {"step": 2, "val": val},
+               {"step": 3, "loss": 4.0, "cpu_s": 900.0}, {"step": 4, "loss": 4.0, "cpu_s": 1800.0},  # resumed
+               {"step": 4, "val": {**val, "tau_est": 1.7}}]
+    assert [(p["step"], p["cpu_h"], p["tau_est"]) for p in mod.curve(records)] == [(0, 0.0, 1.5), (2, 1.0, 1.5),
+                                                                                  (4, 1.5, 1.7)]
+
+
+def test_a_checkpoint_exports_as_the_drafter_with_its_token_map(tmp_path, capsys):
+    """scripts/export_checkpoint.py: a mid-run checkpoint becomes a draft directory load_drafter reads."""
+    from dflash_sglang.core.checkpoint import save_drafter
+
+    frozen, data = _tiny_cache(tmp_path, n=8)
+    tcfg = TrainConfig(max_steps=4, batch_size=4, num_anchors=4, lr=1e-3, seed=0, save_every=2, bf16=False)
+    trainer = Trainer(draft_cfg(), tcfg, frozen, data, tmp_path / "run", token_map=torch.arange(4, 36))
+    trainer.train(progress=False, time_budget_s=0.0)  # one step, checkpoint
+    save_drafter(DFlashDrafter(draft_cfg()), tmp_path / "config_only")
+    export = _script("export_checkpoint")
+    assert export.main([str(tmp_path / "run"), "--config", str(tmp_path / "config_only"), "--out",
+                        str(tmp_path / "exported")]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["step"] == 1
+    loaded = load_drafter(tmp_path / "exported", dtype=torch.float32)
+    assert torch.equal(loaded.token_map, torch.arange(4, 36))
+    for name, weight in trainer.model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], weight.to(torch.bfloat16).float(), rtol=0, atol=0)
+    assert export.main([str(tmp_path / "run"), "--config", str(tmp_path / "config_only"), "--out",
+                        str(tmp_path / "x"), "--step", "7"]) == 2

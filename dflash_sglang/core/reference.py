@@ -24,6 +24,7 @@ from .checkpoint import check_fit
 from .drafter import KV, DFlashDrafter
 from .features import target_layer_features
 from .speculate import accept, propose
+from .token_map import restrict_head
 
 
 @dataclass
@@ -68,6 +69,10 @@ class ReferenceDecoder:
         self.cfg = drafter.cfg
         self.embed = target.get_input_embeddings()
         self.lm_head_weight = target.get_output_embeddings().weight
+        # A reduced draft vocabulary (drafter.token_map, from the checkpoint's token_map.safetensors) drafts over
+        # its K rows of the head, taken once; the verify still uses the whole head, so decoding stays lossless.
+        self.token_map = drafter.token_map
+        self.draft_head = restrict_head(self.lm_head_weight, self.token_map)
 
     # ------------------------------------------------------------------ public
     @torch.no_grad()
@@ -196,14 +201,8 @@ class ReferenceDecoder:
 
     def _spec_step(self, batch: _Batch, block: int, shape: SpecShape, params: SamplingParams, gen) -> AcceptResult:
         """One draft -> verify -> accept -> commit step for every running request."""
-        draft_logits = None
-        if shape.nodes > 1:
-            inputs = build_block_inputs(batch.bonus, batch.seq_len, block, self.cfg.mask_token_id)
-            dtype = self.drafter.fc.weight.dtype
-            embeds = (self.embed(inputs.input_ids) * self.cfg.input_embedding_scale).to(dtype)
-            hidden = self.drafter(embeds, inputs.positions, batch.ctx_kv, batch.pos, ctx_valid=batch.valid)
-            draft_logits = self.drafter.logits(hidden[:, 1:].to(self.lm_head_weight.dtype), self.lm_head_weight)
-        proposal = propose(batch.bonus, draft_logits, shape)
+        draft_logits = self._draft(batch, block) if shape.nodes > 1 else None
+        proposal = propose(batch.bonus, draft_logits, shape, self.token_map)
         positions = batch.seq_len[:, None] + proposal.depth
         tree_mask = proposal.attention_mask() if proposal.tree is not None else None
         logits, feats = self._target_forward(batch, proposal.ids, positions, capture=True, tree_mask=tree_mask)
@@ -219,6 +218,14 @@ class ReferenceDecoder:
         # so the stable compaction leaves them in sequence order
         self._compact(batch)
         return result
+
+    def _draft(self, batch: _Batch, block: int) -> Tensor:
+        """The drafter pass: draft logits [bs, block-1, V] (or [bs, block-1, K] over the token map's ids)."""
+        inputs = build_block_inputs(batch.bonus, batch.seq_len, block, self.cfg.mask_token_id)
+        dtype = self.drafter.fc.weight.dtype
+        embeds = (self.embed(inputs.input_ids) * self.cfg.input_embedding_scale).to(dtype)
+        hidden = self.drafter(embeds, inputs.positions, batch.ctx_kv, batch.pos, ctx_valid=batch.valid)
+        return self.drafter.logits(hidden[:, 1:].to(self.draft_head.dtype), self.draft_head)
 
     def _target_forward(
         self, batch: _Batch, ids: Tensor, positions: Tensor, capture: bool, new_valid=None, tree_mask=None

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from .accept import AcceptResult, SamplingParams, draw_uniforms, greedy_accept, rejection_accept, target_probs
 from .adaptive import SpecShape
+from .token_map import to_target_ids
 from .tree import DraftTree, build_tree
 from .tree_verify import verify_tree_greedy, verify_tree_sampling
 
@@ -32,32 +33,38 @@ class Proposal:
         return torch.ones(t, t, dtype=torch.bool, device=self.ids.device).tril().expand(bs, t, t)
 
 
-def propose(bonus: Tensor, draft_logits: Tensor | None, shape: SpecShape) -> Proposal:
-    """bonus [bs] int64, draft_logits [bs, B-1, V] (block positions 1..B-1; None when shape.nodes == 1)."""
+def propose(bonus: Tensor, draft_logits: Tensor | None, shape: SpecShape, token_map: Tensor | None = None) -> Proposal:
+    """bonus [bs] int64, draft_logits [bs, B-1, V] (block positions 1..B-1; None when shape.nodes == 1).
+
+    token_map [K] int64 (core/token_map.py): draft_logits are [bs, B-1, K] over those target ids; proposals are
+    mapped back to target ids, so the verify is the same as with a full-vocabulary drafter.
+    """
     bs = bonus.shape[0]
     if shape.is_chain:
         n_draft = shape.nodes - 1
         if n_draft:
             assert draft_logits is not None and draft_logits.shape[1] >= n_draft, "block too short for the chain"
-            drafts = draft_logits[:, :n_draft].argmax(-1)  # point-mass proposals: lossless for any sampling
+            # point-mass proposals: lossless for any sampling
+            drafts = to_target_ids(draft_logits[:, :n_draft].argmax(-1), token_map)
         else:
             drafts = bonus.new_zeros(bs, 0)
         ids = torch.cat([bonus[:, None], drafts], dim=1)
         depth = torch.arange(shape.nodes, device=bonus.device).expand(bs, -1)
         return Proposal(ids, depth, None)
     assert draft_logits is not None
-    topk_tokens, topk_logp = draft_topk(draft_logits, shape.topk)
+    topk_tokens, topk_logp = draft_topk(draft_logits, shape.topk, token_map)
     tree = build_tree(bonus, topk_tokens, topk_logp, shape.nodes)
     return Proposal(tree.tokens, tree.depth, tree)
 
 
-def draft_topk(draft_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def draft_topk(draft_logits: Tensor, k: int, token_map: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """draft_logits [bs, D, V] -> (topk_tokens [bs, D, k] int64, topk_logp [bs, D, k] float32), the inputs of
     build_tree. Log-probs are taken in float32 so the tree (and its tie-breaks) does not depend on the lm_head
-    dtype."""
+    dtype. With token_map [K] int64 the logits are [bs, D, K] over the map's ids and the tokens come back as
+    target ids (log-probs normalised over the K ids: the tree only compares them)."""
     logp = torch.log_softmax(draft_logits.float(), dim=-1)
     topk_logp, topk_tokens = logp.topk(k, dim=-1)
-    return topk_tokens, topk_logp
+    return to_target_ids(topk_tokens, token_map), topk_logp
 
 
 def accept(

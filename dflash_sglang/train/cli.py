@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..core.config import DraftConfig, build_target_layer_ids
+from ..core.token_map import build_token_map, token_counts
 from .prepare import Example, build_cache
 from .shards import list_shards, load_cache
 from .trainer import FrozenTarget, TrainConfig, Trainer
@@ -59,6 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--num-features", type=int, default=5, help="target layers fused (uniform over 1..L-3)")
     m.add_argument("--target-layer-ids", type=int, nargs="+", default=None)
     m.add_argument("--mask-token-id", type=int, default=None, help=f"default: first of {MASK_TOKEN_CANDIDATES}")
+    m.add_argument("--draft-vocab", type=int, default=0,
+                   help="K > 0: reduced draft vocabulary, the K most frequent tokens of the cached (regenerated) "
+                        "responses; the head and the loss use only their K lm_head rows (labels outside are misses) "
+                        "and OUT gets token_map.safetensors. 0: the full vocabulary")
     t = p.add_argument_group("training")
     t.add_argument("--epochs", type=float, default=2.0)
     t.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
@@ -146,12 +151,26 @@ def _examples(args, tokenizer) -> tuple[list[Example], list[Example]]:
     return examples(prompts[: args.num_samples]), examples(prompts[args.num_samples :])
 
 
+def draft_token_map(data, k: int, vocab_size: int):
+    """[K] int64: the K most frequent response tokens of the training sequences (None for k = 0). Responses only:
+    they are what the drafter proposes (prompt tokens are never drafted)."""
+    if not k:
+        return None
+    counts = token_counts((s.tokens[s.prompt_len:] for s in data), vocab_size)
+    token_map = build_token_map(counts, k)
+    log.info("draft vocabulary: %d of %d tokens cover %.2f%% of the %d response tokens", k, vocab_size,
+             100 * float(counts[token_map].sum()) / max(1, int(counts.sum())), int(counts.sum()))
+    return token_map
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from ..testbed.target import convert_target, load_target
 
     if args.val_samples < 0:
         raise ValueError(f"--val-samples must be >= 0, got {args.val_samples}")
+    if args.draft_vocab < 0:
+        raise ValueError(f"--draft-vocab must be >= 0 (0: full vocabulary), got {args.draft_vocab}")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -159,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
     target, tok = load_target(target_dir, device=device)
     mask_id = pick_mask_token(tok, args.mask_token_id, target.config.vocab_size)
     cfg = draft_config(target.config, args, mask_id)
+    if args.draft_vocab > cfg.vocab_size:
+        raise ValueError(f"--draft-vocab {args.draft_vocab} exceeds the target vocabulary ({cfg.vocab_size})")
     init_dir = None if args.init in ("target", "random") else Path(args.init)
     if init_dir is not None:
         check_init_checkpoint(init_dir, cfg)  # now, not after minutes of data preparation
@@ -192,7 +213,8 @@ def run(args: argparse.Namespace) -> int:
                        num_anchors=args.num_anchors, lr=args.lr, warmup_ratio=args.warmup_ratio, gamma=args.gamma,
                        seed=args.seed, save_every=args.save_every, bf16=BF16_CHOICES[args.bf16],
                        output_norm_init=None if args.output_norm_init == "target" else float(args.output_norm_init))
-    trainer = Trainer(cfg, tcfg, frozen, data, args.out, device, val_data=val_data)
+    token_map = draft_token_map(data, args.draft_vocab, cfg.vocab_size)
+    trainer = Trainer(cfg, tcfg, frozen, data, args.out, device, val_data=val_data, token_map=token_map)
     if not trainer.maybe_resume():
         if init_dir is not None:
             load_init_weights(trainer.model, init_dir)
@@ -205,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
     t1 = time.monotonic()
     last = trainer.train(time_budget_s=None if args.time_budget_min is None else 60 * args.time_budget_min)
     summary = {"target": str(target_dir), "init": args.init, "data": args.data, "sequences": len(data),
+               "draft_vocab": args.draft_vocab or cfg.vocab_size,
                "held_out": len(val_data), "steps": trainer.total_steps,
                "data_time_s": round(t_data), "train_time_s": round(time.monotonic() - t1), "device": str(device),
                "final": last}

@@ -144,15 +144,26 @@ class BlockLossTerms:
                               self.hits + other.hits, self.counts + other.counts)
 
 
-def block_loss_terms(hidden: Tensor, lm_head_weight: Tensor, batch: BlockBatch, logits_fn) -> BlockLossTerms:
+def block_loss_terms(hidden: Tensor, lm_head_weight: Tensor, batch: BlockBatch, logits_fn,
+                     label_map: Tensor | None = None) -> BlockLossTerms:
     """hidden [bs, N*B, H] -> BlockLossTerms. Only rows with weight > 0 reach the (expensive) vocabulary
-    projection; hits/counts carry no gradient."""
+    projection; hits/counts carry no gradient.
+
+    Reduced draft vocabulary: lm_head_weight is the head's K token-map rows [K, H] and label_map [V] int64 the
+    draft row of each target token (-1 outside the map, core/token_map.py `inverse_map`). A label outside the
+    map can never be drafted: it is left out of the CE (and of weight_sum; the restricted softmax has no row for
+    it) but still counts as a labelled row the drafter misses, so accuracy and the tau estimate stay comparable
+    with a full-vocabulary drafter's.
+    """
     sel = batch.weights > 0
     h = hidden[sel]
     logits = logits_fn(h, lm_head_weight).float()
     w = batch.weights[sel].to(logits.device)
     y = batch.labels[sel].to(logits.device)
-    ce = F.cross_entropy(logits, y, reduction="none")
+    if label_map is not None:
+        y = label_map.to(y.device)[y]
+        w = w * (y >= 0)
+    ce = F.cross_entropy(logits, y, reduction="none", ignore_index=-1)
     with torch.no_grad():
         big_b = batch.block_size
         kpos = (torch.arange(batch.weights.shape[1], device=batch.weights.device) % big_b).expand_as(batch.weights)[sel].to(logits.device)

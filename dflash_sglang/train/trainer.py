@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from ..core.checkpoint import save_drafter
 from ..core.config import DraftConfig
 from ..core.drafter import DFlashDrafter
+from ..core.token_map import inverse_map, restrict_head
 from .objective import (BlockLossTerms, all_anchors, block_loss_terms, build_block_batch, expected_accept_length,
                         loss_gamma, sample_anchors)
 from .shards import Sequence_
@@ -96,6 +97,10 @@ def init_drafter(cfg: DraftConfig, frozen: FrozenTarget, seed: int, output_norm_
     return model
 
 
+def _vocab_name(token_map: Tensor | None) -> str:
+    return "full" if token_map is None else str(len(token_map))
+
+
 def bf16_pays(device: torch.device) -> bool:
     """Whether bf16 autocast speeds training up on `device`: on GPUs, and on CPUs with bf16 instructions
     (AVX512-BF16 or AMX). Elsewhere oneDNN emulates bf16: on the AVX2 dev machine (2 cores) a [4096, 576] x
@@ -151,10 +156,15 @@ def _features_to_device(data: list[Sequence_], device: torch.device, max_fractio
 class Trainer:
     """`val_data`: held-out sequences (never trained on). At the start, at every checkpoint and at the end, the
     drafter's teacher-forced loss and per-position top-1 accuracy over fixed anchors of them go to the log: the
-    training batch's own numbers (bf16, sequences seen for several epochs) do not tell under- from over-fitting."""
+    training batch's own numbers (bf16, sequences seen for several epochs) do not tell under- from over-fitting.
+
+    `token_map` [K] int64 (core/token_map.py): train a reduced-vocabulary drafter, whose head and loss are the K
+    rows of the target lm_head (labels outside the map are misses, see `block_loss_terms`); the exported drafter
+    carries the map. A resumed run keeps the map its checkpoint was trained with."""
 
     def __init__(self, cfg: DraftConfig, tcfg: TrainConfig, frozen: FrozenTarget, data: list[Sequence_],
-                 out_dir: Path, device: str | torch.device = "cpu", val_data: list[Sequence_] | None = None) -> None:
+                 out_dir: Path, device: str | torch.device = "cpu", val_data: list[Sequence_] | None = None,
+                 token_map: Tensor | None = None) -> None:
         if not data:
             raise ValueError("no training sequences")
         self.cfg, self.tcfg, self.out = cfg, tcfg, Path(out_dir)
@@ -163,6 +173,7 @@ class Trainer:
         self.data = _features_to_device(data, self.device)
         self.val_data = list(val_data or [])
         self.model = init_drafter(cfg, frozen, tcfg.seed, tcfg.output_norm_init).to(self.device).train()
+        self._set_token_map(token_map)
         self.gamma = tcfg.gamma or loss_gamma(cfg.block_size)
         self.bf16 = bf16_pays(self.device) if tcfg.bf16 is None else tcfg.bf16
         self.steps_per_epoch = math.ceil(len(data) / tcfg.batch_size)
@@ -175,6 +186,12 @@ class Trainer:
         )
         self.step = 0
         self._set_schedule(self.total_steps)
+
+    def _set_token_map(self, token_map: Tensor | None) -> None:
+        """The draft head [K, H] (or the whole lm_head) and the label map [V] (None: full vocabulary)."""
+        self.model.token_map = None if token_map is None else token_map.to(self.device)
+        self.head = restrict_head(self.frozen.lm_head, self.model.token_map)
+        self.label_map = None if token_map is None else inverse_map(self.model.token_map, self.cfg.vocab_size)
 
     def _set_schedule(self, total: int) -> None:
         self.total_steps = total
@@ -215,7 +232,7 @@ class Trainer:
             ctx_kv = self.model.context_kv(ctx, batch.ctx_pos)
             embeds = self.frozen.embed[batch.block_ids] * self.cfg.input_embedding_scale
             hidden = self.model(embeds, batch.block_pos, ctx_kv, batch.ctx_pos, mask=batch.mask)
-            return block_loss_terms(hidden, self.frozen.lm_head, batch, self.model.logits)
+            return block_loss_terms(hidden, self.head, batch, self.model.logits, self.label_map)
 
     @torch.no_grad()
     def validate(self) -> dict | None:
@@ -263,8 +280,10 @@ class Trainer:
         d.mkdir(parents=True, exist_ok=True)
         path = d / f"step_{self.step:07d}.pt"
         tmp = path.with_suffix(".tmp")
-        torch.save({"step": self.step, "total_steps": self.total_steps, "model": self.model.state_dict(), "opt": self.opt.state_dict(),
-                    "sched": self.sched.state_dict(), "train_config": asdict(self.tcfg)}, tmp)
+        token_map = None if self.model.token_map is None else self.model.token_map.cpu()
+        torch.save({"step": self.step, "total_steps": self.total_steps, "model": self.model.state_dict(),
+                    "opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "train_config": asdict(self.tcfg),
+                    "token_map": token_map}, tmp)
         tmp.rename(path)
         for old in sorted(d.glob("step_*.pt"))[: -self.tcfg.keep_checkpoints]:
             old.unlink()
@@ -276,12 +295,24 @@ class Trainer:
             return False
         state = torch.load(ckpts[-1], map_location=self.device, weights_only=True)
         self.model.load_state_dict(state["model"])
+        self._resume_token_map(state.get("token_map"), ckpts[-1])
         self.opt.load_state_dict(state["opt"])
         self.step = int(state["step"])
         self._set_schedule(int(state.get("total_steps", self.total_steps)))
         self.sched.load_state_dict(state["sched"])
         log.info("resumed from %s (step %d/%d)", ckpts[-1], self.step, self.total_steps)
         return True
+
+    def _resume_token_map(self, saved: Tensor | None, path: Path) -> None:
+        """Keep the checkpoint's map: counts from a cache grown since may pick slightly different tokens, and the
+        run would change its softmax (and what its held-out numbers measure) mid-way."""
+        want = self.model.token_map
+        if (saved is None) != (want is None) or (saved is not None and len(saved) != len(want)):
+            raise ValueError(f"{path}: trained with draft vocabulary {_vocab_name(saved)}, this run asks for "
+                             f"{_vocab_name(want)} (--draft-vocab); use another --out to start a new run")
+        if saved is not None and not torch.equal(saved.to(want.device), want):
+            log.info("%s: keeping the checkpoint's token map (the data's most frequent tokens moved)", path)
+            self._set_token_map(saved)
 
     # ------------------------------------------------------------------ loop
     def train(self, progress: bool = True, time_budget_s: float | None = None, calibrate_steps: int = 10) -> dict:
@@ -296,6 +327,7 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", disable=not progress)
         logf = (self.out / LOG_FILE).open("a")
         ema, last, start, first_step, calib_start = None, {}, clock(), self.step, None
+        cpu_start = time.process_time()  # CPU seconds (all threads): what a shared CPU machine actually spent
         if self.step not in self._validated_steps():  # a resumed run's checkpoint step was validated when saved
             self._log_validation(logf)  # where this run starts (an --init drafter, a resumed step, or scratch)
         while self.step < self.total_steps:
@@ -313,7 +345,7 @@ class Trainer:
             tau = expected_accept_length(acc.cpu())
             last = {"step": self.step, "loss": lv, "loss_ema": ema, "tau_est": tau, "grad_norm": float(gnorm),
                     "lr": self.sched.get_last_lr()[0], "acc": [round(float(a), 4) for a in acc.cpu()],
-                    "elapsed_s": round(clock() - start, 1)}
+                    "elapsed_s": round(clock() - start, 1), "cpu_s": round(time.process_time() - cpu_start, 1)}
             logf.write(json.dumps(last) + "\n")
             logf.flush()
             bar.set_postfix(loss=f"{ema:.3f}", tau=f"{tau:.2f}")
