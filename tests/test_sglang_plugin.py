@@ -370,7 +370,6 @@ def test_tree_refuses_attention_backends_without_a_tree_mask(plugin):
         (dict(speculative_eagle_topk=2, speculative_dflash_block_size=1),
          r"^--speculative-dflash-block-size 1: the draft block size must be >= 2"),
         (dict(speculative_eagle_topk=2, page_size=4), r"^--page-size 4: tree verification .* needs page size 1"),
-        (dict(speculative_token_map="/tmp/map.pt"), r"^--speculative-token-map /tmp/map.pt: draft-vocabulary maps"),
         (dict(speculative_draft_attention_backend="triton"), r"^--speculative-draft-attention-backend triton: the "
          r"drafter attends with flashinfer \(CUDA\) or torch_native"),
         (dict(speculative_draft_attention_backend="flashinfer"), r"^--speculative-draft-attention-backend flashinfer: "
@@ -430,6 +429,36 @@ def test_weight_errors_surface_at_startup(plugin, pair, monkeypatch):
         _server_args(pair, speculative_draft_model_path=str(broken))
     assert "\n" not in str(err.value)
     _server_args(pair, speculative_draft_model_path=str(broken), speculative_draft_load_format="dummy")
+
+
+@child_only
+def test_token_map_resolution(plugin, pair, monkeypatch, tmp_path):
+    """The checkpoint's own token_map.safetensors is used by default; --speculative-token-map picks another file;
+    pickle files and broken maps are refused at start-up naming the flag or file."""
+    import shutil
+
+    from dflash_sglang.adapter.args import UnsupportedFlagError
+    from dflash_sglang.adapter.settings import settings_of
+    from dflash_sglang.core.config import CheckpointError
+    from dflash_sglang.core.token_map import save_token_map
+
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    assert settings_of(_server_args(pair)).token_map is None  # no map: the full vocabulary
+    mapped = tmp_path / "mapped"
+    shutil.copytree(pair / "draft", mapped)
+    own = save_token_map(torch.tensor([0, 2, 5, 9]), mapped)
+    assert settings_of(_server_args(pair, speculative_draft_model_path=str(mapped))).token_map == str(own)
+    other = save_token_map(torch.tensor([1, 2, 3]), tmp_path / "other")
+    args = _server_args(pair, speculative_draft_model_path=str(mapped), speculative_token_map=str(other))
+    assert settings_of(args).token_map == str(other)
+    (tmp_path / "map.pt").write_bytes(b"pickle")
+    with pytest.raises(UnsupportedFlagError, match=r"^--speculative-token-map .*map\.pt: expected a \.safetensors"):
+        _server_args(pair, speculative_token_map=str(tmp_path / "map.pt"))
+    with pytest.raises(UnsupportedFlagError, match=r"^--speculative-token-map .*nothing\.safetensors: no such file"):
+        _server_args(pair, speculative_token_map=str(tmp_path / "nothing.safetensors"))
+    too_big = save_token_map(torch.tensor([1, 99]), tmp_path / "too_big")  # the draft vocabulary is 16
+    with pytest.raises(CheckpointError, match=r"too_big/token_map\.safetensors"):
+        _server_args(pair, speculative_token_map=str(too_big))
 
 
 @child_only

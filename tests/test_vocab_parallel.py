@@ -58,3 +58,23 @@ def test_shards_past_the_draft_vocabulary_are_never_proposed():
     want_tokens, want_logp = draft_topk(logits, 2)
     assert torch.equal(tokens, want_tokens) and (tokens < 8).all()
     torch.testing.assert_close(logp, want_logp)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+@pytest.mark.parametrize("k", [1, 3])
+def test_merge_with_a_token_map(ranks, k):
+    """A reduced draft vocabulary: each rank's rows are the map's ids inside its range; merged, the proposals equal the
+    single-process token-map proposals (ids mapped back to target ids)."""
+    vocab, g = 40, torch.Generator().manual_seed(ranks + 10 * k)
+    token_map = torch.randperm(vocab, generator=g)[:17].sort().values
+    logits = torch.randn(2, 4, token_map.numel(), generator=g)  # over the map's ids
+    per = -(-vocab // ranks)
+    parts = []
+    for r in range(ranks):
+        inside = (token_map >= r * per) & (token_map < (r + 1) * per)
+        parts.append(local_candidates(logits[..., inside], VocabShard(r * per, int(inside.sum()), token_map[inside]), k))
+    values, ids, lse = (torch.stack(t) for t in zip(*parts))
+    tokens, logp = merge_candidates(values, ids, lse, k)
+    want_tokens, want_logp = draft_topk(logits, k, token_map)
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(logp, want_logp, rtol=1e-5, atol=1e-5)

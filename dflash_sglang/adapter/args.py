@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflash_sglang.core.checkpoint import check_fit, check_weight_headers
 from dflash_sglang.core.config import CheckpointError, DraftConfig, recurrent_layers
+from dflash_sglang.core.token_map import TOKEN_MAP_FILE, load_token_map, read_token_map
 from dflash_sglang.core.tree import max_tree_nodes
 from dflash_sglang.ops import MAX_NODES, find_nvcc
 
@@ -79,7 +80,6 @@ def check_supported_flags(cfg) -> None:
          "EAGLE's adaptive tuning file; DFLASH's adaptive shapes are --speculative-dflash-adaptive-table"),
         ("--speculative-use-block-verification", "speculative_use_block_verification", (None, False),
          "block verification is not supported (sampled drafts are verified by lossless rejection sampling)"),
-        ("--speculative-token-map", "speculative_token_map", (None, ""), "draft-vocabulary maps are not served yet"),
         # We expose no draft KV pool to transfer or offload: the draft KV would go stale (lossless, but tau drops).
         ("--disaggregation-mode", "disaggregation_mode", (None, "null"),
          "PD disaggregation cannot transfer the draft KV pool yet"),
@@ -151,6 +151,7 @@ def handle_dflash_args(server_args: ServerArgs) -> DFlashSettings:
         draft_graphs=draft_graphs(flags["speculative_dflash_draft_graphs"]),
         tree_cuda_graph=bool(flags["speculative_dflash_tree_cuda_graph"]) and topk > 1,
         dummy_draft=dummy, adaptive_table=table,
+        token_map=token_map_path(cfg.speculative_token_map, str(cfg.speculative_draft_model_path), draft),
         adaptive_token_budget=flags["speculative_dflash_adaptive_token_budget"] if table else None,
         simulation=SimulatedAcceptance.from_env(),
     )
@@ -173,6 +174,21 @@ def handle_dflash_args(server_args: ServerArgs) -> DFlashSettings:
     declare(server_args, SOURCE, **decisions)
     setattr(server_args, "_dflash_settings", settings)
     return settings
+
+
+def token_map_path(flag_value: str | None, draft_dir: str, draft: DraftConfig) -> str | None:
+    """The token map the drafter proposes over (read and checked now): --speculative-token-map, else the checkpoint's
+    token_map.safetensors, else None (the full vocabulary)."""
+    if not flag_value:
+        own = os.path.join(draft_dir, TOKEN_MAP_FILE)
+        return own if load_token_map(draft_dir, draft.vocab_size) is not None else None
+    if not str(flag_value).endswith(".safetensors"):
+        _refuse("--speculative-token-map", flag_value, "expected a .safetensors token map (pickle files are never "
+                "loaded; `dflash-sglang train --draft-vocab K` writes token_map.safetensors)")
+    if not os.path.isfile(flag_value):
+        _refuse("--speculative-token-map", flag_value, "no such file")
+    read_token_map(flag_value, draft.vocab_size)
+    return str(flag_value)
 
 
 def draft_graphs(value: str) -> str:

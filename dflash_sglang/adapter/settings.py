@@ -74,6 +74,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("speculative_dflash_tree_cuda_graph", "--speculative-dflash-tree-cuda-graph", bool, False,
             "capture the target's verify CUDA graphs with the tree mask, so tree verifies replay graphs "
             "(not yet validated on a GPU)", ours=True),
+    Setting("speculative_token_map", "--speculative-token-map", str, None,
+            "a reduced draft vocabulary: token_map.safetensors (one int64 tensor 'token_map' of target ids, as "
+            "`dflash-sglang train --draft-vocab K` writes); default: the checkpoint's own, if it has one"),
     Setting("speculative_draft_load_format", "--speculative-draft-load-format", str, None,
             "dummy: random draft weights of the checkpoint's shapes (capacity planning)"),
     Setting("max_running_requests", "--max-running-requests", int, 48, "default 48 with DFLASH, as the builtin"),
@@ -109,6 +112,7 @@ class DFlashSettings:
     draft_graphs: str  # one of DRAFT_GRAPHS
     tree_cuda_graph: bool  # target verify graphs captured with the tree mask (CUDA, trees)
     dummy_draft: bool  # random draft weights (--speculative-draft-load-format dummy)
+    token_map: str | None = None  # the token map file drafted over (--speculative-token-map or the checkpoint's)
     adaptive_table: str | None = None  # adaptive mode only
     adaptive_token_budget: int | None = None
     simulation: SimulatedAcceptance | None = None  # SGLANG_SIMULATE_ACC_* (chain only)

@@ -26,20 +26,26 @@ from dflash_sglang.core.vocab_parallel import VocabShard, local_candidates, merg
 class DraftVocab:
     """This rank's rows of the target lm_head for the draft vocabulary, and the merge over ranks."""
 
-    def __init__(self, lm_head, draft_vocab: int) -> None:
+    def __init__(self, lm_head, draft_vocab: int, token_map: Tensor | None = None) -> None:
         """lm_head: the target's (Parallel)LMHead or tied VocabParallelEmbedding; draft_vocab: the draft's vocab size
-        (its ids are the target's first draft_vocab ids)."""
+        (its ids are the target's first draft_vocab ids); token_map [K] int64: a reduced draft vocabulary (the draft
+        proposes only those ids, core/token_map.py), None: all draft_vocab ids."""
         from sglang.srt.distributed import get_tp_group
 
         self.group = get_tp_group()
         indices = getattr(lm_head, "shard_indices", None)
-        if self.group.world_size == 1 or indices is None:
-            self.shard = VocabShard(0, draft_vocab)
-        else:
-            start = int(indices.org_vocab_start_index)
-            stop = min(int(indices.org_vocab_end_index), draft_vocab)
+        start, stop = 0, draft_vocab
+        if self.group.world_size > 1 and indices is not None:
+            start, stop = int(indices.org_vocab_start_index), min(int(indices.org_vocab_end_index), draft_vocab)
+        weight = lm_head.weight
+        if token_map is None:
             self.shard = VocabShard(start, max(stop - start, 0))
-        self.weight: Tensor = lm_head.weight[: max(self.shard.size, 1)]  # [rows, H]: at least one (a zero-row matmul)
+            self.weight: Tensor = weight[: max(self.shard.size, 1)]  # [rows, H]: at least one (no zero-row matmul)
+            return
+        ids = token_map.to(weight.device)
+        ids = ids[(ids >= start) & (ids < stop)]
+        self.shard = VocabShard(start, ids.numel(), ids)
+        self.weight = weight[ids - start] if ids.numel() else weight[:1]  # [K_local, H]
 
     @property
     def world_size(self) -> int:

@@ -48,6 +48,7 @@ from dflash_sglang import ops
 from dflash_sglang.core.accept import AcceptResult
 from dflash_sglang.core.adaptive import SpecShape
 from dflash_sglang.core.config import CheckpointError
+from dflash_sglang.core.token_map import read_token_map
 
 from .adaptive import ShapeSchedule
 from .args import TREE_ATTENTION_BACKENDS, UnsupportedFlagError
@@ -193,7 +194,9 @@ class DFlashWorker(BaseSpecWorker):
                                          self.device, dummy=self.settings.dummy_draft,
                                          attention=self.settings.draft_attention)
         target = self.model_runner.model
-        self.vocab = DraftVocab(target.lm_head, self.cfg.vocab_size)
+        # The drafter proposes over the token map of the settings (checked at start-up) or the whole vocabulary.
+        token_map = read_token_map(self.settings.token_map, self.cfg.vocab_size) if self.settings.token_map else None
+        self.vocab = DraftVocab(target.lm_head, self.cfg.vocab_size, token_map)
         self.head = TargetHead(target.get_input_embeddings(), self.vocab.weight, self.cfg.mask_token_id,
                                self.cfg.input_embedding_scale)
         logger.info(

@@ -65,8 +65,12 @@ def check_token_map(token_map: Tensor, vocab_size: int, source: str) -> Tensor:
 def load_token_map(draft_dir: str | Path, vocab_size: int) -> Tensor | None:
     """The map next to a draft checkpoint ([K] int64), or None when the checkpoint has none (full vocabulary)."""
     path = Path(draft_dir) / TOKEN_MAP_FILE
-    if not path.is_file():
-        return None
+    return read_token_map(path, vocab_size) if path.is_file() else None
+
+
+def read_token_map(path: str | Path, vocab_size: int) -> Tensor:
+    """A token map file ([K] int64, checked against the draft's vocabulary); raises CheckpointError naming it."""
+    path = Path(path)
     try:
         handle = safe_open(str(path), framework="pt")
     except Exception as e:  # safetensors raises its own error types for truncated/garbled headers
@@ -86,6 +90,7 @@ def save_token_map(token_map: Tensor | None, out_dir: str | Path) -> Path | None
     if token_map is None:
         path.unlink(missing_ok=True)
         return None
+    path.parent.mkdir(parents=True, exist_ok=True)
     save_file({TOKEN_MAP_TENSOR: token_map.detach().to("cpu", torch.int64).contiguous()}, str(path),
               metadata={"format": "pt"})
     return path

@@ -18,23 +18,28 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class VocabShard:
-    """This rank's rows of the vocabulary: local row i is token id start + i for i < size; rows past size are padding
-    (or past the draft's vocabulary) and never proposed."""
+    """This rank's rows of the draft vocabulary: local row i is token id start + i for i < size (or ids[i], with a
+    reduced draft vocabulary: the token map's ids in this rank's range); rows past size are padding (or past the
+    draft's vocabulary) and never proposed."""
 
     start: int
     size: int
+    ids: Tensor | None = None  # [size] int64 token ids of the rows, ascending; None: start + row
 
 
 def local_candidates(logits: Tensor, shard: VocabShard, k: int) -> tuple[Tensor, Tensor, Tensor]:
     """logits [..., V_local] over this rank's rows -> (values [..., k] float32, token ids [..., k] int64, log-sum-exp
-    [...] float32) of the shard. A shard with fewer than k rows pads with -inf values."""
+    [...] float32) of the shard. A shard with fewer than k rows pads with -inf values (ids of padding: -1)."""
     valid = logits[..., : shard.size].float()
     if valid.shape[-1] < k:
         pad = valid.new_full((*valid.shape[:-1], k - valid.shape[-1]), float("-inf"))
         valid = torch.cat([valid, pad], dim=-1)
     values, rows = valid.topk(k, dim=-1) if k > 1 else valid.max(dim=-1, keepdim=True)
     lse = torch.logsumexp(valid, dim=-1)
-    return values, rows + shard.start, lse
+    if shard.ids is None:
+        return values, rows + shard.start, lse
+    ids = torch.cat([shard.ids, shard.ids.new_full((max(k - shard.size, 0),), -1)])  # ids of the padded rows
+    return values, ids[rows], lse
 
 
 def merge_candidates(values: Tensor, ids: Tensor, lse: Tensor, k: int) -> tuple[Tensor, Tensor]:
