@@ -57,7 +57,8 @@ def count(draft: Path, bs: int, context: int) -> dict[str, OpCounter]:
     with counters["draft"]:
         drafter.draft(torch.randn(bs, block, cfg.hidden_size), positions, req_to_token, torch.arange(bs), seq_lens,
                       seq_lens.clone())
-    commit_rows = (torch.randn(bs * block, features), positions.reshape(-1), req_to_token[:, context:].reshape(-1).long())
+    commit_rows = (torch.randn(bs * block, features), positions.reshape(-1),
+                   req_to_token[:, context:].reshape(-1).long())
     with counters["commit"]:
         drafter.commit(*commit_rows)
     head = TargetHead(torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size), torch.randn(cfg.vocab_size, cfg.hidden_size),
@@ -80,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=100)
     args = ap.parse_args(argv)
     print(f"drafter {args.draft} (dummy weights of its config), context {args.context}, torch attention backend")
-    print(f"{'bs':>4} {'draft ops':>10} {'commit ops':>11} {'with graphs':>12} {'':>7}  most frequent in the draft pass")
+    print(f"{'bs':>4} {'draft ops':>10} {'commit ops':>11} {'with graphs':>12} {'':>7}  "
+          "most frequent in the draft pass")
     print(f"{'':>4} {'(eager)':>10} {'(eager)':>11} {'draft':>12} {'commit':>7}")
     rows = []
     for bs in (int(b) for b in args.batch_sizes.split(",")):

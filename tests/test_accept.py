@@ -30,7 +30,9 @@ def test_greedy_rows_of_rejection_sampling_equal_greedy():
 
 def test_target_probs_filters():
     logits = torch.tensor([[[4.0, 3.0, 2.0, 1.0, 0.0]]])
-    p = lambda **kw: target_probs(logits, SamplingParams.full(1, **kw))[0, 0]
+    def p(**kw):
+        return target_probs(logits, SamplingParams.full(1, **kw))[0, 0]
+
     assert (p(temperature=1.0, top_k=2)[2:] == 0).all() and p(temperature=1.0, top_k=2)[:2].sum() == pytest.approx(1)
     full = torch.softmax(logits[0, 0], -1)
     kept = p(temperature=1.0, top_p=float(full[0]) + 1e-3)  # needs the second token to reach p

@@ -159,8 +159,9 @@ def test_chain_verify_rows_are_a_depth_i_tree():
 
 
 @pytest.mark.parametrize("shape, cap, want", [
-    (SpecShape(8, 1), 20, SpecShape(8, 1)), (SpecShape(8, 1), 3, SpecShape(3, 1)), (SpecShape(8, 1), 1, SpecShape(1, 1)),
-    (SpecShape(16, 4), 5, SpecShape(5, 4)), (SpecShape(16, 4), 2, SpecShape(2, 1)), (SpecShape(10, 3), 10, SpecShape(10, 3)),
+    (SpecShape(8, 1), 20, SpecShape(8, 1)), (SpecShape(8, 1), 3, SpecShape(3, 1)),
+    (SpecShape(8, 1), 1, SpecShape(1, 1)), (SpecShape(16, 4), 5, SpecShape(5, 4)),
+    (SpecShape(16, 4), 2, SpecShape(2, 1)), (SpecShape(10, 3), 10, SpecShape(10, 3)),
 ])
 def test_shape_at_most(shape, cap, want):
     """The worker's cut near the context limit: at most `cap` verify tokens; a tree cut below 3 nodes is a chain."""

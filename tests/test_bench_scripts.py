@@ -42,7 +42,8 @@ def _run(script: str, args: list[str], env: dict | None = None, timeout: int = 6
     proc = subprocess.run(["nice", sys.executable, str(ROOT / "scripts" / script), *args], cwd=ROOT,
                           env=env or os.environ.copy(), capture_output=True, text=True, timeout=timeout)
     lines = proc.stdout.strip().splitlines()
-    assert proc.returncode == 0 and lines, f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0 and lines, (f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                                            f"{proc.stderr[-3000:]}")
     return lines, json.loads(lines[-1])
 
 
@@ -67,7 +68,8 @@ def sglang_env(tmp_path_factory) -> dict:
         (stub / "__init__.py").write_text("def load_dataset(*a, **k):\n    raise RuntimeError('datasets stub')\n")
         paths.append(str(stub.parent))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    probe = subprocess.run([sys.executable, "-c", "import sglang.srt.entrypoints.http_server, sglang.benchmark.serving"],
+    probe = subprocess.run([sys.executable, "-c",
+                            "import sglang.srt.entrypoints.http_server, sglang.benchmark.serving"],
                            env=env, capture_output=True, text=True, timeout=300)
     if probe.returncode != 0:
         pytest.skip("SGLang server/benchmark not importable on this machine (.ci/install_sglang.sh): "
@@ -172,7 +174,8 @@ def test_bench_pareto_launches_each_arm_with_simulated_acceptance(pair, sglang_e
     assert res["arms"]["ours"]["impl_confirmed"] and res["arms"]["ours"]["simulation_honoured"]
     launches = {ln.split("]")[0][1:]: ln for ln in lines if "launch_server" in ln}
     assert "--load-format dummy" in launches["none"] and "--speculative-algorithm" not in launches["none"]
-    assert "SGLANG_SIMULATE_ACC_LEN=3" in launches["ours"] and "--speculative-draft-load-format dummy" in launches["ours"]
+    assert "SGLANG_SIMULATE_ACC_LEN=3" in launches["ours"]
+    assert "--speculative-draft-load-format dummy" in launches["ours"]
     with open(res["requests_csv"]) as f:
         ours = [float(r["accept_length"]) for r in csv.DictReader(f) if r["arm"] == "ours"]
     assert len(ours) == 4 and all(1.0 <= a <= 12 for a in ours)
@@ -219,7 +222,8 @@ def test_arm_server_args_share_everything_but_the_worker():
     args = pareto.build_parser().parse_args(["--recipe", "qwen3-8b:h100", "--max-running-requests", "16",
                                              "--simulate-acc-len", "3.5"])
     ours, builtin, none = (pareto.server_args_for(args, a) for a in ("ours", "builtin", "none"))
-    assert ours[0] == builtin[0] and ours[1]["DFLASH_SGLANG_IMPL"] == "ours" and builtin[1]["DFLASH_SGLANG_IMPL"] == "builtin"
+    assert ours[0] == builtin[0]
+    assert ours[1]["DFLASH_SGLANG_IMPL"] == "ours" and builtin[1]["DFLASH_SGLANG_IMPL"] == "builtin"
     for argv, env in (ours, builtin):
         assert argv.count("--max-running-requests") == 1 and argv[argv.index("--max-running-requests") + 1] == "16"
         assert env["SGLANG_SIMULATE_ACC_LEN"] == "3.5" and env["SGLANG_SIMULATE_ACC_METHOD"] == "match-expected"

@@ -79,7 +79,7 @@ def test_generate_json_lossless(pair, tmp_path, capsys, shape):
                  "--max-new-tokens", "12", "--block-size", "4", "--check-lossless", "--json",
                  "--no-chat-template", "--batch-size", "2", *shape])
     assert code == 0
-    records = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["index"] for r in records] == [0, 1, 2]
     for r in records:
         assert r["lossless"] is True and r["first_mismatch"] is None
@@ -91,7 +91,8 @@ def test_generate_json_lossless(pair, tmp_path, capsys, shape):
     "extra,match",
     [
         (["--prompt", "y" * 600, "--max-new-tokens", "4"], "prompt 0 has 600 tokens"),
-        (["--prompt", "hi", "--max-new-tokens", "4", "--temperature", "1", "--check-lossless"], "needs --temperature 0"),
+        (["--prompt", "hi", "--max-new-tokens", "4", "--temperature", "1", "--check-lossless"],
+         "needs --temperature 0"),
         (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     ],
 )

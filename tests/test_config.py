@@ -30,7 +30,8 @@ ZLAB_FLAT = _flat(ZLAB_QWEN3_8B)
 FORMATS = {"zlab": (ZLAB_QWEN3_8B, "dflash_config."), "zlab-flat": (ZLAB_FLAT, "")}
 
 
-@pytest.mark.parametrize("layers,n,expected", [(36, 5, (1, 9, 17, 25, 33)), (64, 5, (1, 16, 31, 46, 61)), (30, 1, (15,))])
+@pytest.mark.parametrize("layers,n,expected",
+                         [(36, 5, (1, 9, 17, 25, 33)), (64, 5, (1, 16, 31, 46, 61)), (30, 1, (15,))])
 def test_default_layer_ids(layers, n, expected):
     assert build_target_layer_ids(layers, n) == expected
 

@@ -120,7 +120,8 @@ def test_recipe_parses_with_sglang(parsed, name, hw):
     spec, base = parsed[(name, hw, "spec")], parsed[(name, hw, "none")]
     assert spec["algorithm"] == "DFLASH" and spec["algorithm_ok"]
     assert spec["draft"] == r.draft and spec["block_size"] == r.block_size
-    assert spec["draft_backend_kept"] in (True, None), f"SGLang would replace draft backend {r.on(hw).draft_attention_backend}"
+    assert spec["draft_backend_kept"] in (True, None), (
+        f"SGLang would replace draft backend {r.on(hw).draft_attention_backend}")
     assert base["algorithm"] is None and base["draft"] is None
 
 
@@ -153,7 +154,8 @@ def test_backend_must_run_on_the_hardware(tmp_path, hw, backend):
     line = text.index("attention_backend", table)
     bad = tmp_path / "bad.toml"
     bad.write_text(text[:line] + f'attention_backend = "{backend}"' + text[text.index("\n", line):])
-    with pytest.raises(recipes.RecipeError, match=rf"\[hw\.{hw}\]: field 'attention_backend' = '{backend}' does not run"):
+    with pytest.raises(recipes.RecipeError,
+                       match=rf"\[hw\.{hw}\]: field 'attention_backend' = '{backend}' does not run"):
         recipes.load(bad)
 
 

@@ -203,7 +203,8 @@ def _logprob_scenario(engine) -> dict:
     def fields(o: dict) -> dict:
         m = o["meta_info"]
         return {"ids": o["output_ids"], "out": [t[0] for t in m["output_token_logprobs"]],
-                "out_ids": [t[1] for t in m["output_token_logprobs"]], "input": [t[0] for t in m["input_token_logprobs"]],
+                "out_ids": [t[1] for t in m["output_token_logprobs"]],
+                "input": [t[0] for t in m["input_token_logprobs"]],
                 "top": [[(t[0], t[1]) for t in row] for row in m["output_top_logprobs"]],
                 "token_ids": [[(t[0], t[1]) for t in row] for row in m["output_token_ids_logprobs"]]}
 

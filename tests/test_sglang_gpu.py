@@ -5,10 +5,12 @@ the target verify). Skipped without a GPU; on a GPU machine sglang must be insta
 Same tiny pair and greedy prompts as tests/test_sglang_e2e.py, bf16, for the chain, for tree verification
 (`--speculative-eagle-topk 3`, 10 nodes) with the tree mask passed as SGLang's TARGET_VERIFY `custom_mask` to
 FlashInfer and to Triton (eager), and to FlashInfer under verify CUDA graphs captured with the mask buffers
-(`--speculative-dflash-tree-cuda-graph`; all ran without error on an H100, 2026-11-23), and for adaptive shapes (the e2e test's
+(`--speculative-dflash-tree-cuda-graph`; all ran without error on an H100, 2026-11-23), and for adaptive shapes (the
+e2e test's
 table: verify widths below the captured CUDA-graph width run eagerly). Every DFLASH Engine but the Triton one
 replays the draft pass and commit as captured CUDA graphs (adapter/draft_graphs.py, the default where the target
-captures graphs); the Triton one runs target and draft eagerly (`--disable-cuda-graph`). Speculative and plain bf16 decoding are not
+captures graphs); the Triton one runs target and draft eagerly (`--disable-cuda-graph`). Speculative and plain bf16
+decoding are not
 bit-identical (different kernels and batch shapes for the same tokens): on the H100, 8 or 9 of the 40 requests left
 the plain output in every mode, and the CPU Engine in bf16 does the same. So this checks that every request
 equals the plain output or first leaves it where the plain Engine's top two tokens nearly tie.

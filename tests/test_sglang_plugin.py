@@ -25,7 +25,8 @@ SHIMS = str(Path(__file__).resolve().parent / "sglang_shims")
 
 pytestmark = requires_sglang
 IN_CHILD = os.environ.get("DFLASH_SGLANG_TEST_CHILD") == "1"
-child_only = pytest.mark.skipif(not IN_CHILD, reason="runs in the child process of test_plugin_suite_in_a_child_process")
+child_only = pytest.mark.skipif(not IN_CHILD,
+                                reason="runs in the child process of test_plugin_suite_in_a_child_process")
 
 
 @pytest.mark.skipif(IN_CHILD, reason="this is the child")
@@ -115,7 +116,8 @@ def test_unsupported_sglang_version_fails_at_import(monkeypatch, found):
     for name in [m for m in sys.modules if m == "dflash_sglang.adapter" or m.startswith("dflash_sglang.adapter.")]:
         monkeypatch.delitem(sys.modules, name)  # restored after the test
     with pytest.raises(ImportError, match=rf"^dflash_sglang\.adapter supports sglang==0\.5\.17 or sglang==0\.5\.23 "
-                                          rf"only, found sglang=={found}: install sglang==0\.5\.23, or uninstall") as err:
+                                          rf"only, found sglang=={found}: install sglang==0\.5\.23, "
+                                          rf"or uninstall") as err:
         importlib.import_module("dflash_sglang.adapter.plugin")
     assert type(err.value).__name__ == "UnsupportedSGLangError" and "\n" not in str(err.value)
 
@@ -172,7 +174,8 @@ def test_server_args_resolution(plugin, pair, monkeypatch):
     assert s.draft.block_size == 6 and s.draft_dir == str(pair / "draft") and s.device == "cpu"
     assert _shape(_server_args(pair, speculative_num_draft_tokens=4)) == ("chain", 4, 4, 1)
     assert _shape(_server_args(pair, speculative_dflash_block_size=5)) == ("chain", 5, 5, 1)
-    assert settings_of(_server_args(pair, speculative_draft_attention_backend="torch_native")).draft_attention == "torch"
+    torch_native = _server_args(pair, speculative_draft_attention_backend="torch_native")
+    assert settings_of(torch_native).draft_attention == "torch"
 
 
 @child_only
@@ -206,8 +209,9 @@ def test_engine_keywords_resolve_like_flags(plugin, pair, monkeypatch):
               speculative_adaptive=True, speculative_dflash_adaptive_table="4:10x3,inf:4x1",
               speculative_dflash_adaptive_token_budget=60, speculative_dflash_draft_graphs="static")
     from_engine = settings_of(resolve(engine.Engine.server_args_class(**kw)))
-    from_cli = settings_of(_server_args(pair, **{k: v for k, v in kw.items() if k.startswith("speculative_")
-                                                 and k not in ("speculative_algorithm", "speculative_draft_model_path")}))
+    ours = {k: v for k, v in kw.items() if k.startswith("speculative_")
+            and k not in ("speculative_algorithm", "speculative_draft_model_path")}
+    from_cli = settings_of(_server_args(pair, **ours))
     assert from_engine == from_cli
     assert (from_engine.adaptive_token_budget, from_engine.draft_graphs) == (60, "static")
     # keywords skip argparse's type and choice checks: resolution checks them
@@ -240,7 +244,8 @@ def test_tree_flags_resolution(plugin, pair, monkeypatch):
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
     assert _shape(_server_args(pair, speculative_eagle_topk=3, speculative_num_draft_tokens=10)) == ("tree", 10, 6, 3)
     assert _shape(_server_args(pair, speculative_eagle_topk=2)) == ("tree", 6, 6, 2)
-    tree = _server_args(pair, speculative_eagle_topk=2, speculative_dflash_block_size=4, speculative_num_draft_tokens=15)
+    tree = _server_args(pair, speculative_eagle_topk=2, speculative_dflash_block_size=4,
+                        speculative_num_draft_tokens=15)
     assert _shape(tree) == ("tree", 15, 4, 2)  # 15 = every node of a depth-3 binary lattice
     assert _shape(_server_args(pair, speculative_eagle_topk=1)) == ("chain", 6, 6, 1)  # k = 1 is the chain
 
@@ -357,7 +362,8 @@ def test_tree_refuses_attention_backends_without_a_tree_mask(plugin):
         (dict(speculative_num_draft_tokens=1), r"^--speculative-num-draft-tokens 1: the block size must be >= 2"),
         (dict(speculative_num_draft_tokens=5000), r"^--speculative-num-draft-tokens 5000: at most 256 verify tokens"),
         (dict(speculative_draft_window_size=64), r"^--speculative-draft-window-size 64: not supported yet"),
-        (dict(speculative_num_draft_tokens=4, speculative_dflash_block_size=5), r"^--speculative-num-draft-tokens 4 and"),
+        (dict(speculative_num_draft_tokens=4, speculative_dflash_block_size=5),
+         r"^--speculative-num-draft-tokens 4 and"),
         (dict(speculative_eagle_topk=0), r"^--speculative-eagle-topk 0: must be >= 1"),
         (dict(speculative_eagle_topk=2, speculative_num_draft_tokens=1),
          r"^--speculative-num-draft-tokens 1: a draft tree needs >= 2 nodes"),
@@ -471,13 +477,15 @@ def test_hybrid_linear_attention_target_is_refused(plugin, pair, monkeypatch, tm
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
     base = json.loads((pair / "target" / "config.json").read_text())
     cfg = Qwen3NextConfig(vocab_size=16, hidden_size=base["hidden_size"], num_hidden_layers=4,
-                          num_attention_heads=base["num_attention_heads"], num_key_value_heads=base["num_key_value_heads"],
+                          num_attention_heads=base["num_attention_heads"],
+                          num_key_value_heads=base["num_key_value_heads"],
                           intermediate_size=64, head_dim=base.get("head_dim", 8), num_experts=2, num_experts_per_tok=1)
     cfg.architectures = ["Qwen3NextForCausalLM"]
     (tmp_path / "hybrid").mkdir()
     cfg.save_pretrained(tmp_path / "hybrid")
     with pytest.raises(UnsupportedFlagError, match=r"^--model-path .*hybrid: the target has recurrent / "
-                                                   r"linear-attention layers \(.*Qwen3Next.*\).* DFLASH_SGLANG_IMPL=builtin"):
+                                                   r"linear-attention layers \(.*Qwen3Next.*\).* "
+                                                   r"DFLASH_SGLANG_IMPL=builtin"):
         # (without a radix cache: SGLang's own Mamba-cache checks refuse CPU before ours would run)
         _server_args(pair, model_path=str(tmp_path / "hybrid"), disable_radix_cache=True)
 

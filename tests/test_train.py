@@ -405,7 +405,8 @@ def test_cli_holds_out_the_prompts_after_the_training_ones(tmp_path, capsys):
     target.config.eos_token_id = 0
     target.save_pretrained(target_dir, safe_serialization=True)
     tok = char_tokenizer(96)
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}:{% endif %}"
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}:{% endif %}")
     tok.save_pretrained(target_dir)
     convs = [{"id": f"c{i}_0", "conversations": [{"from": "human", "value": f"question number {i}"},
                                                    {"from": "gpt", "value": "an answer"}]} for i in range(40)]

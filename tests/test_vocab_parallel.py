@@ -72,7 +72,8 @@ def test_merge_with_a_token_map(ranks, k):
     parts = []
     for r in range(ranks):
         inside = (token_map >= r * per) & (token_map < (r + 1) * per)
-        parts.append(local_candidates(logits[..., inside], VocabShard(r * per, int(inside.sum()), token_map[inside]), k))
+        shard = VocabShard(r * per, int(inside.sum()), token_map[inside])
+        parts.append(local_candidates(logits[..., inside], shard, k))
     values, ids, lse = (torch.stack(t) for t in zip(*parts))
     tokens, logp = merge_candidates(values, ids, lse, k)
     want_tokens, want_logp = draft_topk(logits, k, token_map)

@@ -38,7 +38,8 @@ from dflash_sglang.core.tree import max_tree_nodes
 from dflash_sglang.ops import MAX_NODES, find_nvcc
 
 from .adaptive import AdaptiveConfigError, adaptive_limits
-from .settings import DRAFT_ATTENTION, DRAFT_GRAPHS, IMPL_ENV, PLUGIN_DEFAULTS, DFlashSettings, plugin_flags_of, refuse_retired_env
+from .settings import (DRAFT_ATTENTION, DRAFT_GRAPHS, IMPL_ENV, PLUGIN_DEFAULTS, DFlashSettings, plugin_flags_of,
+                       refuse_retired_env)
 from .simulate import SimulatedAcceptance
 from .versions import declare, model_config, view
 

@@ -81,7 +81,8 @@ def paged_attention_reference(q: Tensor, k_rows: Tensor, v_rows: Tensor, layout:
 
 
 class TorchPagedAttention:
-    """`paged_attention_reference` behind the backend interface (CPU, or `--speculative-draft-attention-backend torch_native`)."""
+    """`paged_attention_reference` behind the backend interface (CPU, or
+    `--speculative-draft-attention-backend torch_native`)."""
 
     name = "torch"
 
@@ -114,7 +115,8 @@ class FlashInferPagedAttention:
     name = "flashinfer"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device,
-                 scale: float, workspace: Tensor | None = None, graph: tuple[int, Tensor, Tensor] | None = None) -> None:
+                 scale: float, workspace: Tensor | None = None,
+                 graph: tuple[int, Tensor, Tensor] | None = None) -> None:
         """graph: (batch size, kv_indptr buffer, kv_indices buffer) for a wrapper that runs inside a CUDA graph
         (`for_graph`)."""
         import flashinfer  # GPU-only dependency, checked at worker start-up (select_backend)

@@ -57,7 +57,8 @@ class DraftKVPool:
 
     def gather(self, slots: Tensor) -> list[KV]:
         """slots [bs, S] int64 -> per layer (k, v) [bs, kvh, S, d]."""
-        return [(self.k[layer, slots].transpose(1, 2), self.v[layer, slots].transpose(1, 2)) for layer in range(self.k.shape[0])]
+        return [(self.k[layer, slots].transpose(1, 2), self.v[layer, slots].transpose(1, 2))
+                for layer in range(self.k.shape[0])]
 
 
 @torch.no_grad()

@@ -1,15 +1,15 @@
 """The SGLang version seam: every difference between the SGLang releases we serve on lives here, nowhere else.
 
 Supported: SGLang 0.5.17 and 0.5.23 (see docs/sglang.md, "Supported versions"). Each function below names the
-upstream symbol it adapts and what changed:
+upstream symbol it adapts and what changed (0.5.17 -> 0.5.23):
 
-| what | 0.5.17 | 0.5.23 |
-|---|---|---|
-| ServerArgs resolution | inside `ServerArgs.__post_init__`; plain assignment | `ServerArgs.resolve_once()`; the record is sealed while resolving: decisions go through `arg_groups.overrides.declare_resolution` |
-| reading a resolved value | the field itself (declarations are materialized at the end) | `overrides.resolution_result` (fields keep the raw input) |
-| a live read view while resolving | `overrides.resolved_view` | `arg_groups.model_override_base.resolving_view` |
-| the target's ModelConfig | `ServerArgs.get_model_config()` | `model_override_base.model_config_of(server_args)` |
-| simulated acceptance sampler | `spec_utils._sample_simulated_acc_len` | `spec_utils.sample_simulated_acc_len` |
+- ServerArgs resolution: inside `ServerArgs.__post_init__`, plain assignment -> `ServerArgs.resolve_once()`, the
+  record sealed while resolving: decisions go through `arg_groups.overrides.declare_resolution`;
+- reading a resolved value: the field itself (declarations are materialized at the end) ->
+  `overrides.resolution_result` (the fields keep the operator's raw input);
+- a live read view while resolving: `overrides.resolved_view` -> `arg_groups.model_override_base.resolving_view`;
+- the target's ModelConfig: `ServerArgs.get_model_config()` -> `model_override_base.model_config_of(server_args)`;
+- the simulated-acceptance sampler: `spec_utils._sample_simulated_acc_len` -> `spec_utils.sample_simulated_acc_len`.
 
 What did not change (checked against both wheels): the plugin entry-point group and `HookRegistry`, the hooked
 symbols (adapter/plugin.py), `DFlashDraftInputV2` / `DFlashVerifyInput`, `get_context().server_args`, and the
@@ -36,7 +36,8 @@ def require_supported_sglang() -> str:
         found = version("sglang")
     except PackageNotFoundError:
         raise UnsupportedSGLangError(
-            f"dflash_sglang.adapter needs {supported}, but sglang is not installed (pip install 'dflash-sglang[sglang]')"
+            f"dflash_sglang.adapter needs {supported}, but sglang is not installed "
+            f"(pip install 'dflash-sglang[sglang]')"
         ) from None
     if found not in SUPPORTED:
         raise UnsupportedSGLangError(

@@ -23,7 +23,8 @@ nodes from the per-position top-k, adapter/tree.py) -> target TARGET_VERIFY over
 (features captured; a tree with its ancestor mask) -> accept (greedy or lossless sampling) -> publish new
 lengths -> (tree: move the accepted path's KV slots to the front of the step's req_to_token window) -> commit
 draft K/V for every verify row. Target and draft KV of rejected rows sit in reserved slots past the committed
-length, which the drafter never reads, and the next step overwrites them. Every step returns rows of stride N = `speculative_num_draft_tokens`
+length, which the drafter never reads, and the next step overwrites them. Every step returns rows of stride
+N = `speculative_num_draft_tokens`
 (the chain: N = B; adaptive: the largest shape, n <= N), -1 padded. Where the target captures CUDA graphs, the
 drafter pass and the commit replay graphs captured at its batch sizes (adapter/draft_graphs.py).
 """

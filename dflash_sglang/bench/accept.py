@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: tau={v['tau']:.3f} -> DFlash batch-1 ceiling {cap:.0f} tok/s/user on {hw.name} "
                   f"= {cap / roof.ar_tok_s:.2f}x the AR ceiling {roof.ar_tok_s:.0f}")
     if run.get("wall_tok_s"):
-        print(f"reference decoder wall clock: {run['wall_tok_s']} tok/s on {run['device']} (an oracle, not a fast path)")
+        print(f"reference decoder wall clock: {run['wall_tok_s']} tok/s on {run['device']} "
+              "(an oracle, not a fast path)")
     png = plot(args.out / "accept_hist.png", pool, f"{Path(str(args.target or args.base_url)).name} | {dataset} | "
                f"{args.backend}") if pool else None
     print(json.dumps({

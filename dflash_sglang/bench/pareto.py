@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--recipe", help="FAMILY:HW from recipes/, e.g. qwen3-8b:h100 (server args from the recipe)")
     m.add_argument("--target", help="target path/repo (overrides the recipe's, e.g. a local copy)")
     m.add_argument("--draft", help="draft path/repo (overrides the recipe's)")
-    m.add_argument("--block-size", type=int, help="without --recipe: --speculative-num-draft-tokens (default: draft config)")
+    m.add_argument("--block-size", type=int,
+                   help="without --recipe: --speculative-num-draft-tokens (default: draft config)")
     m.add_argument("--tp-size", type=int, default=1, help="without --recipe: tensor parallel size (= GPUs per server)")
     m.add_argument("--server-args", default="", help="extra launch_server args, one shell-quoted string")
     p.add_argument("--arms", default="ours,builtin,none", help=f"comma list of {ARMS}")

@@ -137,7 +137,8 @@ class Roofline:
     def as_dict(self) -> dict:
         return {
             "hardware": self.hw.name, "bandwidth_tbs": round(self.hw.bandwidth_tbs, 4), "source": self.hw.source,
-            "target_gb": round(self.target_gb, 4), "draft_gb": None if self.draft_gb is None else round(self.draft_gb, 4),
+            "target_gb": round(self.target_gb, 4),
+            "draft_gb": None if self.draft_gb is None else round(self.draft_gb, 4),
             "ar_ceiling_tok_s": round(self.ar_tok_s, 2),
         }
 

@@ -209,7 +209,8 @@ class ReferenceDecoder:
         result, keep = accept(proposal, logits, params, gen)
 
         new_kv = self._context_kv(feats, positions)
-        batch.ctx_kv = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(batch.ctx_kv, new_kv)]
+        batch.ctx_kv = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2))
+                        for (k, v), (nk, nv) in zip(batch.ctx_kv, new_kv)]
         batch.valid = torch.cat([batch.valid, keep], dim=1)
         batch.pos = torch.cat([batch.pos, positions], dim=1)
         batch.seq_len = batch.seq_len + result.accept_len + 1

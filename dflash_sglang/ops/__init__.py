@@ -2,7 +2,8 @@
 reference in dflash_sglang/core/ on CPU tensors (`backend=` overrides; see _lib.resolve_backend).
 
 Importing this package needs neither CUDA nor nvcc: the kernel library is built on first CUDA use (_lib.py).
-Ops: build_block_inputs, build_tree_inputs, draft_kv_indices (block.py); build_tree, verify_tree_greedy, verify_tree_sampling
+Ops: build_block_inputs, build_tree_inputs, draft_kv_indices (block.py); build_tree, verify_tree_greedy,
+verify_tree_sampling
 (tree.py).
 """
 from __future__ import annotations

@@ -128,12 +128,14 @@ def draft_kv_indices(
     [bs+1] int32 on the device, req_pool_indices [bs] int32/int64, req_to_token [R, W] int32 row-major. No host
     read and no allocation on CUDA: the draft CUDA graphs capture it."""
     if kv_indptr.shape != (req_pool_indices.numel() + 1,):
-        raise ValueError(f"kv_indptr must be [bs+1] for {req_pool_indices.numel()} requests, got {tuple(kv_indptr.shape)}")
+        raise ValueError(f"kv_indptr must be [bs+1] for {req_pool_indices.numel()} requests, "
+                         f"got {tuple(kv_indptr.shape)}")
     backend = _lib.resolve_backend(backend, out.device)
     if backend == "reference":
         return ref.draft_kv_indices(kv_indptr, req_pool_indices, req_to_token, scratch_base, block, out)
     device = out.device
-    _abi.check_inputs(device, kv_indptr=(kv_indptr, (torch.int32,)), req_pool_indices=(req_pool_indices, _abi.INDEX_DTYPES),
+    _abi.check_inputs(device, kv_indptr=(kv_indptr, (torch.int32,)),
+                      req_pool_indices=(req_pool_indices, _abi.INDEX_DTYPES),
                       req_to_token=(req_to_token, (torch.int32,)), out=(out, (torch.int32,)))
     if req_to_token.dim() != 2:
         raise ValueError(f"req_to_token must be [R, W], got {tuple(req_to_token.shape)}")

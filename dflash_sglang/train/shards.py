@@ -59,7 +59,8 @@ def read_shard(path: Path, layer_ids: Sequence[int] | None = None) -> list[Seque
         meta = f.metadata() or {}
         stored = json.loads(meta.get("layer_ids", "null"))
         if layer_ids is not None and stored != list(layer_ids):
-            raise ValueError(f"{path}: features were cached for layer ids {stored}, the drafter wants {list(layer_ids)}")
+            raise ValueError(f"{path}: features were cached for layer ids {stored}, "
+                             f"the drafter wants {list(layer_ids)}")
         tokens, offsets = f.get_tensor("tokens").long(), f.get_tensor("offsets")
         prompt_lens = f.get_tensor("prompt_lens")
     feats = _mapped_features(path)
