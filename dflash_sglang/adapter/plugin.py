@@ -66,12 +66,17 @@ def _add_cli_args(original, parser):
     add_plugin_flags(parser)
 
 
-def _from_cli_args(original, cls, args):
-    ours, _ = split_plugin_flags(vars(args))
-    with pending_flags(ours):  # 0.5.17 resolves inside the constructor
-        server_args = original(cls, args)
-    setattr(server_args, "_dflash_flags", ours)  # 0.5.23 resolves later, from the record (bookkeeping, not a field)
+def _with_our_flags(ours: dict, build):
+    """build() -> ServerArgs with our flags pending while it is built (0.5.17 resolves inside the constructor), then
+    attached to the record (0.5.23 resolves later, from the record; bookkeeping, not a field)."""
+    with pending_flags(ours):
+        server_args = build()
+    setattr(server_args, "_dflash_flags", ours)
     return server_args
+
+
+def _from_cli_args(original, cls, args):
+    return _with_our_flags(split_plugin_flags(vars(args))[0], lambda: original(cls, args))
 
 
 def _engine_server_args(**kwargs):
@@ -82,10 +87,7 @@ def _engine_server_args(**kwargs):
     from sglang.srt.server_args import ServerArgs
 
     ours, rest = split_plugin_flags(kwargs)
-    with pending_flags(ours):  # 0.5.17 resolves inside the constructor
-        server_args = ServerArgs(**rest)
-    setattr(server_args, "_dflash_flags", ours)
-    return server_args
+    return _with_our_flags(ours, lambda: ServerArgs(**rest))
 
 
 def _patch_engine_kwargs() -> None:

@@ -28,7 +28,6 @@ from dflash_sglang.core.config import DraftConfig
 from .simulate import SimulatedAcceptance
 
 IMPL_ENV = "DFLASH_SGLANG_IMPL"
-HOME_ENV = "DFLASH_SGLANG_HOME"
 MODES = ("chain", "tree", "adaptive")
 DRAFT_ATTENTION = {None: "auto", "flashinfer": "flashinfer", "torch_native": "torch"}  # flag value -> ours
 DRAFT_GRAPHS = ("auto", "eager", "static")
