@@ -172,6 +172,12 @@ def _full_scenario(engine, job: dict, res: dict) -> None:
     res["abort"] = engine.loop.run_until_complete(_abort_scenario(engine))
     res["logprob"] = _logprob_scenario(engine)
     res["grammar"] = _grammar_scenario(engine)
+    # parallel sampling (n > 1): greedy copies must agree with plain's; sampled ones must differ among themselves
+    greedy_n = engine.generate(input_ids=greedy_prompts()[:4], sampling_params={
+        "temperature": 0, "max_new_tokens": 12, "ignore_eos": True, "n": 2})
+    sampled_n = engine.generate(input_ids=[SAMPLE_PROMPT], sampling_params={
+        "temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True, "n": 8})
+    res["parallel"] = {"greedy": [o["output_ids"] for o in greedy_n], "sampled": [o["output_ids"] for o in sampled_n]}
     res["timings"]["stops_abort_s"] = time.perf_counter() - t0
     if job["spec"]:
         t0 = time.perf_counter()
@@ -590,6 +596,16 @@ def test_sampled_logprobs_are_the_targets(runs, pair_dir, mode):
         want = torch.log_softmax(logits / LOGPROB_SAMPLED["temperature"], -1).gather(1, ids[0, len(prompt):, None])
         assert len(s["out"]) == LOGPROB_SAMPLED["max_new_tokens"]
         assert s["out"] == pytest.approx(want.squeeze(1).tolist(), abs=LOGPROB_TOL)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_parallel_sampling_n_greater_than_one(runs, mode):
+    """n > 1 (the builtin serves it): every greedy copy equals the plain Engine's; sampled copies are full length and
+    not all alike."""
+    spec, plain = runs[mode]["parallel"], runs["plain"]["parallel"]
+    assert len(spec["greedy"]) == 8 and spec["greedy"] == plain["greedy"]
+    assert len(spec["sampled"]) == 8 and all(len(ids) == 12 for ids in spec["sampled"])
+    assert len({tuple(ids) for ids in spec["sampled"]}) > 1
 
 
 @pytest.mark.parametrize("mode", MODES)
