@@ -222,7 +222,11 @@ def test_arm_server_args_share_everything_but_the_worker():
     args = pareto.build_parser().parse_args(["--recipe", "qwen3-8b:h100", "--max-running-requests", "16",
                                              "--simulate-acc-len", "3.5"])
     ours, builtin, none = (pareto.server_args_for(args, a) for a in ("ours", "builtin", "none"))
-    assert ours[0] == builtin[0]
+    at = ours[0].index("--speculative-draft-attention-backend") + 1
+    # The drafter's attention backend is the one flag that differs: each worker gets the backend it runs.
+    builtin_backend = recipe.load("qwen3-8b").on("h100").draft_attention_backend
+    assert ours[0][at] == recipe.OURS_DRAFT_BACKEND and builtin[0][at] == builtin_backend
+    assert ours[0][:at] + ours[0][at + 1:] == builtin[0][:at] + builtin[0][at + 1:]
     assert ours[1]["DFLASH_SGLANG_IMPL"] == "ours" and builtin[1]["DFLASH_SGLANG_IMPL"] == "builtin"
     for argv, env in (ours, builtin):
         assert argv.count("--max-running-requests") == 1 and argv[argv.index("--max-running-requests") + 1] == "16"
@@ -231,10 +235,14 @@ def test_arm_server_args_share_everything_but_the_worker():
     assert "--speculative-algorithm" not in none[0] and "SGLANG_SIMULATE_ACC_LEN" not in none[1]
 
 
-def test_ours_arm_is_skipped_on_a_recipe_table_our_worker_refuses():
-    args = pareto.build_parser().parse_args(["--recipe", "qwen3-coder-30b-a3b:h100"])
+def test_ours_arm_is_skipped_on_a_recipe_table_our_worker_refuses(tmp_path):
+    text = recipe.load("qwen3-coder-30b-a3b").path.read_text()
+    table = text.index("\n", text.index("[hw.h100]")) + 1
+    refused = tmp_path / "refused.toml"
+    refused.write_text(text[:table] + 'builtin_only = "a target with recurrent layers"\n' + text[table:])
+    args = pareto.build_parser().parse_args(["--recipe", f"{refused}:h100"])
     why = pareto.skip_reason(args, "ours")
-    assert why is not None and "field 'tp' = 2" in why
+    assert why is not None and "field 'builtin_only'" in why
     assert pareto.skip_reason(args, "builtin") is None
     assert pareto.skip_reason(pareto.build_parser().parse_args(["--recipe", "qwen3-8b:h100"]), "ours") is None
 

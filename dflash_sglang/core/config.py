@@ -1,6 +1,7 @@
 """Draft checkpoint configuration: z-lab DFlash and speculators DFlash formats -> one frozen `DraftConfig`.
 
-Layer-id rule (dflash_spec.md 1.2): id i means the output of target decoder layer i, which is
+Layer-id rule (the z-lab reference code's convention; DFlash paper, arXiv 2602.06036): id i means the output
+of target decoder layer i, which is
 HF `hidden_states[i + 1]` (index 0 is the embedding output). When a checkpoint gives no ids, they are
 spread uniformly from layer 1 to layer L-3, so the last two layers (and HF's final-norm replacement of
 the last hidden state) are never used.

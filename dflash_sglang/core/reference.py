@@ -1,6 +1,6 @@
 """Reference speculative decoder: any HF causal LM target + a DFlash drafter, batched, on plain tensors.
 
-It performs the decode step of docs/architecture.md on padded tensors and is the oracle that the SGLang
+It performs the decode step of docs/structure.md ("One decode step") on padded tensors and is the oracle that the SGLang
 worker and the CUDA ops must agree with token for token.
 
 Layout: every request's committed tokens are right-aligned in one padded time axis shared by the target

@@ -1,7 +1,7 @@
 """The DFlash training objective: random anchors, the block-sparse training mask, decay-weighted CE.
 
-One drafter forward per sequence drafts N blocks at once (dflash_spec.md 4). Keys are laid out as
-`[context rows 0..T-1 | block_0 | ... | block_{N-1}]`, queries are the block rows. A query in block b
+One drafter forward per sequence drafts N blocks at once (DFlash paper, arXiv 2602.06036, section 4). Keys are
+laid out as `[context rows 0..T-1 | block_0 | ... | block_{N-1}]`, queries are the block rows. A query in block b
 (anchor a_b) sees the context rows strictly before a_b (at inference the anchor's own target feature only
 arrives with the next verify) and its own block bidirectionally, never another block.
 Block position k (1..B-1) is trained to predict the token at a_b + k (same-position labels) with weight

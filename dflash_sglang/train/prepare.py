@@ -1,7 +1,8 @@
 """Build the feature cache: (optionally) regenerate responses with the target, and capture target features.
 
 Regeneration matters: the drafter is evaluated on the target's own greedy continuations, so training on them
-(not on the human-written ShareGPT replies) aligns the drafter with what it must predict (dflash_spec.md 4).
+(not on the human-written ShareGPT replies) aligns the drafter with what it must predict (DFlash paper,
+arXiv 2602.06036, section 4).
 Greedy generation here captures the target layer outputs of every token while it decodes, so the regenerated
 path needs no second feature pass: prefill yields the prompt rows and each decode step the new token's row.
 """

@@ -1,8 +1,9 @@
 """Training loop: frozen target pieces (embeddings, head), cached features, AdamW + warmup + cosine, resume.
 
 Only the drafter (fc, hidden_norm, layers, norm) is trained; the target's embed_tokens and lm_head are read
-once and kept frozen (dflash_spec.md 4). Every random choice (sequence order, anchors) is drawn from a
-generator seeded by (seed, epoch, step), so a resumed run continues exactly where the killed one stopped.
+once and kept frozen (DFlash paper, arXiv 2602.06036, section 4). Every random choice (sequence order,
+anchors) is drawn from a generator seeded by (seed, epoch, step), so a resumed run continues exactly where the
+killed one stopped.
 """
 from __future__ import annotations
 
