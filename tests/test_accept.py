@@ -45,6 +45,14 @@ def test_target_probs_filters():
     assert out[0, 0].tolist() == [1.0, 0, 0, 0, 0] and torch.allclose(out[1, 0], full)
     with pytest.raises(ValueError, match="top_p=0"):
         SamplingParams.full(1, temperature=1.0, top_p=0.0)
+    # min-p: tokens under min_p x the largest probability go, the rest renormalised (after top-k / top-p)
+    floor = float(full[2] / full[0]) - 1e-4  # token 2 just above the floor: kept
+    torch.testing.assert_close(p(temperature=1.0, min_p=floor), torch.cat([full[:3] / full[:3].sum(), torch.zeros(2)]))
+    assert p(temperature=1.0, min_p=float(full[1] / full[0]) + 1e-3)[1:].eq(0).all()
+    assert p(temperature=1.0, top_k=2, min_p=0.5 * floor)[2:].eq(0).all()  # top-k still applies
+    torch.testing.assert_close(p(temperature=1.0, min_p=0.0), full)
+    with pytest.raises(ValueError, match="min_p=1.5"):
+        SamplingParams.full(1, temperature=1.0, min_p=1.5)
 
 
 def test_sample_from_never_picks_zero_mass():

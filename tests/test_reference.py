@@ -66,22 +66,26 @@ def test_eos_and_max_tokens_inside_a_block(pair):
     assert [len(o.tokens) for o in dec.generate(prompts, max_new_tokens=7, block_size=16)] == [7, 7]
 
 
-def _exact_joint(target, prompt, n, vocab):
-    """Exact probability of every n-token continuation under the target at temperature 1."""
+def _exact_joint(target, prompt, n, vocab, min_p=0.0):
+    """Exact probability of every n-token continuation under the target at temperature 1 (with min-p: tokens
+    under min_p x the step's largest probability dropped and the rest renormalised)."""
     probs = {}
     for seq in itertools.product(range(vocab), repeat=n):
         ids = torch.tensor([prompt + list(seq)])
         with torch.no_grad():
-            logp = torch.log_softmax(target(ids).logits[0].double(), -1)
-        probs[seq] = float(sum(logp[len(prompt) - 1 + i, t] for i, t in enumerate(seq)).exp())
+            p = torch.softmax(target(ids).logits[0].double(), -1)
+        p = torch.where(p >= min_p * p.amax(-1, keepdim=True), p, 0.0)
+        p = p / p.sum(-1, keepdim=True)
+        probs[seq] = float(torch.prod(torch.stack([p[len(prompt) - 1 + i, t] for i, t in enumerate(seq)])))
     return probs
 
 
-@pytest.mark.parametrize("arch,block,tree,token_map", [
-    ("llama", 4, None, None), ("qwen3", 3, None, None), ("llama", 4, SpecShape(7, 3), None),
-    ("llama", 4, None, (0, 2, 3)), ("llama", 4, SpecShape(7, 3), (1, 2, 4)),
+@pytest.mark.parametrize("arch,block,tree,token_map,min_p", [
+    ("llama", 4, None, None, 0.0), ("qwen3", 3, None, None, 0.0), ("llama", 4, SpecShape(7, 3), None, 0.0),
+    ("llama", 4, None, (0, 2, 3), 0.0), ("llama", 4, SpecShape(7, 3), (1, 2, 4), 0.0),
+    ("llama", 4, None, None, 0.3), ("llama", 4, SpecShape(7, 3), None, 0.3),
 ])
-def test_sampling_matches_target_distribution(arch, block, tree, token_map):
+def test_sampling_matches_target_distribution(arch, block, tree, token_map, min_p):
     from scipy.stats import chisquare
 
     vocab, n_new, n_samples = 5, 3, 12000
@@ -90,23 +94,28 @@ def test_sampling_matches_target_distribution(arch, block, tree, token_map):
     if token_map is not None:  # a reduced draft vocabulary: tokens outside it are only ever sampled by the target
         drafter.token_map = torch.tensor(token_map)
     prompt = [1, 3, 2]
-    exact = _exact_joint(target, prompt, n_new, vocab)
+    exact = _exact_joint(target, prompt, n_new, vocab, min_p)
+    if min_p:  # the filter must bite, or this case tests nothing min-p specific
+        assert sum(v == 0 for v in exact.values()) > 0
     dec = ReferenceDecoder(target, drafter)
     # mixed lengths: padded companions in the same batch must not disturb the sampled rows
     prompts = [prompt] * n_samples + [[2] * 7, [4]]
-    outs = dec.generate(prompts, max_new_tokens=n_new, block_size=block, temperature=1.0, seed=11, tree=tree)
+    outs = dec.generate(prompts, max_new_tokens=n_new, block_size=block, temperature=1.0, seed=11, tree=tree,
+                        min_p=min_p)
     outs = outs[:n_samples]
     counts = {s: 0 for s in exact}
     for o in outs:
         counts[tuple(o.tokens)] += 1
+    assert all(counts[s] == 0 for s, p in exact.items() if p == 0)  # nothing min-p (or the target) rules out
     steps = [a for o in outs for a in o.accept_lengths]
     assert max(steps) >= 2  # some drafts accepted, so acceptance is actually under test
     obs = torch.tensor([counts[s] for s in exact], dtype=torch.float64)
     exp = torch.tensor([exact[s] for s in exact], dtype=torch.float64) * n_samples
-    # chi-square needs expected counts >= 5: pool the rare continuations into one cell
-    rare = exp < 5
-    obs = torch.cat([obs[~rare], obs[rare].sum()[None]])
-    exp = torch.cat([exp[~rare], exp[rare].sum()[None]])
+    # chi-square needs expected counts >= 5: pool the rare continuations into one cell (impossible ones: none)
+    possible, rare = exp > 0, exp < 5
+    obs = torch.cat([obs[~rare], obs[rare & possible].sum()[None]])
+    exp = torch.cat([exp[~rare], exp[rare & possible].sum()[None]])
+    obs, exp = obs[exp > 0], exp[exp > 0]
     assert chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue > 1e-3
 
 
@@ -125,7 +134,7 @@ def test_top_k_top_p_sampling_stays_in_support():
 def test_tree_mask_matches_per_path_forward(pair):
     """Every tree node's verify logits equal a plain forward over prompt + its root-to-node path."""
     from dflash_sglang.core.accept import SamplingParams
-    from dflash_sglang.core.speculate import propose
+    from dflash_sglang.core.speculate import DraftLogits, propose
 
     target, drafter = pair
     dec = ReferenceDecoder(target, drafter)
@@ -133,7 +142,7 @@ def test_tree_mask_matches_per_path_forward(pair):
     params = SamplingParams.full(len(prompts))
     batch, _ = dec._prefill(prompts, params, None, capture=True)
     draft_logits = torch.randn(len(prompts), 15, 8, generator=torch.Generator().manual_seed(0))
-    proposal = propose(batch.bonus, draft_logits, SpecShape(12, 3))
+    proposal = propose(batch.bonus, DraftLogits(draft_logits), SpecShape(12, 3))
     tree = proposal.tree
     assert int(tree.depth.max()) >= 3 and int((tree.parent == 0).sum(1).min()) >= 2  # branching and depth
     positions = batch.seq_len[:, None] + proposal.depth

@@ -501,7 +501,7 @@ def test_verify_graph_mask_policy_hook(plugin, monkeypatch):
         pass
 
     def publish(**settings):
-        settings = SimpleNamespace(**{"device": "cuda", "topk": 4, "tree_cuda_graph": False, **settings})
+        settings = SimpleNamespace(**{"device": "cuda", "has_tree_rows": True, "tree_cuda_graph": False, **settings})
         published = SimpleNamespace(server_args=SimpleNamespace(_dflash_settings=settings))
         monkeypatch.setattr(runtime_context, "get_context", lambda: published)
 

@@ -64,11 +64,11 @@ def test_verify_mask_under_masked_verify_graphs():
     assert torch.equal(flat[:40], causal.flatten()) and torch.equal(flat[40:], chain[1].flatten())
     assert torch.equal(flat[:40], allow_matrix(3, chain[0]).flatten())
     def settings(**kw):  # the three fields of DFlashSettings the switch reads
-        return SimpleNamespace(**{"device": "cuda", "topk": 3, "tree_cuda_graph": True, **kw})
+        return SimpleNamespace(**{"device": "cuda", "has_tree_rows": True, "tree_cuda_graph": True, **kw})
 
     assert masked_verify_graphs(settings())
     assert not masked_verify_graphs(settings(tree_cuda_graph=False))  # opt-in
-    assert not masked_verify_graphs(settings(topk=1))  # trees only
+    assert not masked_verify_graphs(settings(has_tree_rows=False))  # trees only
     assert not masked_verify_graphs(settings(device="cpu"))  # no graphs on CPU
 
 

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from dflash_sglang.core.adaptive import SpecShape
 from dflash_sglang.core.checkpoint import load_drafter
 from dflash_sglang.core.config import CheckpointError
-from dflash_sglang.core.speculate import draft_topk, propose
+from dflash_sglang.core.speculate import DraftLogits, draft_topk, propose
 from dflash_sglang.core.token_map import (TOKEN_MAP_FILE, build_token_map, inverse_map, load_token_map,
                                           restrict_head, save_token_map, to_target_ids, token_counts)
 from factories import draft_config_for, save_tiny_pair, tiny_drafter, tiny_target, write_draft
@@ -61,12 +61,12 @@ def test_mapped_logits_equal_the_full_drafters_on_the_mapped_rows(drafter):
     torch.testing.assert_close(out, mapped, rtol=0, atol=0)
     bonus = torch.tensor([3, 4, 5])
     best = token_map[full[..., token_map].argmax(-1)]
-    assert torch.equal(propose(bonus, mapped, SpecShape(8, 1), token_map).ids[:, 1:], best)
+    assert torch.equal(propose(bonus, DraftLogits(mapped, token_map), SpecShape(8, 1)).ids[:, 1:], best)
     tokens, logp = draft_topk(mapped, 4, token_map)
     want = full[..., token_map].topk(4, dim=-1)
     assert torch.equal(tokens, token_map[want.indices]) and bool(torch.isin(tokens, token_map).all())
     torch.testing.assert_close(logp, torch.log_softmax(full[..., token_map], -1).gather(-1, want.indices))
-    tree = propose(bonus, mapped, SpecShape(12, 3), token_map).tree
+    tree = propose(bonus, DraftLogits(mapped, token_map), SpecShape(12, 3)).tree
     assert bool(torch.isin(tree.tokens[:, 1:], token_map).all())
 
 

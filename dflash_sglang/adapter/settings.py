@@ -120,6 +120,12 @@ class DFlashSettings:
         assert self.mode in MODES and (self.mode == "adaptive") == (self.adaptive_table is not None)
         assert self.mode != "chain" or (self.nodes == self.block_size and self.topk == 1)
 
+    @property
+    def has_tree_rows(self) -> bool:
+        """Whether a step may verify a tree (tree mode, or an adaptive table with a top-k > 1 row): what needs a
+        page size of 1, a tree-capable target attention backend and, for graphs, the masked verify capture."""
+        return self.topk > 1
+
     def policy(self) -> AdaptivePolicy:
         """Adaptive mode's per-step shapes (the table capped to this drafter block)."""
         assert self.adaptive_table is not None, "adaptive mode only"

@@ -65,6 +65,10 @@ class DraftVocab:
         """Local draft logits [bs, D, rows] -> the drafts [bs, D] int64."""
         return self.topk(logits, 1)[0][..., 0]
 
+    def scores(self, logits: Tensor) -> RankScores:
+        """Local draft logits [bs, D, rows] as core's DraftScores (core/speculate.py) over the whole vocabulary."""
+        return RankScores(self, logits)
+
     def _gather(self, t: Tensor) -> Tensor:
         """[...] on each rank -> [R, ...] in rank order."""
         return self.group.all_gather(t.contiguous()[None], dim=0)
@@ -81,3 +85,17 @@ class DraftVocab:
                 self.group.broadcast(value, src=0)
             fields[f.name] = value
         return dataclasses.replace(result, **fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankScores:
+    """One TP rank's draft logits, answering core's DraftScores by merging every rank's candidates."""
+
+    vocab: DraftVocab
+    logits: Tensor  # [bs, D, rows] this rank's rows
+
+    def argmax(self) -> Tensor:
+        return self.vocab.argmax(self.logits)
+
+    def topk(self, k: int) -> tuple[Tensor, Tensor]:
+        return self.vocab.topk(self.logits, k)

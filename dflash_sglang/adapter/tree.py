@@ -1,11 +1,10 @@
-"""The tree-specific pieces of a DFLASH decode step inside SGLang (tree mode: --speculative-eagle-topk > 1).
+"""How a decode step's verify rows map onto SGLang's tables (the proposal and acceptance are core's).
 
-One drafter pass gives logits for block positions 1..B-1; `propose_tree` keeps each position's top-k and builds
-the best-first tree of N nodes (`dflash_sglang.ops.build_tree`: kernel on CUDA, core reference on CPU). The
-target verifies node i at position `seq_len + depth[i]` with its KV in the slot `req_to_token[req, seq_len + i]`
-(all N slots are reserved for the request by `DFlashDraftInputV2.prepare_for_decode`). After acceptance,
-`compact_path_slots` permutes the request's req_to_token entries inside `[seq_len, seq_len + N)` so that the
-accepted path's slots sit at `seq_len + 0 .. accept_len` in order: the committed KV is then exactly what a
+A step's rows (a chain, or core's best-first tree of N nodes built by `dflash_sglang.ops.build_tree`) are verified
+with node i at position `seq_len + depth[i]` (a chain: depth i) and its KV in the slot `req_to_token[req, seq_len +
+i]` (all N slots are reserved for the request by `DFlashDraftInputV2.prepare_for_decode`). After a tree's
+acceptance, `compact_path_slots` permutes the request's req_to_token entries inside `[seq_len, seq_len + N)` so that
+the accepted path's slots sit at `seq_len + 0 .. accept_len` in order: the committed KV is then exactly what a
 chain would have left, and the other slots stay reserved past the committed length, where the next step
 overwrites them. A permutation inside the reserved window keeps slot ownership as SGLang tracks it.
 """
@@ -14,15 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dflash_sglang import ops
-from dflash_sglang.core.tree import DraftTree
 from dflash_sglang.core.tree_verify import TreeAcceptResult
-
-
-def propose_tree(bonus: Tensor, topk_tokens: Tensor, topk_logp: Tensor, nodes: int) -> DraftTree:
-    """bonus [bs] int64 (the root), each draft position's top-k tokens [bs, B-1, k] int64 and log-probs [bs, B-1, k]
-    float32 (adapter/tp.py `DraftVocab.topk`) -> best-first tree of `nodes` nodes."""
-    return ops.build_tree(bonus.to(torch.int64), topk_tokens.contiguous(), topk_logp.contiguous(), nodes)
 
 
 def fit_rows(out_tokens: Tensor, width: int) -> Tensor:

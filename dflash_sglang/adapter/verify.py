@@ -7,9 +7,7 @@ plus the block. A tree passes its ancestor mask (adapter/tree_attention.py): as 
 path) has no TARGET_VERIFY planning: it reads the rows as an extend on top of the prefix, so we give it
 those lengths.
 
-Acceptance is `dflash_sglang.core.accept` for a chain (greedy longest-prefix match, or lossless rejection
-sampling of point-mass drafts against the target's temperature/top-k/top-p(/min-p) distribution) and the
-`dflash_sglang.ops` tree verification (kernel on CUDA, core reference on CPU) for a tree.
+Acceptance is core's (core/speculate.py `accept`); `sampling_params` translates SGLang's sampling state for it.
 """
 from __future__ import annotations
 
@@ -19,10 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from dflash_sglang import ops
-from dflash_sglang.core.accept import AcceptResult, SamplingParams, greedy_accept, rejection_accept, target_probs
-from dflash_sglang.core.tree import DraftTree
-from dflash_sglang.core.tree_verify import TreeAcceptResult
+from dflash_sglang.core.accept import SamplingParams
 
 from .tree_attention import TreeMaskAttention, flat_custom_mask
 
@@ -41,7 +36,7 @@ def masked_verify_graphs(settings) -> bool:
     this setting). Then every verify that may replay a graph passes a mask, chains included (a lower-triangular
     tree). Not yet validated on a GPU, hence off by default.
     """
-    return settings.tree_cuda_graph and settings.device.startswith("cuda") and settings.topk > 1
+    return settings.tree_cuda_graph and settings.device.startswith("cuda") and settings.has_tree_rows
 
 
 def verify_mask(tree_mask: Tensor | None, bs: int, width: int, masked_graphs: bool, device) -> Tensor | None:
@@ -126,7 +121,8 @@ def _without_verify_graph(runner):
 
 
 def sampling_params(sampling_info, bs: int) -> SamplingParams | None:
-    """SGLang's per-request SamplingBatchInfo -> core SamplingParams, or None when every request is greedy.
+    """SGLang's per-request SamplingBatchInfo -> core SamplingParams (min-p where a request asks for it), or None
+    when every request is greedy (core's accept then takes the greedy path with no host sync).
 
     SGLang encodes greedy as top_k == 1 (temperature 0 is rewritten to top_k 1) and "no top-k" as a
     huge top_k.
@@ -138,49 +134,5 @@ def sampling_params(sampling_info, bs: int) -> SamplingParams | None:
     vocab = sampling_info.vocab_size
     temperature = torch.where(greedy, 0.0, sampling_info.temperatures.reshape(bs).float())
     top_k = torch.where((top_k >= vocab) | greedy, 0, top_k)
-    return SamplingParams(temperature, top_k, sampling_info.top_ps.reshape(bs).float())
-
-
-def _apply_min_p(probs: Tensor, min_p: Tensor) -> Tensor:
-    """Drop tokens whose probability is below min_p times the row's max, renormalise. probs [bs, B, V]."""
-    floor = min_p[:, None, None] * probs.amax(-1, keepdim=True)
-    kept = torch.where(probs >= floor, probs, 0.0)
-    return kept / kept.sum(-1, keepdim=True)
-
-
-def verify_probs(logits: Tensor, params: SamplingParams, sampling_info=None) -> Tensor:
-    """logits [bs, T, V] -> target probabilities [bs, T, V] float32 (core.accept.target_probs, then min-p)."""
-    probs = target_probs(logits, params)
-    if sampling_info is not None and getattr(sampling_info, "need_min_p_sampling", False):
-        probs = _apply_min_p(probs, sampling_info.min_ps.reshape(-1).float())
-    return probs
-
-
-def accept_block(
-    drafts: Tensor, logits: Tensor, params: SamplingParams | None, sampling_info=None
-) -> AcceptResult:
-    """drafts [bs, B-1] int64, logits [bs, B, V] (row j predicts the token after block row j).
-
-    params None: greedy. Otherwise rejection sampling with uniforms from torch's default generator
-    (seeded by SGLang's --random-seed).
-    """
-    if params is None:
-        return greedy_accept(drafts, logits.argmax(-1))
-    probs = verify_probs(logits, params, sampling_info)
-    bs, n_draft = drafts.shape
-    u = torch.rand(bs, n_draft + 1, device=logits.device)
-    return rejection_accept(drafts, probs, u[:, :n_draft], u[:, n_draft])
-
-
-def accept_tree(
-    tree: DraftTree, logits: Tensor, params: SamplingParams | None, out_cache_loc: Tensor, sampling_info=None
-) -> TreeAcceptResult:
-    """tree of N nodes, logits [bs, N, V] (row i predicts the token after node i), out_cache_loc [bs, N] int64
-    KV slot of each node. Greedy when params is None, else lossless tree sampling with uniforms from torch's
-    default generator. The result carries commit_loc / free_loc (the accepted path's slots, the others')."""
-    if params is None:
-        return ops.verify_tree_greedy(tree, logits.argmax(-1), out_cache_loc)
-    probs = verify_probs(logits, params, sampling_info).contiguous()
-    bs, n = tree.tokens.shape
-    u = torch.rand(bs, n + 1, device=logits.device)
-    return ops.verify_tree_sampling(tree, probs, u[:, :n].contiguous(), u[:, n].contiguous(), out_cache_loc)
+    min_p = sampling_info.min_ps.reshape(bs).float() if getattr(sampling_info, "need_min_p_sampling", False) else None
+    return SamplingParams(temperature, top_k, sampling_info.top_ps.reshape(bs).float(), min_p)

@@ -16,17 +16,17 @@ The scheduler contract (SGLang 0.5.17 and 0.5.23, the one its builtin DFLASH wor
   stop, so no extra token is ever emitted; it also counts `spec_verify_ct` etc. for the per-request
   `spec_accept_length` in meta_info.
 
-One decode step: pick the step's shape (fixed by the flags, or by batch size with --speculative-adaptive,
-adapter/adaptive.py) -> block `[bonus, MASK...]` -> drafter pass over the paged draft KV -> draft logits through
-the target lm_head -> verify rows (chain of n: the first n-1 greedy drafts after the bonus; tree: n best-first
-nodes from the per-position top-k, adapter/tree.py) -> target TARGET_VERIFY over those n rows per request
-(features captured; a tree with its ancestor mask) -> accept (greedy or lossless sampling) -> publish new
-lengths -> (tree: move the accepted path's KV slots to the front of the step's req_to_token window) -> commit
-draft K/V for every verify row. Target and draft KV of rejected rows sit in reserved slots past the committed
-length, which the drafter never reads, and the next step overwrites them. Every step returns rows of stride
-N = `speculative_num_draft_tokens`
-(the chain: N = B; adaptive: the largest shape, n <= N), -1 padded. Where the target captures CUDA graphs, the
-drafter pass and the commit replay graphs captured at its batch sizes (adapter/draft_graphs.py).
+One decode step (docs/structure.md, "One decode step"): pick the step's shape (fixed by the flags, or by batch size
+with --speculative-adaptive, adapter/adaptive.py) -> block `[bonus, MASK...]` -> drafter pass over the paged draft KV
+-> draft logits through the target lm_head (merged over TP ranks, adapter/tp.py) -> core's `propose` (a chain of n,
+or n best-first tree nodes) -> target TARGET_VERIFY over those n rows per request (features captured; a tree with
+its ancestor mask) -> core's `accept` (greedy or lossless sampling; the tree ops are dflash_sglang.ops' kernels) ->
+publish new lengths -> (tree: move the accepted path's KV slots to the front of the step's req_to_token window,
+adapter/tree.py) -> commit draft K/V for every verify row. Target and draft KV of rejected rows sit in reserved
+slots past the committed length, which the drafter never reads, and the next step overwrites them. Every step
+returns rows of stride N = `speculative_num_draft_tokens` (the chain: N = B; adaptive: the largest shape, n <= N),
+-1 padded. Where the target captures CUDA graphs, the drafter pass and the commit replay graphs captured at its
+batch sizes (adapter/draft_graphs.py).
 """
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ from dflash_sglang import ops
 from dflash_sglang.core.accept import AcceptResult
 from dflash_sglang.core.adaptive import SpecShape
 from dflash_sglang.core.config import CheckpointError
+from dflash_sglang.core.speculate import accept, propose
 from dflash_sglang.core.token_map import read_token_map
 
 from .adaptive import ShapeSchedule
@@ -58,8 +59,8 @@ from .logprobs import attach_logprobs
 from .model import PagedDrafter, TargetHead
 from .settings import settings_of
 from .tp import DraftVocab
-from .tree import compact_path_slots, fit_rows, propose_tree
-from .verify import accept_block, accept_tree, masked_verify_graphs, run_target_verify, sampling_params
+from .tree import compact_path_slots, fit_rows
+from .verify import masked_verify_graphs, run_target_verify, sampling_params
 
 logger = logging.getLogger(__name__)
 _MIN_FREE_FOR_GRAPHS = 1 << 30  # bytes free after the target's setup below which the draft stays eager
@@ -181,7 +182,7 @@ class DFlashWorker(BaseSpecWorker):
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         target_pool = self.model_runner.token_to_kv_pool
         rows = int(target_pool.size) + int(target_pool.page_size)
-        if self.settings.topk > 1 and int(target_pool.page_size) != 1:
+        if self.settings.has_tree_rows and int(target_pool.page_size) != 1:
             # ServerArgs may resolve the page size after our checks; the accepted path is committed by
             # permuting req_to_token entries, which only a page size of 1 allows.
             raise UnsupportedFlagError(f"--page-size {target_pool.page_size}: tree verification "
@@ -211,7 +212,7 @@ class DFlashWorker(BaseSpecWorker):
         # The drafter's attention needs no SGLang backend state. The target's backend exists by now: a tree
         # needs one that takes its mask (ServerArgs may pick the backend after our flag checks).
         backend = type(self.model_runner.attn_backend).__name__
-        if self.settings.topk > 1 and backend not in _TREE_BACKEND_CLASSES:
+        if self.settings.has_tree_rows and backend not in _TREE_BACKEND_CLASSES:
             raise UnsupportedFlagError(
                 f"--attention-backend: tree verification supports {', '.join(TREE_ATTENTION_BACKENDS)} target "
                 f"attention, the target runs {backend}"
@@ -293,8 +294,7 @@ class DFlashWorker(BaseSpecWorker):
         # target has no positions past it, and no request can commit past it anyway.
         longest = int(batch.seq_lens_cpu.max()) if batch.seq_lens_cpu is not None else int(seq_lens.max())
         shape = shape.at_most(self.context_len - longest)
-        step_fn = self._chain_step if shape.is_chain else self._tree_step
-        step = step_fn(batch, state.bonus_tokens, shape, grammar_barrier)
+        step = self._step(batch, state.bonus_tokens, shape, grammar_barrier)
 
         commit_lens = (step.accept_len + 1).to(torch.int32)
         new_seq_lens = seq_lens + commit_lens.to(seq_lens.dtype)
@@ -325,51 +325,33 @@ class DFlashWorker(BaseSpecWorker):
             new_seq_lens=new_seq_lens,
         )
 
-    def _chain_step(self, batch: ScheduleBatch, bonus: Tensor, shape: SpecShape, grammar_barrier) -> _Accepted:
-        """Verify [bonus, the first n-1 greedy drafts of one block pass] causally, n = shape.nodes <= B (n = 1: a
-        plain decoding step, no drafter pass); accept the longest valid prefix (core/accept.py)."""
+    def _step(self, batch: ScheduleBatch, bonus: Tensor, shape: SpecShape, grammar_barrier) -> _Accepted:
+        """Core's decode step (core/speculate.py) on SGLang's state: propose shape.nodes = n verify rows per request
+        (a chain: [bonus, n-1 greedy drafts]; n = 1: a plain decoding step, no drafter pass; a tree: the best-first
+        tree of n nodes), verify them in one TARGET_VERIFY forward (a tree with its ancestor mask), accept."""
         seq_lens, bs, n = batch.seq_lens, batch.seq_lens.numel(), shape.nodes
-        drafts = torch.empty((bs, 0), dtype=torch.int64, device=self.device)
-        if n > 1:
-            drafts = self.vocab.argmax(self._draft_logits(batch, bonus)[:, : n - 1])
-        ids = torch.cat([bonus[:, None].to(torch.int64), drafts], dim=1)
-        depth = torch.arange(n, device=self.device).expand(bs, n).contiguous()  # a chain is a tree of depth i at i
-        req_to_token = self.req_to_token_pool.req_to_token
-        inputs = ops.build_tree_inputs(ids, depth, seq_lens, req_to_token, batch.req_pool_indices)
-        grammar = GrammarTree.from_linear_chain(ids) if batch.has_grammar else None  # (host copy before the verify)
-        logits_output, graph = run_target_verify(self.target_worker, batch, ids, inputs.positions, inputs.out_cache_loc,
-                                                 masked_graphs=self.masked_graphs)
-        logits = self._verify_logits(logits_output, batch, n, grammar, grammar_barrier)
-        result = accept_block(drafts, logits, sampling_params(batch.sampling_info, bs), batch.sampling_info)
-        if self.simulation is not None:  # the verify ran as usual (same cost); only its outcome is forced
-            commit = self.simulation.sample_commit_len(n)
-            result = AcceptResult(*self.simulation.force(drafts, logits.argmax(-1), commit))
-        result = self.vocab.same_on_every_rank(result)
-        return _Accepted(fit_rows(result.out_tokens, self.stride), result.accept_len, result.bonus,
-                         inputs.positions, inputs.out_cache_loc, logits_output, graph)
-
-    def _tree_step(self, batch: ScheduleBatch, bonus: Tensor, shape: SpecShape, grammar_barrier) -> _Accepted:
-        """Verify the best-first tree of shape.nodes nodes (top-shape.topk per position) with its ancestor mask;
-        accept one root-to-node path."""
-        seq_lens, bs, n = batch.seq_lens, batch.seq_lens.numel(), shape.nodes
-        tree = propose_tree(bonus, *self.vocab.topk(self._draft_logits(batch, bonus), shape.topk), n)
-        inputs = ops.build_tree_inputs(
-            tree.tokens, tree.depth, seq_lens, self.req_to_token_pool.req_to_token, batch.req_pool_indices
-        )
+        scores = self.vocab.scores(self._draft_logits(batch, bonus)) if n > 1 else None
+        proposal = propose(bonus, scores, shape, ops.TREE_KERNELS)
+        tree = proposal.tree
+        inputs = ops.build_tree_inputs(proposal.ids, proposal.depth, seq_lens, self.req_to_token_pool.req_to_token,
+                                       batch.req_pool_indices)
         grammar = None
-        if batch.has_grammar:
-            grammar = GrammarTree.from_device(tree.retrive_next_token, tree.retrive_next_sibling, tree.tokens)
+        if batch.has_grammar:  # (a host copy, before the verify)
+            grammar = (GrammarTree.from_linear_chain(proposal.ids) if tree is None else
+                       GrammarTree.from_device(tree.retrive_next_token, tree.retrive_next_sibling, tree.tokens))
         logits_output, graph = run_target_verify(
-            self.target_worker, batch, inputs.input_ids, inputs.positions, inputs.out_cache_loc, tree_mask=tree.mask,
-            masked_graphs=self.masked_graphs,
+            self.target_worker, batch, inputs.input_ids, inputs.positions, inputs.out_cache_loc,
+            tree_mask=tree.mask if tree is not None else None, masked_graphs=self.masked_graphs,
         )
         logits = self._verify_logits(logits_output, batch, n, grammar, grammar_barrier)
-        params = sampling_params(batch.sampling_info, bs)
-        result = self.vocab.same_on_every_rank(accept_tree(tree, logits, params, inputs.out_cache_loc,
-                                                           batch.sampling_info))
-        return _Accepted(fit_rows(result.out_tokens, self.stride), result.accept_len, result.bonus,
-                         inputs.positions, inputs.out_cache_loc,
-                         logits_output, graph, tree_result=result)
+        slots = inputs.out_cache_loc if tree is not None else None  # a tree's verify splits commit / free slots
+        result = accept(proposal, logits, sampling_params(batch.sampling_info, bs), None, slots, ops.TREE_KERNELS)
+        if self.simulation is not None:  # the verify ran as usual (same cost); only its outcome is forced (chains)
+            result = AcceptResult(*self.simulation.force(proposal.ids[:, 1:], logits.argmax(-1),
+                                                         self.simulation.sample_commit_len(n)))
+        result = self.vocab.same_on_every_rank(result)
+        return _Accepted(fit_rows(result.out_tokens, self.stride), result.accept_len, result.bonus, inputs.positions,
+                         inputs.out_cache_loc, logits_output, graph, tree_result=result if tree is not None else None)
 
     def _verify_logits(self, logits_output, batch: ScheduleBatch, n: int, grammar, grammar_barrier) -> Tensor:
         """next_token_logits [bs*n, V] (n verify rows per request) -> [bs, n, V], adjusted in place as plain decoding

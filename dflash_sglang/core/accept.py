@@ -22,21 +22,26 @@ from torch import Tensor
 class SamplingParams:
     """Per-request sampling settings; a batch may mix greedy and sampled requests.
 
-    temperature [bs] float32 (0 = greedy), top_k [bs] int64 (0 = off), top_p [bs] float32 (1 = off).
+    temperature [bs] float32 (0 = greedy), top_k [bs] int64 (0 = off), top_p [bs] float32 (1 = off),
+    min_p [bs] float32 (0 = off; None: off for every request, nothing computed).
     """
 
     temperature: Tensor
     top_k: Tensor
     top_p: Tensor
+    min_p: Tensor | None = None
 
     @classmethod
-    def full(cls, bs: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, device=None) -> SamplingParams:
-        if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"invalid sampling params: temperature={temperature} top_k={top_k} top_p={top_p}")
+    def full(cls, bs: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+             device=None) -> SamplingParams:
+        if temperature < 0 or top_k < 0 or not 0 < top_p <= 1 or not 0 <= min_p <= 1:
+            raise ValueError(f"invalid sampling params: temperature={temperature} top_k={top_k} top_p={top_p} "
+                             f"min_p={min_p}")
         return cls(
             torch.full((bs,), float(temperature), device=device),
             torch.full((bs,), int(top_k), dtype=torch.int64, device=device),
             torch.full((bs,), float(top_p), device=device),
+            torch.full((bs,), float(min_p), device=device) if min_p > 0 else None,
         )
 
     @property
@@ -44,7 +49,8 @@ class SamplingParams:
         return self.temperature == 0
 
     def select(self, rows: Tensor) -> SamplingParams:
-        return SamplingParams(self.temperature[rows], self.top_k[rows], self.top_p[rows])
+        min_p = self.min_p[rows] if self.min_p is not None else None
+        return SamplingParams(self.temperature[rows], self.top_k[rows], self.top_p[rows], min_p)
 
 
 @dataclass(frozen=True)
@@ -55,7 +61,8 @@ class AcceptResult:
 
 
 def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
-    """logits [bs, n, V] -> probabilities [bs, n, V] float32 after temperature, top-k, then top-p.
+    """logits [bs, n, V] -> probabilities [bs, n, V] float32 after temperature, top-k, top-p, then min-p (tokens
+    below min_p times the row's largest probability dropped, as SGLang's sampler applies it after top-k/top-p).
 
     Greedy rows become one-hot at the argmax, so rejection sampling on them reduces to greedy acceptance.
     """
@@ -73,6 +80,10 @@ def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     keep_sorted &= before < params.top_p[:, None, None]
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     probs = torch.softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)
+    if params.min_p is not None:
+        floor = params.min_p.float()[:, None, None] * probs.amax(-1, keepdim=True)
+        probs = torch.where(probs >= floor, probs, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
     onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(params.greedy[:, None, None], onehot, probs)
 

@@ -23,7 +23,7 @@ from .block import build_block_inputs
 from .checkpoint import check_fit
 from .drafter import KV, DFlashDrafter
 from .features import target_layer_features
-from .speculate import accept, propose
+from .speculate import DraftLogits, accept, kept_rows, propose
 from .token_map import restrict_head
 
 
@@ -87,6 +87,7 @@ class ReferenceDecoder:
         seed: int = 0,
         eos_token_id: int | list[int] | None = None,
         tree: SpecShape | None = None,
+        min_p: float = 0.0,
         policy: AdaptivePolicy | None = None,
     ) -> list[Generation]:
         """Speculative decoding. Per step the verify shape is `policy.choose(running batch size)` if a policy
@@ -105,7 +106,7 @@ class ReferenceDecoder:
         verify_width = max([fixed.nodes] + ([s.nodes for _, s in policy.rows] if policy else []))
         self._check_context(prompts, max_new_tokens, max(block, verify_width))
         gen = torch.Generator(device=self._device).manual_seed(seed)
-        params = SamplingParams.full(len(prompts), temperature, top_k, top_p, device=self._device)
+        params = SamplingParams.full(len(prompts), temperature, top_k, top_p, min_p, device=self._device)
         outs = [Generation([]) for _ in prompts]
         batch, first = self._prefill(prompts, params, gen, capture=True)
         self._emit(outs, batch.rid, first[:, None], torch.ones_like(first), max_new_tokens, eos_token_id)
@@ -130,11 +131,12 @@ class ReferenceDecoder:
         top_p: float = 1.0,
         seed: int = 0,
         eos_token_id: int | list[int] | None = None,
+        min_p: float = 0.0,
     ) -> list[list[int]]:
         """Non-speculative decoding with the same batching (the baseline for lossless checks)."""
         self._check_context(prompts, max_new_tokens, 1)
         gen = torch.Generator(device=self._device).manual_seed(seed)
-        params = SamplingParams.full(len(prompts), temperature, top_k, top_p, device=self._device)
+        params = SamplingParams.full(len(prompts), temperature, top_k, top_p, min_p, device=self._device)
         outs = [Generation([]) for _ in prompts]
         batch, tok = self._prefill(prompts, params, gen, capture=False)
         one = torch.ones_like(tok)
@@ -201,12 +203,13 @@ class ReferenceDecoder:
 
     def _spec_step(self, batch: _Batch, block: int, shape: SpecShape, params: SamplingParams, gen) -> AcceptResult:
         """One draft -> verify -> accept -> commit step for every running request."""
-        draft_logits = self._draft(batch, block) if shape.nodes > 1 else None
-        proposal = propose(batch.bonus, draft_logits, shape, self.token_map)
+        scores = DraftLogits(self._draft(batch, block), self.token_map) if shape.nodes > 1 else None
+        proposal = propose(batch.bonus, scores, shape)
         positions = batch.seq_len[:, None] + proposal.depth
         tree_mask = proposal.attention_mask() if proposal.tree is not None else None
         logits, feats = self._target_forward(batch, proposal.ids, positions, capture=True, tree_mask=tree_mask)
-        result, keep = accept(proposal, logits, params, gen)
+        result = accept(proposal, logits, None if bool(params.greedy.all()) else params, gen)
+        keep = kept_rows(proposal, result)
 
         new_kv = self._context_kv(feats, positions)
         batch.ctx_kv = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2))

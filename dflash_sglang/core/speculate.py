@@ -1,13 +1,20 @@
-"""From one drafter pass to verify inputs, and from the target's verify logits to committed tokens.
+"""One decode step's proposal and acceptance, written once: the reference decoder and the SGLang worker call these.
 
 A step verifies T tokens per request: the root (bonus token) plus drafts. A chain takes the drafter's
 argmax at the first T-1 block positions and verifies causally; a tree (top-k per position, best-first,
-core/tree.py) verifies with an ancestor mask. `keep [bs, T]` marks which verified rows stay committed
-(root + accepted path), which is all the caller needs to crop its KV caches.
+core/tree.py) verifies with an ancestor mask. The caller supplies what differs by where it runs:
+- the draft scores (`DraftScores`): one process's draft logits (`DraftLogits`, with an optional token map), or
+  the SGLang worker's vocab-parallel merge over TP ranks (adapter/tp.py);
+- the tree kernels (`TreeKernels`): core's references here, dflash_sglang.ops (CUDA kernels) in the worker;
+- the uniforms' generator (None: torch's default one, seeded by SGLang's --random-seed).
+`kept_rows` marks which verified rows stay committed (root + accepted path), which is all the reference needs to
+crop its caches; the worker commits by slot instead (the tree result's commit_loc / free_loc).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -17,6 +24,46 @@ from .adaptive import SpecShape
 from .token_map import to_target_ids
 from .tree import DraftTree, build_tree
 from .tree_verify import verify_tree_greedy, verify_tree_sampling
+
+
+class DraftScores(Protocol):
+    """The drafter's opinion over block positions 1..B-1 (D = B-1 of them), as target token ids."""
+
+    def argmax(self) -> Tensor:
+        """[bs, D] int64: the best token at each position (a chain's drafts)."""
+        ...
+
+    def topk(self, k: int) -> tuple[Tensor, Tensor]:
+        """(tokens [bs, D, k] int64, log-probs [bs, D, k] float32): the inputs of build_tree."""
+        ...
+
+
+@dataclass(frozen=True)
+class DraftLogits:
+    """Draft logits of one process: [bs, D, V], or [bs, D, K] over token_map's K target ids (core/token_map.py;
+    proposals are mapped back to target ids, so the verify is the same as with a full-vocabulary drafter)."""
+
+    logits: Tensor
+    token_map: Tensor | None = None
+
+    def argmax(self) -> Tensor:
+        return to_target_ids(self.logits.argmax(-1), self.token_map)
+
+    def topk(self, k: int) -> tuple[Tensor, Tensor]:
+        return draft_topk(self.logits, k, self.token_map)
+
+
+@dataclass(frozen=True)
+class TreeKernels:
+    """The tree ops a step calls, with core/tree.py and core/tree_verify.py's signatures (the worker passes
+    dflash_sglang.ops', which run CUDA kernels on CUDA tensors)."""
+
+    build_tree: Callable[..., DraftTree] = build_tree
+    verify_tree_greedy: Callable = verify_tree_greedy
+    verify_tree_sampling: Callable = verify_tree_sampling
+
+
+REFERENCE_KERNELS = TreeKernels()
 
 
 @dataclass(frozen=True)
@@ -33,27 +80,28 @@ class Proposal:
         return torch.ones(t, t, dtype=torch.bool, device=self.ids.device).tril().expand(bs, t, t)
 
 
-def propose(bonus: Tensor, draft_logits: Tensor | None, shape: SpecShape, token_map: Tensor | None = None) -> Proposal:
-    """bonus [bs] int64, draft_logits [bs, B-1, V] (block positions 1..B-1; None when shape.nodes == 1).
+def propose(bonus: Tensor, scores: DraftScores | None, shape: SpecShape,
+            kernels: TreeKernels = REFERENCE_KERNELS) -> Proposal:
+    """bonus [bs] int64, scores over block positions 1..B-1 (None when shape.nodes == 1: no drafter pass).
 
-    token_map [K] int64 (core/token_map.py): draft_logits are [bs, B-1, K] over those target ids; proposals are
-    mapped back to target ids, so the verify is the same as with a full-vocabulary drafter.
+    A chain of n verifies [bonus, the first n-1 argmax drafts]: point-mass proposals, lossless for any sampling.
+    A tree verifies the best-first tree of shape.nodes nodes built from each position's top shape.topk.
     """
-    bs = bonus.shape[0]
+    bonus = bonus.to(torch.int64)
+    bs, n = bonus.shape[0], shape.nodes
     if shape.is_chain:
-        n_draft = shape.nodes - 1
-        if n_draft:
-            assert draft_logits is not None and draft_logits.shape[1] >= n_draft, "block too short for the chain"
-            # point-mass proposals: lossless for any sampling
-            drafts = to_target_ids(draft_logits[:, :n_draft].argmax(-1), token_map)
-        else:
-            drafts = bonus.new_zeros(bs, 0)
+        drafts = bonus.new_zeros(bs, 0)
+        if n > 1:
+            assert scores is not None, "a chain of more than one row needs draft scores"
+            drafts = scores.argmax()
+            assert drafts.shape[1] >= n - 1, "block too short for the chain"
+            drafts = drafts[:, : n - 1]
         ids = torch.cat([bonus[:, None], drafts], dim=1)
-        depth = torch.arange(shape.nodes, device=bonus.device).expand(bs, -1)
+        depth = torch.arange(n, device=bonus.device).repeat(bs, 1)  # a chain is a tree of depth i at node i
         return Proposal(ids, depth, None)
-    assert draft_logits is not None
-    topk_tokens, topk_logp = draft_topk(draft_logits, shape.topk, token_map)
-    tree = build_tree(bonus, topk_tokens, topk_logp, shape.nodes)
+    assert scores is not None
+    topk_tokens, topk_logp = scores.topk(shape.topk)
+    tree = kernels.build_tree(bonus, topk_tokens.contiguous(), topk_logp.contiguous(), n)
     return Proposal(tree.tokens, tree.depth, tree)
 
 
@@ -67,26 +115,34 @@ def draft_topk(draft_logits: Tensor, k: int, token_map: Tensor | None = None) ->
     return to_target_ids(topk_tokens, token_map), topk_logp
 
 
-def accept(
-    proposal: Proposal, logits: Tensor, params: SamplingParams, gen: torch.Generator | None
-) -> tuple[AcceptResult, Tensor]:
-    """logits [bs, T, V] from the target at the verify rows -> (AcceptResult, keep [bs, T] bool)."""
+def accept(proposal: Proposal, logits: Tensor, params: SamplingParams | None, generator: torch.Generator | None = None,
+           slots: Tensor | None = None, kernels: TreeKernels = REFERENCE_KERNELS) -> AcceptResult:
+    """logits [bs, T, V] from the target at the verify rows (row i predicts the token after row i) -> the step's
+    AcceptResult (a TreeAcceptResult for a tree).
+
+    params None: every request greedy (longest matching prefix / path). Otherwise lossless rejection sampling of
+    the point-mass drafts against target_probs (temperature, top-k, top-p, min-p; greedy rows one-hot), uniforms
+    drawn from `generator` (None: torch's default). slots [bs, T] int64: each tree node's KV slot, split by the
+    verify into commit_loc / free_loc (trees only).
+    """
     bs, t = proposal.ids.shape
-    greedy = bool(params.greedy.all())
     if proposal.tree is None:
         draft = proposal.ids[:, 1:]
-        if greedy:
-            result = greedy_accept(draft, logits.argmax(-1))
-        else:
-            coins, u = draw_uniforms(bs, t - 1, gen, logits.device)
-            result = rejection_accept(draft, target_probs(logits, params), coins, u)
-        keep = torch.arange(t, device=logits.device)[None] <= result.accept_len[:, None]
-        return result, keep
-    if greedy:
-        result = verify_tree_greedy(proposal.tree, logits.argmax(-1))
-    else:
-        coins, u = draw_uniforms(bs, t, gen, logits.device)
-        result = verify_tree_sampling(proposal.tree, target_probs(logits, params), coins, u)
-    nodes = torch.arange(t, device=logits.device)
-    keep = (result.accept_nodes[:, :, None] == nodes[None, None, :]).any(1)
-    return result, keep
+        if params is None:
+            return greedy_accept(draft, logits.argmax(-1))
+        coins, u = draw_uniforms(bs, t - 1, generator, logits.device)
+        return rejection_accept(draft, target_probs(logits, params), coins, u)
+    if params is None:
+        return kernels.verify_tree_greedy(proposal.tree, logits.argmax(-1), slots)
+    coins, u = draw_uniforms(bs, t, generator, logits.device)
+    probs = target_probs(logits, params).contiguous()
+    return kernels.verify_tree_sampling(proposal.tree, probs, coins.contiguous(), u.contiguous(), slots)
+
+
+def kept_rows(proposal: Proposal, result: AcceptResult) -> Tensor:
+    """[bs, T] bool: the verify rows the step commits (the root and the accepted drafts or path)."""
+    bs, t = proposal.ids.shape
+    rows = torch.arange(t, device=proposal.ids.device)
+    if proposal.tree is None:
+        return rows[None] <= result.accept_len[:, None]
+    return (result.accept_nodes[:, :, None] == rows[None, None, :]).any(1)
