@@ -1,4 +1,4 @@
-// build_block_inputs / build_tree_inputs: the rows a draft block or a draft tree feeds to a forward pass.
+// build_tree_inputs: the rows a step's verify (a chain is a tree of depth i at node i) feeds to the target.
 // Reference: dflash_sglang/core/block.py. One thread per (request, row); no reductions.
 #pragma once
 
@@ -7,17 +7,15 @@
 namespace dflash {
 
 struct BlockInputsParams {
-  IndexView bonus;             // [bs]: block mode, row 0 = bonus token, rows 1.. = mask_token_id
-  IndexView tokens;            // [bs, n]: tree mode (bonus absent), rows = node tokens
-  IndexView depth;             // [bs, n]: tree mode; block mode uses depth = row index
+  IndexView tokens;            // [bs, n]: node tokens
+  IndexView depth;             // [bs, n]: node depths
   IndexView seq_lens;          // [bs]: committed tokens = position of row 0
   IndexView req_pool_indices;  // [bs]: row of req_to_token per request (with req_to_token)
   const int32_t* req_to_token; // [R, W] request -> KV slot table, or nullptr (no slot ids)
   int64_t req_to_token_stride; // W
   int64_t req_to_token_rows;   // R
-  int64_t mask_token_id;
   int64_t bs;
-  int64_t n;                   // rows per request: B (block) or N (tree)
+  int64_t n;                   // rows (nodes) per request
   int64_t* input_ids;          // [bs, n]
   int64_t* positions;          // [bs, n]: seq_len + depth
   int64_t* out_cache_loc;      // [bs, n]: req_to_token[req, seq_len + row], present iff req_to_token
@@ -26,8 +24,8 @@ struct BlockInputsParams {
 DFLASH_HD void block_inputs_row(const BlockInputsParams& p, int64_t idx) {
   const int64_t i = idx / p.n, j = idx % p.n;
   const int64_t seq = p.seq_lens[i];
-  p.input_ids[idx] = p.tokens.present() ? p.tokens[idx] : (j == 0 ? p.bonus[i] : p.mask_token_id);
-  p.positions[idx] = seq + (p.depth.present() ? p.depth[idx] : j);
+  p.input_ids[idx] = p.tokens[idx];
+  p.positions[idx] = seq + p.depth[idx];
   if (p.req_to_token != nullptr) {
     // Out-of-table requests get slot -1 instead of an out-of-bounds read (the reference raises instead).
     const int64_t req = p.req_pool_indices[i], col = seq + j;
@@ -40,12 +38,8 @@ DFLASH_HD void block_inputs_row(const BlockInputsParams& p, int64_t idx) {
 inline int check_block_inputs(const BlockInputsParams& p) {
   DFLASH_CHECK(p.bs >= 0 && p.n >= 1, "block_inputs: need bs >= 0 and n >= 1, got bs=%lld n=%lld",
                (long long)p.bs, (long long)p.n);
-  DFLASH_CHECK(p.bonus.present() != p.tokens.present(),
-               "block_inputs: pass exactly one of bonus (block) / tokens (tree)");
-  DFLASH_CHECK(p.tokens.present() == p.depth.present(), "block_inputs: tree mode needs tokens and depth together");
-  DFLASH_CHECK(valid_index(p.bonus, false) && valid_index(p.tokens, false) && valid_index(p.depth, false) &&
-                   valid_index(p.seq_lens, true),
-               "block_inputs: index tensors must be int32 or int64 (seq_lens is required)");
+  DFLASH_CHECK(valid_index(p.tokens, true) && valid_index(p.depth, true) && valid_index(p.seq_lens, true),
+               "block_inputs: tokens, depth and seq_lens are required int32 or int64 index tensors");
   DFLASH_CHECK(p.input_ids && p.positions, "block_inputs: input_ids and positions outputs are required");
   if (p.req_to_token != nullptr) {
     DFLASH_CHECK(valid_index(p.req_pool_indices, true) && p.out_cache_loc,

@@ -2,7 +2,7 @@
 
 What: the per-step ops of a DFlash tree step, at batch 1..256 for one draft shape (default block 16, so D = 15
 positions, top-K 4, N = 32 nodes, vocab 151936):
-  block_inputs      [bonus, MASK...] rows, positions and KV slots for the drafter
+  tree_inputs       the verify rows' ids, positions (seq_len + depth) and KV slots for the target
   build_tree        best-first tree from the drafter's per-position top-K
   verify_greedy     greedy walk of the tree against the target's argmax
   verify_sampling   lossless sampling walk + bonus draw from the final node's residual
@@ -108,9 +108,6 @@ def upstream_calls(x: dict, a, bs: int) -> dict:
     try:
         from sglang.kernels.ops.speculative import dflash as up
 
-        outs = [torch.empty(bs, a.block, dtype=torch.int64, device=dev) for _ in range(3)]
-        calls["block_inputs"] = ("sglang dflash prepare_block (triton)", lambda: (
-            up._prepare_dflash_draft_block_unchecked(x["root"], x["seq"], x["pool"], x["table"], *outs, 5)))
         cand = x["chain"].tokens  # [bonus, drafts...]: upstream's candidates layout
         acc = [torch.empty(bs, dtype=torch.int32, device=dev) for _ in range(2)]
         bonus, new_len = torch.empty(bs, dtype=torch.int64, device=dev), torch.empty(bs, dtype=torch.int64, device=dev)
@@ -151,8 +148,8 @@ def op_calls(x: dict, a, backend: str) -> dict:
     """name -> zero-argument call of our op; for "cuda" the outputs are preallocated (out=) so it can be captured."""
     tree, chain = x["tree"], x["chain"]
     fns = {
-        "block_inputs": lambda **kw: ops.build_block_inputs(x["root"], x["seq"], a.block, 5, x["table"], x["pool"],
-                                                            **kw),
+        "tree_inputs": lambda **kw: ops.build_tree_inputs(tree.tokens, tree.depth, x["seq"], x["table"], x["pool"],
+                                                          **kw),
         "build_tree": lambda **kw: ops.build_tree(x["root"], x["idx"], x["val"], a.nodes, **kw),
         "verify_greedy": lambda **kw: ops.verify_tree_greedy(tree, x["argmax"], x["loc"], **kw),
         "verify_sampling": lambda **kw: ops.verify_tree_sampling(tree, x["probs"], x["coins"], x["u"], x["loc"], **kw),

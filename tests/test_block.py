@@ -61,14 +61,15 @@ def test_block_inputs_errors(kwargs, match):
 
 
 def test_ops_face_runs_the_reference_on_cpu_and_fills_out_buffers():
-    bonus, seq_lens, pool = torch.tensor([7, 9]), torch.tensor([3, 0]), torch.tensor([2, 0])
-    want = build_block_inputs(bonus, seq_lens, 4, 99, _table(), pool)
+    tokens, depth = torch.tensor([[7, 1, 2, 3], [9, 4, 5, 6]]), torch.tensor([[0, 1, 1, 2], [0, 1, 2, 3]])
+    seq_lens, pool = torch.tensor([3, 0]), torch.tensor([2, 0])
+    want = build_tree_inputs(tokens, depth, seq_lens, _table(), pool)
     out = BlockInputs(*(torch.full((2, 4), -7, dtype=torch.int64) for _ in range(3)))
-    got = ops.build_block_inputs(bonus, seq_lens, 4, 99, _table(), pool, out=out)
+    got = ops.build_tree_inputs(tokens, depth, seq_lens, _table(), pool, out=out)
     assert got is out and all(torch.equal(x, y) for x, y in zip(vars(want).values(), vars(out).values()))
     with pytest.raises(ValueError, match=r"out.positions must be \[2, 4\] int64"):
-        ops.build_block_inputs(bonus, seq_lens, 4, 99, _table(), pool,
-                               out=BlockInputs(out.input_ids, out.positions[:, :3], out.out_cache_loc))
+        ops.build_tree_inputs(tokens, depth, seq_lens, _table(), pool,
+                              out=BlockInputs(out.input_ids, out.positions[:, :3], out.out_cache_loc))
 
 
 def same(x, y):
@@ -81,22 +82,21 @@ def test_kernel_logic_on_cpu_matches_reference():
     bs, block = 99, 7
     seq, pool = torch.randint(0, 8, (bs,), generator=g), torch.randperm(bs, generator=g).int()
     bonus, table = torch.randint(0, 500, (bs,), generator=g), torch.randint(0, 1 << 30, (bs, 16), generator=g).int()
+    tokens = torch.randint(0, 500, (bs, block), generator=g)
+    tokens[:, 0] = bonus
     for args in ((), (table, pool)):
-        want = build_block_inputs(bonus, seq, block, 3, *args)
-        got = ops.build_block_inputs(bonus, seq.int(), block, 3, *args, backend="host")
-        assert all(same(x, y) for x, y in zip(vars(want).values(), vars(got).values()))
         depth = torch.randint(0, 4, (bs, block), generator=g)
-        want = build_tree_inputs(want.input_ids, depth, seq, *args)
-        got = ops.build_tree_inputs(want.input_ids, depth, seq, *args, backend="host")
+        want = build_tree_inputs(tokens, depth, seq, *args)
+        got = ops.build_tree_inputs(tokens, depth.int(), seq.int(), *args, backend="host")
         assert all(same(x, y) for x, y in zip(vars(want).values(), vars(got).values()))
 
 
 def test_backend_choice_is_checked():
-    bonus, seq_lens = torch.tensor([7, 9]), torch.tensor([3, 0])
+    tokens, depth, seq_lens = torch.tensor([[7], [9]]), torch.zeros(2, 1, dtype=torch.int64), torch.tensor([3, 0])
     with pytest.raises(ValueError, match="backend must be one of"):
-        ops.build_block_inputs(bonus, seq_lens, 4, 99, backend="gpu")
+        ops.build_tree_inputs(tokens, depth, seq_lens, backend="gpu")
     with pytest.raises(ValueError, match="backend 'cuda' cannot run on cpu tensors"):
-        ops.build_block_inputs(bonus, seq_lens, 4, 99, backend="cuda")
+        ops.build_tree_inputs(tokens, depth, seq_lens, backend="cuda")
 
 
 def _draft_case(seq_lens, pool, g, rows=6, width=16):

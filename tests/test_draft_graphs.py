@@ -3,6 +3,8 @@ on mixed batches (CPU, static mode), the captured bodies do no host sync (meta t
 captured CUDA graphs against the eager path."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -55,16 +57,19 @@ def _step_inputs(seq_lens, pool_idx, cfg, device="cpu"):
 
 
 def test_static_draft_replays_equal_eager_on_mixed_batches():
+    from dflash_sglang.adapter.model import EagerDraftPass
+
     cfg, paged, head, r2t = _setup()
     graphs = _graphs(paged, head, r2t, cfg)
+    eager = EagerDraftPass(paged, head, r2t)  # the same call as the graphs'
     assert graphs.sizes == list(SIZES) and not graphs.captured
     for seq_lens, pool_idx in STEPS:
         bonus, sl, sl_cpu, idx = _step_inputs(seq_lens, pool_idx, cfg)
-        got = graphs.draft_logits(bonus, sl, sl_cpu, idx)
+        got = graphs(bonus, sl, sl_cpu, idx)
         if len(seq_lens) > max(SIZES):
             assert got is None  # larger than every captured size: the caller runs the pass eagerly
             continue
-        want = paged.eager_block_logits(head, bonus, sl, sl_cpu, r2t, idx)
+        want = eager(bonus, sl, sl_cpu, idx)
         assert got.shape == want.shape == (len(seq_lens), BLOCK - 1, cfg.vocab_size)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
@@ -136,14 +141,18 @@ def test_captured_bodies_do_no_host_sync():
 def test_graph_mode_follows_the_target():
     from dflash_sglang.adapter.draft_graphs import default_sizes, graph_mode
 
-    assert graph_mode("cpu", False, "torch") is None  # eager on the CPU
-    assert graph_mode("cuda", False, "flashinfer") is None  # follows the target (eager here: --disable-cuda-graph)
-    assert graph_mode("cuda", True, "flashinfer") == "capture"
-    assert graph_mode("cuda", True, "torch") is None  # the torch reference reads layouts on the host
+    from dflash_sglang.adapter.draft_attention import TorchPagedAttention
+
+    torch_ = TorchPagedAttention(1.0)
+    flashinfer = SimpleNamespace(name="flashinfer", capturable=True)  # a capturable backend (no GPU here)
+    assert graph_mode("cpu", False, torch_) is None  # eager on the CPU
+    assert graph_mode("cuda", False, flashinfer) is None  # follows the target (eager here: --disable-cuda-graph)
+    assert graph_mode("cuda", True, flashinfer) == "capture"
+    assert graph_mode("cuda", True, torch_) is None  # the torch reference reads layouts on the host
     assert graph_mode("cuda", True, None) is None  # dense path (causal / sliding-window layers)
-    assert graph_mode("cpu", False, "torch", "static") == "static"  # --speculative-dflash-draft-graphs static
-    assert graph_mode("cuda", True, "flashinfer", "static") == "static"
-    assert graph_mode("cuda", True, "flashinfer", "eager") is None
+    assert graph_mode("cpu", False, torch_, "static") == "static"  # --speculative-dflash-draft-graphs static
+    assert graph_mode("cuda", True, flashinfer, "static") == "static"
+    assert graph_mode("cuda", True, flashinfer, "eager") is None
     with pytest.raises(ValueError, match="^--speculative-dflash-draft-graphs static: the drafter has causal"):
         graph_mode("cpu", False, None, "static")
     assert default_sizes(10) == [1, 2, 4, 8, 10] and default_sizes(4096)[-1] == 256
@@ -152,13 +161,16 @@ def test_graph_mode_follows_the_target():
 @requires_flashinfer_gpu
 def test_captured_graphs_match_eager_on_gpu():
     """Captured CUDA graphs (FlashInfer graph-mode wrappers) against the eager pass and commit, same pool."""
+    from dflash_sglang.adapter.model import EagerDraftPass
+
     cfg, paged, head, r2t = _setup("cuda", torch.bfloat16, hidden=256, attention="flashinfer")  # head_dim 64
     graphs = _graphs(paged, head, r2t, cfg, nodes=(3,), capture=True)
+    eager = EagerDraftPass(paged, head, r2t)
     assert graphs.captured and all(g.graph is not None for g in graphs.drafts.values())
     for seq_lens, pool_idx in STEPS[:3]:
         bonus, sl, sl_cpu, idx = _step_inputs(seq_lens, pool_idx, cfg, "cuda")
-        got = graphs.draft_logits(bonus, sl, sl_cpu, idx).float()
-        want = paged.eager_block_logits(head, bonus, sl, sl_cpu, r2t, idx).float()
+        got = graphs(bonus, sl, sl_cpu, idx).float()
+        want = eager(bonus, sl, sl_cpu, idx).float()
         torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
     _, eager, _, _ = _setup("cuda", torch.bfloat16, hidden=256, attention="flashinfer")

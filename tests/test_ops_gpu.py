@@ -49,20 +49,17 @@ def peaked_targets(tree, vocab, g):
 
 @pytest.mark.parametrize("bs, block", [(1, 2), (99, 7), (256, 16)])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_block_inputs_match_reference(bs, block, index_dtype):
+def test_tree_inputs_match_reference(bs, block, index_dtype):
     g = torch.Generator().manual_seed(bs)
     table = torch.randint(0, 1 << 30, (300, 64), generator=g, dtype=torch.int32)
     seq = torch.randint(0, 64 - block, (bs,), generator=g).to(index_dtype)
     pool = torch.randperm(300, generator=g)[:bs].to(index_dtype)
-    bonus = torch.randint(0, 1000, (bs,), generator=g)
-    want = ref_block.build_block_inputs(bonus, seq, block, 7, table, pool)
-    got = ops.build_block_inputs(bonus.to(DEV), seq.to(DEV), block, 7, table.to(DEV), pool.to(DEV))
+    tokens = torch.randint(0, 1000, (bs, block), generator=g)
+    depth = torch.randint(0, block, (bs, block), generator=g).to(index_dtype)
+    want = ref_block.build_tree_inputs(tokens, depth, seq, table, pool)
+    got = ops.build_tree_inputs(tokens.to(DEV), depth.to(DEV), seq.to(DEV), table.to(DEV), pool.to(DEV))
     assert_same(got, want, ("input_ids", "positions", "out_cache_loc"))
-    assert ops.build_block_inputs(bonus.to(DEV), seq.to(DEV), block, 7).out_cache_loc is None
-    depth = torch.randint(0, block, (bs, block), generator=g)
-    want = ref_block.build_tree_inputs(want.input_ids, depth, seq, table, pool)
-    got = ops.build_tree_inputs(want.input_ids.to(DEV), depth.to(DEV), seq.to(DEV), table.to(DEV), pool.to(DEV))
-    assert_same(got, want, ("input_ids", "positions", "out_cache_loc"))
+    assert ops.build_tree_inputs(tokens.to(DEV), depth.to(DEV), seq.to(DEV)).out_cache_loc is None
 
 
 @pytest.mark.parametrize("bs, depth, k, n, ties", [

@@ -99,10 +99,6 @@ class ShapeSchedule:
             return cls(settings.nodes, fixed=SpecShape(settings.nodes, settings.topk))
         return cls(settings.nodes, policy=settings.policy(), table=settings.adaptive_table)
 
-    @property
-    def is_adaptive(self) -> bool:
-        return self.policy is not None
-
     def node_counts(self) -> tuple[int, ...]:
         """Verify rows per request of the table's shapes (the fixed shape's alone): what commit graphs are captured
         for. A token budget can shrink a step below its row's count; such a step commits eagerly."""

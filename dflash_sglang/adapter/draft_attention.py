@@ -13,6 +13,7 @@ pool slice), so FlashInfer plans once per step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -80,11 +81,31 @@ def paged_attention_reference(q: Tensor, k_rows: Tensor, v_rows: Tensor, layout:
     return out
 
 
+class PagedAttention(Protocol):
+    """What a drafter pass asks of its paged attention backend (TorchPagedAttention, FlashInferPagedAttention)."""
+
+    name: str  # for logs; nothing outside this module branches on it
+    capturable: bool  # runs inside a CUDA graph (adapter/draft_graphs.py captures only such backends)
+
+    def plan(self, layout: DraftLayout) -> None:
+        """Take the step's layout (once per step: every layer reads the same rows)."""
+        ...
+
+    def run(self, q: Tensor, k_rows: Tensor, v_rows: Tensor) -> Tensor:
+        """q [bs*B, h, d], one layer's pool k_rows / v_rows [rows, kvh, d] -> [bs*B, h, d] over the planned layout."""
+        ...
+
+    def for_graph(self, batch_size: int, kv_indptr_buf: Tensor, kv_indices_buf: Tensor) -> PagedAttention:
+        """A backend for a graph replay of batch_size requests, reading the index buffers at fixed addresses."""
+        ...
+
+
 class TorchPagedAttention:
     """`paged_attention_reference` behind the backend interface (CPU, or
     `--speculative-draft-attention-backend torch_native`)."""
 
     name = "torch"
+    capturable = False  # the reference reads the layout on the host
 
     def __init__(self, scale: float, kv_indices_buf: Tensor | None = None) -> None:
         self.scale = scale
@@ -113,6 +134,7 @@ class FlashInferPagedAttention:
     keys carry RoPE already)."""
 
     name = "flashinfer"
+    capturable = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device,
                  scale: float, workspace: Tensor | None = None,
@@ -164,7 +186,7 @@ class FlashInferPagedAttention:
 
 
 def select_backend(device, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                   choice: str = "auto"):
+                   choice: str = "auto") -> PagedAttention:
     """The paged attention backend: `choice` is "flashinfer", "torch" or "auto" (FlashInfer on CUDA, torch
     elsewhere), as resolved from --speculative-draft-attention-backend at start-up (adapter/args.py)."""
     assert choice in ("auto", "flashinfer", "torch"), choice

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from dflash_sglang import ops
 
-from .draft_attention import DraftLayout, host_indptrs
+from .draft_attention import DraftLayout, PagedAttention, host_indptrs
 from .model import PagedDrafter, TargetHead
 
 logger = logging.getLogger(__name__)
@@ -40,14 +40,13 @@ _MAX_INDEX_ROWS = 1 << 24  # the shared int32 kv_indices buffer stays <= 64 MiB;
 _DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
 
 
-def graph_mode(device, target_captures: bool, attention: str | None, choice: str = "auto") -> str | None:
+def graph_mode(device, target_captures: bool, attention: PagedAttention | None, choice: str = "auto") -> str | None:
     """'capture', 'static' or None (eager), from --speculative-dflash-draft-graphs: `auto` captures on CUDA with
     FlashInfer draft attention wherever the target captures its decode graphs (SGLang's --disable-cuda-graph turns
     both off), `eager` never captures, `static` replays the static buffers without capture on any device.
 
     target_captures: the target replays its decode/verify steps as CUDA graphs; attention: the drafter's paged
-    backend name (None: causal / sliding-window layers on the dense path, which has no static shapes and runs
-    eagerly).
+    backend (None: causal / sliding-window layers on the dense path, which has no static shapes and runs eagerly).
     """
     if attention is None:
         if choice == "static":
@@ -56,7 +55,7 @@ def graph_mode(device, target_captures: bool, attention: str | None, choice: str
         return None
     if choice != "auto":
         return "static" if choice == "static" else None
-    capturable = torch.device(device).type == "cuda" and attention == "flashinfer"
+    capturable = torch.device(device).type == "cuda" and attention.capturable
     return "capture" if capturable and target_captures else None
 
 
@@ -144,10 +143,11 @@ class DraftGraphs:
 
     # ------------------------------------------------------------------ draft pass
     @torch.inference_mode()
-    def draft_logits(self, bonus: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor | None,
-                     req_pool_indices: Tensor) -> Tensor | None:
-        """The step's draft pass by replay -> draft logits [bs, B-1, V], a view of the graph's output that the next
-        replay overwrites; None when no captured size fits (the caller runs the pass eagerly).
+    def __call__(self, bonus: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor | None,
+                 req_pool_indices: Tensor) -> Tensor | None:
+        """The step's draft pass by replay (model.py's DraftPass, as EagerDraftPass) -> draft logits [bs, B-1, V], a
+        view of the graph's output that the next replay overwrites; None when no captured size fits (the caller runs
+        the pass eagerly).
 
         bonus [bs] int64, seq_lens [bs] (device), seq_lens_cpu [bs] its host mirror (None: a host sync),
         req_pool_indices [bs].

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -31,7 +32,7 @@ from dflash_sglang.core.checkpoint import load_drafter
 from dflash_sglang.core.config import DraftConfig
 from dflash_sglang.core.drafter import KV, Attend, DFlashDrafter
 
-from .draft_attention import build_layout, select_backend
+from .draft_attention import PagedAttention, build_layout, select_backend
 
 
 class DraftKVPool:
@@ -102,8 +103,10 @@ class PagedDrafter:
         self._offsets = torch.arange(block, device=pool.k.device)
         cfg = self.cfg
         plain = all(not cfg.layer_is_causal(i) and cfg.layer_window(i) is None for i in range(cfg.num_hidden_layers))
-        self.attention = (select_backend(pool.k.device, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                         cfg.head_dim, pool.k.dtype, attention) if plain else None)
+        self.attention: PagedAttention | None = None  # None: the dense path
+        if plain:
+            self.attention = select_backend(pool.k.device, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                            cfg.head_dim, pool.k.dtype, attention)
 
     @classmethod
     def load(cls, draft_dir: str | Path, slots: int, req_slots: int, block: int, dtype: torch.dtype, device,
@@ -158,20 +161,11 @@ class PagedDrafter:
         batch's layout (`draft`'s, or the graph runner's padded one). No host sync and no data-dependent shape: this
         is the body adapter/draft_graphs.py captures.
         """
-        embeds, positions = self._embed_block(head, bonus, seq_lens)
-        hidden = self.run_block(embeds, positions, self.scratch_rows(req_pool_indices), attention)
-        return self.draft_logits(hidden, head.lm_head_weight, out=out)
+        embeds, positions = self.embed_block(head, bonus, seq_lens)
+        hidden = self._run_block(embeds, positions, self.scratch_rows(req_pool_indices), attention)
+        return self.head_logits(hidden, head.lm_head_weight, out=out)
 
-    @torch.inference_mode()
-    def eager_block_logits(self, head: TargetHead, bonus: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor | None,
-                           req_to_token: Tensor, req_pool_indices: Tensor) -> Tensor:
-        """`block_logits` with the step's planning, for any drafter (the dense path too) -> [bs, B-1, V].
-        seq_lens_cpu: the scheduler's host mirror of seq_lens when it has one, else None (then a host sync)."""
-        embeds, positions = self._embed_block(head, bonus, seq_lens)
-        hidden = self.draft(embeds, positions, req_to_token, req_pool_indices, seq_lens, seq_lens_cpu)
-        return self.draft_logits(hidden, head.lm_head_weight)
-
-    def _embed_block(self, head: TargetHead, bonus: Tensor, seq_lens: Tensor) -> tuple[Tensor, Tensor]:
+    def embed_block(self, head: TargetHead, bonus: Tensor, seq_lens: Tensor) -> tuple[Tensor, Tensor]:
         """[bonus, MASK x (B-1)] at seq_len.. -> embeddings [bs, B, H] (times the embedding scale), positions
         [bs, B] int64."""
         block = build_block_inputs(bonus, seq_lens, self.block, head.mask_token_id)
@@ -199,9 +193,9 @@ class PagedDrafter:
             return self._draft_dense(block_embeds, positions, req_to_token, req_pool_indices, seq_lens_cpu)
         # eager: the layout's length (the sum of the context lengths) is data dependent
         self.attention.plan(build_layout(req_to_token, req_pool_indices, seq_lens_cpu, self.block, self.scratch_base))
-        return self.run_block(block_embeds, positions, self.scratch_rows(req_pool_indices), self.attention)
+        return self._run_block(block_embeds, positions, self.scratch_rows(req_pool_indices), self.attention)
 
-    def run_block(self, block_embeds: Tensor, positions: Tensor, block_rows: Tensor, attention) -> Tensor:
+    def _run_block(self, block_embeds: Tensor, positions: Tensor, block_rows: Tensor, attention) -> Tensor:
         """The layer stack over the paged pool: block_embeds [bs, B, H], positions [bs, B] int64, block_rows [bs*B]
         int64 scratch rows receiving the block's K/V, `attention` planned on the layout -> [bs, B, H]."""
         bs, b, hidden = block_embeds.shape
@@ -234,8 +228,7 @@ class PagedDrafter:
         ctx_kv = self.pool.gather(ctx_slots)
         return self.drafter(block_embeds.to(self.dtype), positions, ctx_kv, ctx_pos, ctx_valid=ctx_valid)
 
-    @torch.inference_mode()
-    def draft_logits(self, hidden: Tensor, lm_head_weight: Tensor, out: Tensor | None = None) -> Tensor:
+    def head_logits(self, hidden: Tensor, lm_head_weight: Tensor, out: Tensor | None = None) -> Tensor:
         """hidden [bs, B, H] -> draft logits [bs, B-1, V] for block positions 1..B-1 (lm_head dtype), written into
         `out` [bs, B-1, V] when given.
 
@@ -243,3 +236,31 @@ class PagedDrafter:
         rejection sampling lossless for any target sampling settings.
         """
         return self.drafter.logits(hidden[:, 1:].to(lm_head_weight.dtype), lm_head_weight, out=out)
+
+
+class DraftPass(Protocol):
+    """A decode step's draft pass: `EagerDraftPass` (any drafter) and `DraftGraphs` (a graph replay, None when no
+    captured size fits) take the same arguments.
+
+    bonus [bs] int64, seq_lens [bs] (device), seq_lens_cpu [bs] its host mirror (None: a host sync),
+    req_pool_indices [bs] -> draft logits [bs, B-1, V] for block positions 1..B-1 (V: this rank's draft rows).
+    """
+
+    def __call__(self, bonus: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor | None,
+                 req_pool_indices: Tensor) -> Tensor | None: ...
+
+
+@dataclass(frozen=True)
+class EagerDraftPass:
+    """The draft pass run eagerly with the step's own planning (the dense path too)."""
+
+    drafter: PagedDrafter
+    head: TargetHead
+    req_to_token: Tensor  # SGLang's [pool_reqs, max_ctx] slot table
+
+    @torch.inference_mode()
+    def __call__(self, bonus: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor | None,
+                 req_pool_indices: Tensor) -> Tensor:
+        embeds, positions = self.drafter.embed_block(self.head, bonus, seq_lens)
+        hidden = self.drafter.draft(embeds, positions, self.req_to_token, req_pool_indices, seq_lens, seq_lens_cpu)
+        return self.drafter.head_logits(hidden, self.head.lm_head_weight)

@@ -56,7 +56,7 @@ from .adaptive import ShapeSchedule
 from .args import TREE_ATTENTION_BACKENDS, UnsupportedFlagError
 from .draft_graphs import DraftGraphs, default_sizes, graph_mode
 from .logprobs import attach_logprobs
-from .model import PagedDrafter, TargetHead
+from .model import EagerDraftPass, PagedDrafter, TargetHead
 from .settings import settings_of
 from .tp import DraftVocab
 from .tree import compact_path_slots, fit_rows
@@ -201,6 +201,7 @@ class DFlashWorker(BaseSpecWorker):
         self.vocab = DraftVocab(target.lm_head, self.cfg.vocab_size, token_map)
         self.head = TargetHead(target.get_input_embeddings(), self.vocab.weight, self.cfg.mask_token_id,
                                self.cfg.input_embedding_scale)
+        self.eager_pass = EagerDraftPass(self.drafter, self.head, req_to_token_pool.req_to_token)
         logger.info(
             "DFLASH (dflash-sglang): block_size=%d, %s, draft layers=%d, target layer ids=%s, draft attention %s, "
             "draft KV %.1f MiB%s", self.block_size, self.schedule.describe(), self.cfg.num_hidden_layers,
@@ -221,8 +222,7 @@ class DFlashWorker(BaseSpecWorker):
     def init_cuda_graphs(self) -> None:
         # Called after the target captured its graphs: ours take the target's batch sizes (adapter/draft_graphs.py).
         sizes = getattr(getattr(self.model_runner, "decode_cuda_graph_runner", None), "capture_bs", None)
-        attention = self.drafter.attention.name if self.drafter.attention is not None else None
-        mode = graph_mode(self.device, bool(sizes), attention, self.settings.draft_graphs)
+        mode = graph_mode(self.device, bool(sizes), self.drafter.attention, self.settings.draft_graphs)
         if mode is None:
             logger.info("DFLASH (dflash-sglang): the draft pass and commit run eagerly")
             return
@@ -330,7 +330,7 @@ class DFlashWorker(BaseSpecWorker):
         (a chain: [bonus, n-1 greedy drafts]; n = 1: a plain decoding step, no drafter pass; a tree: the best-first
         tree of n nodes), verify them in one TARGET_VERIFY forward (a tree with its ancestor mask), accept."""
         seq_lens, bs, n = batch.seq_lens, batch.seq_lens.numel(), shape.nodes
-        scores = self.vocab.scores(self._draft_logits(batch, bonus)) if n > 1 else None
+        scores = self.vocab.scores(self._draft_pass(batch, bonus)) if n > 1 else None
         proposal = propose(bonus, scores, shape, ops.TREE_KERNELS)
         tree = proposal.tree
         inputs = ops.build_tree_inputs(proposal.ids, proposal.depth, seq_lens, self.req_to_token_pool.req_to_token,
@@ -372,14 +372,11 @@ class DFlashWorker(BaseSpecWorker):
                 mask.apply(logits_output.next_token_logits)
         return logits_output.next_token_logits.view(batch.seq_lens.numel(), n, -1)
 
-    def _draft_logits(self, batch: ScheduleBatch, bonus: Tensor) -> Tensor:
+    def _draft_pass(self, batch: ScheduleBatch, bonus: Tensor) -> Tensor:
         """One drafter pass over the block [bonus, MASK x (B-1)] at seq_len.. -> draft logits [bs, B-1, V] for
         block positions 1..B-1. The pass writes no target KV (only the draft pool's per-request scratch rows), so
         the block needs no KV slots (B may exceed N)."""
-        if self.graphs is not None:
-            # batch.seq_lens_cpu: the scheduler's host mirror (it resolves it on its own stream), so no sync here
-            logits = self.graphs.draft_logits(bonus, batch.seq_lens, batch.seq_lens_cpu, batch.req_pool_indices)
-            if logits is not None:
-                return logits
-        return self.drafter.eager_block_logits(self.head, bonus, batch.seq_lens, batch.seq_lens_cpu,
-                                               self.req_to_token_pool.req_to_token, batch.req_pool_indices)
+        # batch.seq_lens_cpu: the scheduler's host mirror (it resolves it on its own stream), so no sync here
+        args = (bonus, batch.seq_lens, batch.seq_lens_cpu, batch.req_pool_indices)
+        logits = self.graphs(*args) if self.graphs is not None else None
+        return logits if logits is not None else self.eager_pass(*args)

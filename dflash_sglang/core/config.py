@@ -9,7 +9,7 @@ the last hidden state) are never used.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -87,11 +87,6 @@ class DraftConfig:
 
     def layer_window(self, i: int) -> int | None:
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
-
-    def with_block_size(self, block_size: int) -> DraftConfig:
-        if block_size < 2:
-            raise ValueError(f"block size must be >= 2 (one anchor + at least one draft), got {block_size}")
-        return replace(self, block_size=block_size)
 
     # ---------------------------------------------------------------- parsing
     @classmethod

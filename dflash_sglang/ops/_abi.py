@@ -18,9 +18,9 @@ class IndexView(ctypes.Structure):
 
 class BlockInputsParams(ctypes.Structure):
     _fields_ = [
-        ("bonus", IndexView), ("tokens", IndexView), ("depth", IndexView), ("seq_lens", IndexView),
+        ("tokens", IndexView), ("depth", IndexView), ("seq_lens", IndexView),
         ("req_pool_indices", IndexView), ("req_to_token", c_void_p), ("req_to_token_stride", c_int64),
-        ("req_to_token_rows", c_int64), ("mask_token_id", c_int64), ("bs", c_int64), ("n", c_int64),
+        ("req_to_token_rows", c_int64), ("bs", c_int64), ("n", c_int64),
         ("input_ids", c_void_p), ("positions", c_void_p), ("out_cache_loc", c_void_p),
     ]
 

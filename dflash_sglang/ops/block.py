@@ -1,5 +1,5 @@
-"""build_block_inputs / build_tree_inputs / draft_kv_indices: CUDA kernel on CUDA tensors, core/block.py on CPU
-tensors.
+"""build_tree_inputs / draft_kv_indices: CUDA kernel on CUDA tensors, core/block.py on CPU tensors. (The drafter's
+block inputs stay core/block.py's torch ops: a few tensor ops inside the captured draft pass.)
 
 Same contracts as core/block.py, plus destination-passing `out=` (a BlockInputs of preallocated [bs, n] int64
 buffers, out_cache_loc included iff req_to_token is given): with it, the CUDA path allocates nothing, never
@@ -13,29 +13,6 @@ from torch import Tensor
 
 from ..core import block as ref
 from . import _abi, _lib
-
-
-def build_block_inputs(
-    bonus: Tensor,
-    seq_lens: Tensor,
-    block_size: int,
-    mask_token_id: int,
-    req_to_token: Tensor | None = None,
-    req_pool_indices: Tensor | None = None,
-    *,
-    out: ref.BlockInputs | None = None,
-    backend: str = "auto",
-) -> ref.BlockInputs:
-    """[bonus, MASK x (B-1)] blocks; argument shapes as in core/block.py build_block_inputs."""
-    if block_size < 2:
-        raise ValueError(f"block_size must be >= 2, got {block_size}")
-    ref._check_batch(bonus=bonus, seq_lens=seq_lens)
-    backend = _lib.resolve_backend(backend, bonus.device)
-    if backend == "reference":
-        result = ref.build_block_inputs(bonus, seq_lens, block_size, mask_token_id, req_to_token, req_pool_indices)
-        return _into(out, result)
-    return _launch(backend, block_size, seq_lens, req_to_token, req_pool_indices, out, bonus=bonus,
-                   mask_token_id=mask_token_id)
 
 
 def build_tree_inputs(
@@ -55,8 +32,7 @@ def build_tree_inputs(
     backend = _lib.resolve_backend(backend, tokens.device)
     if backend == "reference":
         return _into(out, ref.build_tree_inputs(tokens, depth, seq_lens, req_to_token, req_pool_indices))
-    return _launch(backend, tokens.shape[1], seq_lens, req_to_token, req_pool_indices, out, tokens=tokens,
-                   depth=depth)
+    return _launch(backend, tokens, depth, seq_lens, req_to_token, req_pool_indices, out)
 
 
 def _check_outs(out: ref.BlockInputs, bs: int, n: int, with_loc: bool, device: torch.device) -> None:
@@ -81,19 +57,16 @@ def _into(out: ref.BlockInputs | None, result: ref.BlockInputs) -> ref.BlockInpu
 
 def _launch(
     backend: str,
-    n: int,
+    tokens: Tensor,
+    depth: Tensor,
     seq_lens: Tensor,
     req_to_token: Tensor | None,
     req_pool_indices: Tensor | None,
     out: ref.BlockInputs | None,
-    bonus: Tensor | None = None,
-    mask_token_id: int = 0,
-    tokens: Tensor | None = None,
-    depth: Tensor | None = None,
 ) -> ref.BlockInputs:
-    device, bs = seq_lens.device, seq_lens.shape[0]
+    device, (bs, n) = seq_lens.device, tokens.shape
     idx = _abi.INDEX_DTYPES
-    _abi.check_inputs(device, bonus=(bonus, idx), tokens=(tokens, idx), depth=(depth, idx), seq_lens=(seq_lens, idx),
+    _abi.check_inputs(device, tokens=(tokens, idx), depth=(depth, idx), seq_lens=(seq_lens, idx),
                       req_pool_indices=(req_pool_indices, idx))
     if req_to_token is not None:
         if req_pool_indices is None or req_pool_indices.shape != (bs,):
@@ -108,12 +81,12 @@ def _launch(
         out = ref.BlockInputs(new(), new(), None if req_to_token is None else new())
     _check_outs(out, bs, n, req_to_token is not None, device)
     params = _abi.BlockInputsParams(
-        bonus=_abi.index_view(bonus), tokens=_abi.index_view(tokens), depth=_abi.index_view(depth),
+        tokens=_abi.index_view(tokens), depth=_abi.index_view(depth),
         seq_lens=_abi.index_view(seq_lens), req_pool_indices=_abi.index_view(req_pool_indices),
         req_to_token=_abi.ptr(req_to_token),
         req_to_token_stride=0 if req_to_token is None else req_to_token.stride(0),
         req_to_token_rows=0 if req_to_token is None else req_to_token.shape[0],
-        mask_token_id=mask_token_id, bs=bs, n=n,
+        bs=bs, n=n,
         input_ids=_abi.ptr(out.input_ids), positions=_abi.ptr(out.positions), out_cache_loc=_abi.ptr(out.out_cache_loc),
     )
     _lib.launch(backend, "block_inputs", params, device)
