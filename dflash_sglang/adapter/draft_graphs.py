@@ -1,8 +1,8 @@
 """CUDA graphs of a decode step's drafter work: the draft pass (block -> draft logits) and the draft-KV commit of
 the verify rows, one graph of each per captured batch size.
 
-Why: eager, one draft pass of the shipped SmolLM2 drafter dispatches ~254 aten ops and one commit ~81
-(scripts/count_draft_ops.py), each a host launch every decode step, while SGLang's builtin DFLASH replays its draft
+Why: eager, one draft pass dispatches hundreds of aten ops and one commit dozens (scripts/count_draft_ops.py;
+counts in docs/benchmarks.md), each a host launch every decode step, while SGLang's builtin DFLASH replays its draft
 as one graph. Here a step replays two graphs. The draft graph starts with the attention layout: the
 `draft_layout` kernel (`ops.draft_kv_indices`) writes every request's key rows into a fixed buffer from kv_indptr,
 which FlashInfer's graph-mode wrapper reads at a fixed address. What stays on the host is what only the host

@@ -50,13 +50,27 @@ def flush_cache(url: str, timeout: float = 120.0) -> None:
             time.sleep(1)
 
 
+def cpu_env(repo: Path | None = None) -> dict[str, str]:
+    """Environment additions for a CPU-build SGLang server run from a source checkout: the import shims of
+    tests/sglang_shims (triton, vllm._custom_ops and torchvision are not installed on CPU) and the checkout first on
+    PYTHONPATH (another interpreter sees our plugin), the plugin whitelisted, one OpenMP thread per process."""
+    repo = Path(repo) if repo is not None else Path(__file__).resolve().parents[2]
+    shims = repo / "tests" / "sglang_shims"
+    paths = [str(shims)] if shims.is_dir() else []
+    paths += [str(repo), os.environ.get("PYTHONPATH", "")]
+    return {"PYTHONPATH": os.pathsep.join(p for p in paths if p), "SGLANG_PLUGINS": "dflash_sglang",
+            "OMP_NUM_THREADS": "1"}
+
+
 class Server:
     """`with Server(argv, env, log) as s:` runs `python -m sglang.launch_server argv` until the block exits."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], log: Path, startup_timeout: float = 900.0) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path, startup_timeout: float = 900.0,
+                 python: str | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = [sys.executable, "-m", "sglang.launch_server", *argv, "--host", "127.0.0.1",
+        # python: another interpreter (e.g. a virtualenv with another SGLang version); default this one
+        self.argv = [python or sys.executable, "-m", "sglang.launch_server", *argv, "--host", "127.0.0.1",
                      "--port", str(self.port)]
         self.env = {**os.environ, **env}
         self.log = Path(log)
@@ -64,12 +78,26 @@ class Server:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> Server:
+        self.start()
+        try:
+            return self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def start(self) -> None:
+        """Launch without waiting (several servers can start side by side; `stop` them all in any case)."""
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log, "w")
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self._log_file, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
+        self._started = time.monotonic()
+
+    def wait_ready(self) -> Server:
+        """Block until /health answers (startup_timeout from `start`); ServerError if the server exits first. A server
+        started long ago (beside other work) is asked at least once, however late."""
+        deadline = self._started + self.timeout
+        while True:
             if self.proc.poll() is not None:
                 self._close()
                 raise ServerError(f"server exited with status {self.proc.returncode}:\n{self.tail()}")
@@ -77,6 +105,8 @@ class Server:
                 http_json(self.url + "/health", timeout=5)
                 return self
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, json.JSONDecodeError):
+                if time.monotonic() >= deadline:
+                    break
                 time.sleep(2)
         self.stop()
         raise ServerError(f"server not healthy after {self.timeout:.0f}s:\n{self.tail()}")

@@ -6,9 +6,9 @@ current device's architecture (sm_90a / sm_100a / sm_XY), cached under
 `$DFLASH_SGLANG_HOME/kernels` (default ~/.cache/dflash_sglang/kernels) in a directory keyed by the sources'
 hash, the arch and the compiler version, so concurrent processes (TP ranks) build once and reuse it.
 
-NOTE: the wrappers call ctypes directly instead of registering torch.library.custom_op ops: a custom_op
-no-op measured ~35 us per call vs ~0.5 us for a ctypes call (scripts/bench_ops.py --dispatch, CPU host),
-which would cost more than the kernels themselves. Nothing in the decode loop is traced by torch.compile;
+NOTE: the wrappers call ctypes directly instead of registering torch.library.custom_op ops: a custom_op's
+dispatch costs more per call than the kernels themselves (`scripts/bench_ops.py --dispatch`; numbers in
+docs/benchmarks.md). Nothing in the decode loop is traced by torch.compile;
 CUDA graphs capture the ctypes launches as they are (the stream comes from torch.cuda.current_stream()).
 """
 from __future__ import annotations

@@ -71,7 +71,7 @@ def verify_tree_sampling(
     """Lossless tree speculative sampling; arguments as in core/tree_verify.py verify_tree_sampling.
 
     sequential_sampler: skip the kernel's certified parallel pass and always run the sequential definition of
-    sample_from (slow: ~1 ms per 150k-token row); for tests of the fallback path.
+    sample_from (slow: one pass over the vocabulary per row); for tests of the fallback path.
     """
     ref_verify.check_sampling_args(tree, target_probs, coins, resample_u, out_cache_loc)
     backend = _lib.resolve_backend(backend, tree.tokens.device)

@@ -85,8 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--output-norm-init", default="0.05",
                    help="initial drafter output-norm weight, or 'target' to copy the target's final norm")
     t.add_argument("--bf16", choices=tuple(BF16_CHOICES), default="auto",
-                   help="bf16 autocast: auto = on GPUs and on CPUs with AVX512-BF16/AMX (an AVX2 CPU emulates bf16: "
-                        "a training step there took over 14x the fp32 time)")
+                   help="bf16 autocast: auto = on GPUs and on CPUs with AVX512-BF16/AMX (an AVX2 CPU emulates bf16, "
+                        "many times slower than fp32: docs/benchmarks.md)")
     t.add_argument("--no-bf16", action="store_const", const="off", dest="bf16", help="same as --bf16 off")
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 CKPT_DIR = "checkpoints"
 LOG_FILE = "train_log.jsonl"
 # Steps left out of the time-budget calibration: CUDA context, allocator and kernel warm-up make the first steps
-# slow (on the H100 about 10x the steady step time, which once fitted a 9-minute budget to 620 of 6400 steps).
+# slow (several times the steady step time on a GPU: counted in, they shrank a time-budgeted schedule badly).
 WARMUP_STEPS = 5
 clock = time.monotonic  # the trainer's clock (tests substitute a fake one)
 
@@ -81,9 +81,9 @@ def init_drafter(cfg: DraftConfig, frozen: FrozenTarget, seed: int, output_norm_
     """HF-style init (linear N(0, 0.02), norms 1), except the output norm.
 
     At init every block row's residual is dominated by its input embedding (mostly the mask token's), so with
-    unit norm weights the head gives that token a logit of ~|e| * sqrt(H) (initial CE ~70 on SmolLM2, vs
-    ln V = 10.8) and the first tens of steps only undo it. A small constant weight (default 0.05) starts near
-    uniform (CE ~12). `output_norm_init=None` copies the target's final norm instead (CE ~90 at init).
+    unit norm weights the head gives that token a logit of about |e| * sqrt(H), an initial CE far above ln V,
+    and the first tens of steps only undo it. A small constant weight (default 0.05) starts near uniform.
+    `output_norm_init=None` copies the target's final norm instead.
     """
     torch.manual_seed(seed)
     model = DFlashDrafter(cfg)
