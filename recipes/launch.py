@@ -23,13 +23,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("hw", choices=recipes.HARDWARE)
     p.add_argument("--impl", choices=recipes.IMPLS,
                    help="DFLASH worker: ours, builtin (SGLang's), none (no speculation baseline); default: ours "
-                        "where our worker supports the table (TP 1), else builtin")
+                        "where our worker supports the table (no builtin_only field), else builtin")
     p.add_argument("--target", help="local copy of the target (default: the recipe's hub repo)")
     p.add_argument("--draft", help="local copy of the draft (default: the recipe's hub repo)")
     p.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
     args = p.parse_args(argv)
     r = recipes.load(args.family)
-    print(f"# {r.name} on {args.hw}: measured: {r.on(args.hw).measured}", file=sys.stderr)
+    try:
+        measured = r.on(args.hw).measured
+    except recipes.RecipeError as e:  # no table for this GPU (e.g. Kimi-K2.5 on H100): the header says why
+        omitted = [ln for ln in r.header.splitlines() if ln.strip().startswith(f"{args.hw}: omitted")]
+        raise SystemExit(f"{e}" + (f" ({omitted[0].strip()})" if omitted else "")) from None
+    print(f"# {r.name} on {args.hw}: measured: {measured}", file=sys.stderr)
     if args.impl is None:
         args.impl = r.default_impl(args.hw)
         why = r.ours_refusal(args.hw)

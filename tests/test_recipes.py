@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -103,10 +104,77 @@ def parsed() -> dict[tuple[str, str, str], dict]:
 
 
 def test_recipes_exist_for_every_published_pair_and_hardware():
+    """One recipe per known pair; a recipe covers every GPU unless its header says why a table is omitted (a model
+    that cannot fit, e.g. Kimi-K2.5 on 8 x 80 GB H100), as `HW: omitted -- reason`."""
     drafts = {recipes.load(n).draft for n in recipes.names()}
     assert drafts == set(PAIRS), "one recipe per known pair"
     for name in recipes.names():
-        assert set(recipes.load(name).hw) == set(recipes.HARDWARE), name
+        r = recipes.load(name)
+        assert r.hw and set(r.hw) <= set(recipes.HARDWARE), name
+        for hw in set(recipes.HARDWARE) - set(r.hw):
+            assert re.search(rf"^{hw}: omitted -- \S", r.header, re.M), f"{r.path}: no [hw.{hw}], no reason in header"
+
+
+# The published draft configs of the newer pairs (the fields our loader reads; sources in dflash_sglang/pairs.py and
+# each recipe's header), and the targets' layer layout: what the `builtin_only` reasons rest on. The Kimi transcription
+# has no block_size / intermediate_size: 8 is the card's --speculative-num-draft-tokens, 18432 a GGUF conversion's.
+_PUBLISHED_DRAFTS = {
+    "z-lab/gemma-4-31B-it-DFlash": {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 16,
+        "dflash_config": {"mask_token_id": 4, "target_layer_ids": [1, 12, 23, 35, 46, 57]},
+        "final_logit_softcapping": 30.0, "head_dim": 128, "hidden_size": 5376, "intermediate_size": 10752,
+        "layer_types": ["sliding_attention"] * 4 + ["full_attention"], "sliding_window": 2048,
+        "num_attention_heads": 64, "num_hidden_layers": 5, "num_key_value_heads": 8, "num_target_layers": 60,
+        "rope_theta": 1000000, "vocab_size": 262144},
+    "z-lab/Kimi-K2.5-DFlash": {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 8,
+        "dflash_config": {"mask_token_id": 163838, "target_layer_ids": [1, 12, 24, 35, 47, 58]},
+        "head_dim": 128, "hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 64,
+        "num_hidden_layers": 6, "num_key_value_heads": 8, "num_target_layers": 61, "rope_theta": 50000.0,
+        "rope_scaling": {"rope_type": "yarn", "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0},
+        "vocab_size": 163840},
+    "z-lab/Qwen3.6-27B-DFlash": {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 16,
+        "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]},
+        "head_dim": 128, "hidden_size": 5120, "intermediate_size": 17408,
+        "layer_types": ["sliding_attention"] * 4 + ["full_attention"], "sliding_window": 2048,
+        "num_attention_heads": 32, "num_hidden_layers": 5, "num_key_value_heads": 8, "num_target_layers": 64,
+        "rope_theta": 10000000, "vocab_size": 248320},
+}
+_TARGET_LAYOUT = {
+    "google/gemma-4-31B-it": {"architectures": ["Gemma4ForConditionalGeneration"], "text_config": {
+        "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 10}},
+    "moonshotai/Kimi-K2.5": {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+                             "text_config": {"model_type": "deepseek_v3"}},
+    "Qwen/Qwen3.6-27B": {"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": {
+        "model_type": "qwen3_5_text", "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 16}},
+}
+
+
+@pytest.mark.parametrize("draft", sorted(_PUBLISHED_DRAFTS))
+def test_builtin_only_reasons_match_our_startup_checks(draft):
+    """The published config agrees with dflash_sglang.pairs, and a recipe is builtin-only exactly where our own
+    start-up checks refuse the pair (checkpoint loader or hybrid-target check), with a reason naming the builtin."""
+    from dflash_sglang.core.config import CheckpointError, DraftConfig, recurrent_layers
+
+    pair, d = PAIRS[draft], _PUBLISHED_DRAFTS[draft]
+    t = pair.target
+    assert (d["block_size"], tuple(d["dflash_config"]["target_layer_ids"])) == (pair.block_size, pair.target_layer_ids)
+    assert (d["hidden_size"], d["vocab_size"], d["num_target_layers"]) == (t.hidden_size, t.vocab_size, t.num_layers)
+    assert d["num_attention_heads"] == pair.draft_num_heads
+    refusals = []
+    try:
+        DraftConfig.from_dict(d, f"{draft}/config.json")
+    except CheckpointError as e:
+        refusals.append(str(e))
+    if (hybrid := recurrent_layers(_TARGET_LAYOUT[t.repo])) is not None:
+        refusals.append(hybrid)
+    (name,) = [n for n in recipes.names() if recipes.load(n).draft == draft]
+    r = recipes.load(name)
+    for hw, h in r.hw.items():
+        assert bool(h.builtin_only) == bool(refusals), (name, hw, refusals)
+        assert not h.builtin_only or "DFLASH_SGLANG_IMPL=builtin" in h.builtin_only, (name, hw)
 
 
 @pytest.mark.parametrize("name,hw", ALL)
@@ -207,6 +275,16 @@ def test_launcher_dry_run_prints_the_recipe_command(capsys):
     cmd = out.out.strip()
     assert cmd.startswith("DFLASH_SGLANG_IMPL=builtin python -m sglang.launch_server --model-path Qwen/Qwen3-8B")
     assert "--speculative-num-draft-tokens 16" in cmd and cmd.endswith("--port 31000")
+
+
+def test_launcher_names_an_omitted_table():
+    sys.path.insert(0, str(ROOT / "recipes"))
+    try:
+        import launch
+    finally:
+        sys.path.pop(0)
+    with pytest.raises(SystemExit, match=r"no \[hw\.h100\] table.*h100: omitted -- "):
+        launch.main(["kimi-k2.5", "h100", "--dry-run"])
 
 
 def test_malformed_recipe_names_the_field(tmp_path):

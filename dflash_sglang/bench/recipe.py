@@ -26,8 +26,9 @@ _HW_KEYS = {"tp", "attention_backend", "draft_attention_backend", "mem_fraction_
             "max_running_requests", "args", "env", "measured", "builtin_only"}
 _TOP_KEYS = {"name", "target", "draft", "block_size", "args", "env", "hw"}
 GENERATION = {"h100": "hopper", "h200": "hopper", "b200": "blackwell", "b300": "blackwell"}
-# SGLang 0.5.17 attention backends per GPU generation (fa3 needs sm90; fa4 and trtllm_mha need sm100).
-BACKENDS = {"hopper": ("flashinfer", "fa3", "triton"), "blackwell": ("flashinfer", "fa4", "trtllm_mha", "triton")}
+# SGLang attention backends per GPU generation (fa3 needs sm90; fa4, trtllm_mha and trtllm_mla (MLA targets) sm100).
+BACKENDS = {"hopper": ("flashinfer", "fa3", "triton"),
+            "blackwell": ("flashinfer", "fa4", "trtllm_mha", "trtllm_mla", "triton")}
 
 
 class RecipeError(ValueError):
