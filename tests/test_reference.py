@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dflash_sglang.core.adaptive import AdaptivePolicy, SpecShape
-from dflash_sglang.core.reference import ReferenceDecoder
+from dflash_sglang.core.reference import ReferenceDecoder, StepTimes
 from factories import draft_config_for, mixed_prompts, tiny_drafter, tiny_target
 
 CHAINS = [dict(block=b) for b in (2, 3, 5, 8, 16)]
@@ -42,7 +42,11 @@ def test_greedy_is_token_identical(pair, spec):
     prompts = mixed_prompts(8, lengths=(3, 9, 1, 14, 6))
     dec = ReferenceDecoder(target, drafter)
     block = spec["block"]
-    outs = dec.generate(prompts, max_new_tokens=24, block_size=block, tree=spec.get("tree"), policy=spec.get("policy"))
+    times = StepTimes()
+    outs = dec.generate(prompts, max_new_tokens=24, block_size=block, tree=spec.get("tree"), policy=spec.get("policy"),
+                        times=times)
+    # one timed step per batched decode step (the longest-running request took part in each)
+    assert times.steps == max(len(o.accept_lengths) for o in outs) and times.verify > 0 and times.other > 0
     for prompt, out in zip(prompts, outs):
         assert out.tokens == hf_greedy(target, prompt, 24)
         assert all(1 <= a <= block for a in out.accept_lengths)

