@@ -37,7 +37,8 @@ def test_workload_mixes_every_kind_and_is_seeded():
     assert len(cases) == 200 and len({c.id for c in cases}) == 200
     assert [c.id for c in cases] == [c.id for c in build_workload(POOL, spec)]  # same seed, same workload
     kinds = {c.kind for c in cases}
-    assert {"greedy", "greedy_stream", "greedy_batch", "chat_greedy", "sampled", "chat_sampled", "context_limit",
+    assert {"greedy", "greedy_stream", "greedy_batch", "chat_greedy", "chat_logprobs", "sampled", "chat_sampled",
+            "context_limit",
             "abort_stream", "abort_wait", "disconnect_stream", "disconnect_wait", "bad_json", "empty_text"} <= kinds
     assert sum(bool(c.action) for c in cases) == 24
     for c in cases:
@@ -95,6 +96,21 @@ PLAIN = _out(Answer("abcd", [5, 6, 7, 8], "length"))
 ])
 def test_classify(case, out, verdict):
     assert classify(case, out, PLAIN)[0] == verdict
+
+
+def test_chat_logprobs_must_be_there_and_equal_plains():
+    body = {"messages": [], "logprobs": True, "top_logprobs": 2}
+    case = _case(path=CHAT, body=body, max_tokens=2)
+    ref = _out(Answer("Hi!", None, "length", logprobs=[(-0.5, [-0.5, -1.0]), (-0.1, [-0.1, -3.0])]))
+    def served(logprobs):
+        return _out(Answer("Hi!", None, "length", logprobs=logprobs))
+    assert classify(case, served([(-0.5, [-0.5, -1.0]), (-0.1 + 2e-4, [-0.1, -3.0])]), ref)[0] == "ok"
+    assert classify(case, served(None), ref) == ("error", "answer 0: logprobs asked, none returned")
+    assert "top_logprobs: expected 2" in classify(case, served([(-0.5, [-0.5]), (-0.1, [-0.1])]), ref)[1]
+    assert "1 logprob entries" in classify(case, served([(-0.5, [-0.5, -1.0])]), ref)[1]
+    assert "differ from plain at token 1" in classify(case, served([(-0.5, [-0.5, -1.0]), (-0.2, [-0.2, -3.0])]),
+                                                      ref)[1]
+    assert classify(_case(path=CHAT, max_tokens=3), served(None), ref)[0] == "ok"  # none asked: not checked
 
 
 def test_chat_answers_compare_as_text_and_count_usage():
@@ -261,3 +277,4 @@ def test_small_stress_run_passes(tmp_path):
         assert r["requests"] == 32 and r["compared"] >= 10 and r["refused"] >= 3, r
         assert r["aborted"] + r["disconnected"] >= 2, r  # some interruptions landed before their request finished
         assert r["kinds"].get("empty_text") and r["kinds"].get("id_past_vocab"), r  # inputs that crash plain
+        assert r["kinds"].get("chat_logprobs"), r  # OpenAI logprobs, equal to plain's (stress_report.LOGPROB_TOL)

@@ -27,6 +27,8 @@ class Answer:
     finish: str | None = None  # length | stop | abort | None (unfinished: a disconnected stream)
     matched: object = None  # the stop that matched (token id or string)
     prompt_ids: list[int] | None = None  # what the mismatch diagnosis re-sends to the plain server
+    # chat with logprobs: per token (its logprob, [the top logprobs]), from choices[i].logprobs.content
+    logprobs: list[tuple[float, list[float]]] | None = None
 
 
 @dataclass
@@ -87,8 +89,14 @@ def _generate_answers(items: list[dict], prompt_ids) -> list[Answer]:
 
 def _chat_answers(body: dict) -> list[Answer]:
     choices = sorted(body.get("choices", []), key=lambda c: c.get("index", 0))
-    return [Answer(c.get("message", {}).get("content") or "", None, c.get("finish_reason"), c.get("matched_stop"))
-            for c in choices]
+    return [Answer(c.get("message", {}).get("content") or "", None, c.get("finish_reason"), c.get("matched_stop"),
+                   logprobs=_chat_logprobs(c.get("logprobs"))) for c in choices]
+
+
+def _chat_logprobs(logprobs: dict | None) -> list[tuple[float, list[float]]] | None:
+    if not logprobs or logprobs.get("content") is None:
+        return None
+    return [(t["logprob"], [x["logprob"] for x in t.get("top_logprobs") or []]) for t in logprobs["content"]]
 
 
 def _stream_answers(events: list[dict], chat: bool, prompt_ids) -> list[Answer]:

@@ -21,6 +21,7 @@ _FIELD = re.compile(r"(\w+)=(-?\d+)")
 _DEATH = re.compile(r"Scheduler hit an exception|Received sigquit|SIGQUIT received|memory leak detected|"
                     r"double free|use-after-free")
 _FIRST_FAILURES = 12  # details kept per row
+LOGPROB_TOL = 1e-3  # float32 logprobs of one prefix through a verify row vs plain's 1-token decode (a loaded server)
 
 
 def _check_answer(case: Case, a: Answer) -> str | None:
@@ -45,6 +46,25 @@ def _same(a: Answer, ref: Answer, partial: bool) -> bool:
     if partial:
         return theirs[: len(mine)] == mine
     return mine == theirs and (a.finish, a.matched) == (ref.finish, ref.matched)
+
+
+def _logprob_problem(case: Case, a: Answer, ref: Answer) -> str | None:
+    """A chat request that asked for logprobs: one entry per token with the asked top count, values equal to plain's
+    within LOGPROB_TOL (None: nothing wrong, or none asked)."""
+    body = case.body if isinstance(case.body, dict) else {}
+    if not body.get("logprobs") or case.path != "/v1/chat/completions":
+        return None
+    if a.logprobs is None:
+        return "logprobs asked, none returned"
+    want_top = body.get("top_logprobs") or 0
+    if any(len(top) != want_top for _, top in a.logprobs):
+        return f"top_logprobs: expected {want_top} per token"
+    if ref.logprobs is None or len(a.logprobs) != len(ref.logprobs):
+        return f"{len(a.logprobs)} logprob entries, plain gave {len(ref.logprobs or [])}"
+    for j, ((v, top), (rv, rtop)) in enumerate(zip(a.logprobs, ref.logprobs)):
+        if abs(v - rv) > LOGPROB_TOL or any(abs(x - y) > LOGPROB_TOL for x, y in zip(top, rtop)):
+            return f"logprobs differ from plain at token {j}: {v:.5f} vs {rv:.5f}"
+    return None
 
 
 def _first_difference(a: Answer, ref: Answer) -> int:
@@ -81,6 +101,8 @@ def classify(case: Case, out: Outcome, ref: Outcome | None) -> tuple[str, str]:
         for k, (a, r) in enumerate(zip(out.answers, ref.answers)):
             if not _same(a, r, partial):
                 return "mismatch", f"answer {k} differs from plain at token {_first_difference(a, r)}"
+            if (why := _logprob_problem(case, a, r)) is not None:
+                return "error", f"answer {k}: {why}"
     if out.disconnected:
         return "disconnected", ""
     return ("aborted" if partial else "ok"), ""

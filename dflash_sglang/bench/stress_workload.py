@@ -20,6 +20,7 @@ STOPS = ("\n\n", ".", " the", "?", ":", "!")
 EXPECTS = ("ok", "refused", "maybe")
 ACTIONS = ("", "abort", "disconnect")  # what the client does to an in-flight request (DFLASH servers only)
 LIMIT_MARGIN = 6  # SGLang refuses prompts longer than context_len - 6 ("maximum allowed length")
+CHAT_TOP_LOGPROBS = 2
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,12 @@ def _chat(i: int, kind: str, text: str, params: dict, **kw) -> Case:
                 choices=params.get("n", 1), **kw)
 
 
+def _logprob_chat(i: int, text: str, params: dict) -> Case:
+    """Greedy chat asking OpenAI logprobs (each token's and the top CHAT_TOP_LOGPROBS): compared with plain's."""
+    return _chat(i, "chat_logprobs", text, {**params, "logprobs": True, "top_logprobs": CHAT_TOP_LOGPROBS},
+                 compare=True)
+
+
 def _mixed(i: int, rng: random.Random, spec: WorkloadSpec, pool: PromptPool) -> Case:
     """One ordinary request: greedy (compared with plain) or sampled (checked), /generate or chat, streamed or not."""
     roll, stream = rng.random(), rng.random() < 0.35
@@ -157,6 +164,8 @@ def _mixed(i: int, rng: random.Random, spec: WorkloadSpec, pool: PromptPool) -> 
     if roll < 0.55:
         params = _greedy_params(rng, spec, pool)
         params.pop("ignore_eos", None), params.pop("stop_token_ids", None)
+        if not stream and rng.random() < 0.5:
+            return _logprob_chat(i, text, params)
         return _chat(i, "chat_greedy", text, params, stream=stream, compare=True)
     params = _sampled_params(rng, spec)
     if rng.random() < 0.4:
@@ -229,7 +238,7 @@ def bad_cases(start: int, spec: WorkloadSpec, pool: PromptPool) -> list[Case]:
 
 def build_workload(pool: PromptPool, spec: WorkloadSpec) -> list[Case]:
     """spec.requests cases in a seeded random order: spec.aborts interrupted ones, spec.n_bad bad ones (cycling
-    through `bad_cases`), spec.n_limit at the context limit, the rest `_mixed`."""
+    through `bad_cases`), spec.n_limit at the context limit, one chat asking logprobs, the rest `_mixed`."""
     rng = random.Random(spec.seed)
     base = spec.seed * 100_000  # case ids (and rids) unique across workloads
     bad = bad_cases(base, spec, pool)
@@ -241,6 +250,10 @@ def build_workload(pool: PromptPool, spec: WorkloadSpec) -> list[Case]:
         i += 1
     for _ in range(min(spec.n_limit, spec.requests - len(cases))):
         cases.append(_at_limit(i, rng, spec, pool))
+        i += 1
+    if len(cases) < spec.requests:  # at least one, however small the workload
+        params = {"temperature": 0, "max_new_tokens": rng.randint(1, spec.max_new)}
+        cases.append(_logprob_chat(i, rng.choice(pool.texts), params))
         i += 1
     while len(cases) < spec.requests:
         cases.append(_mixed(i, rng, spec, pool))
