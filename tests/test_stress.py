@@ -84,6 +84,9 @@ PLAIN = _out(Answer("abcd", [5, 6, 7, 8], "length"))
     (_case(), _out(Answer("ab", [5, 6], "length")), "error"),  # length before max_new_tokens
     (_case(kind="context_limit"), _out(Answer("abc", [5, 6, 7], "length")), "mismatch"),  # short is allowed, not !=
     (_case(compare=False, stops=("c",)), _out(Answer("abc", [5, 6, 7], "stop")), "error"),  # stop string left in
+    # max_new_tokens reached by the token that completes the stop string (0.5.17 ends by length first): allowed
+    (_case(compare=False, stops=("d",), max_tokens=4), _out(Answer("abcd", [5, 6, 7, 8], "length")), "ok"),
+    (_case(compare=False, stops=("b",), max_tokens=4), _out(Answer("abcd", [5, 6, 7, 8], "length")), "error"),
     (_case(compare=False, choices=2), _out(Answer("ab", [5, 6], "stop")), "error"),  # n=2, one answer
     (_case(expect="refused"), _out(status=400, body='{"error": "DFLASH (dflash-sglang): empty prompt"}'), "refused"),
     (_case(expect="refused"), _out(Answer("a", [5], "length")), "error"),  # served what it must refuse
