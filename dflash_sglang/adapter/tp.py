@@ -94,8 +94,8 @@ class RankScores:
     vocab: DraftVocab
     logits: Tensor  # [bs, D, rows] this rank's rows
 
-    def argmax(self) -> Tensor:
-        return self.vocab.argmax(self.logits)
+    def argmax(self, count: int) -> Tensor:
+        return self.vocab.argmax(self.logits[:, :count])
 
     def topk(self, k: int) -> tuple[Tensor, Tensor]:
         return self.vocab.topk(self.logits, k)

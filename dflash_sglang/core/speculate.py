@@ -29,8 +29,8 @@ from .tree_verify import verify_tree_greedy, verify_tree_sampling
 class DraftScores(Protocol):
     """The drafter's opinion over block positions 1..B-1 (D = B-1 of them), as target token ids."""
 
-    def argmax(self) -> Tensor:
-        """[bs, D] int64: the best token at each position (a chain's drafts)."""
+    def argmax(self, count: int) -> Tensor:
+        """[bs, count] int64: the best token at each of the first count positions (a chain's drafts)."""
         ...
 
     def topk(self, k: int) -> tuple[Tensor, Tensor]:
@@ -46,8 +46,8 @@ class DraftLogits:
     logits: Tensor
     token_map: Tensor | None = None
 
-    def argmax(self) -> Tensor:
-        return to_target_ids(self.logits.argmax(-1), self.token_map)
+    def argmax(self, count: int) -> Tensor:
+        return to_target_ids(self.logits[:, :count].argmax(-1), self.token_map)
 
     def topk(self, k: int) -> tuple[Tensor, Tensor]:
         return draft_topk(self.logits, k, self.token_map)
@@ -93,9 +93,8 @@ def propose(bonus: Tensor, scores: DraftScores | None, shape: SpecShape,
         drafts = bonus.new_zeros(bs, 0)
         if n > 1:
             assert scores is not None, "a chain of more than one row needs draft scores"
-            drafts = scores.argmax()
-            assert drafts.shape[1] >= n - 1, "block too short for the chain"
-            drafts = drafts[:, : n - 1]
+            drafts = scores.argmax(n - 1)
+            assert drafts.shape[1] == n - 1, "block too short for the chain"
         ids = torch.cat([bonus[:, None], drafts], dim=1)
         depth = torch.arange(n, device=bonus.device).repeat(bs, 1)  # a chain is a tree of depth i at node i
         return Proposal(ids, depth, None)
