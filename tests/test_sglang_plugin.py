@@ -516,6 +516,44 @@ def test_verify_graph_mask_policy_hook(plugin, monkeypatch):
 
 
 @child_only
+@pytest.mark.parametrize("output, cap, stop_ids", [
+    ([5, 6, 7, 8, 9], 5, [7]),  # a stop token inside a step that reaches the cap: plain stops at it
+    ([5, 6, 9, 8, 7], 5, [7]),  # the stop is the cap's own token: as plain decides it on this version
+    ([5, 6, 7, 8, 9], 9, [7]),  # no cap in the step
+    ([5, 6, 9, 8, 4], 5, [7]),  # no stop: length
+])
+def test_a_multi_token_commit_finishes_as_one_token_steps_do(plugin, monkeypatch, output, cap, stop_ids):
+    """Our worker commits up to N tokens a step; the scheduler's finish check must end the request exactly where
+    plain decoding (one token a step) ends it. SGLang 0.5.17 checks max_new_tokens first and kept tokens after a
+    stop accepted in the step that reached the cap (found by scripts/stress.py); the seam hooks it."""
+    from sglang.srt import runtime_context
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    published = SimpleNamespace(server_args=SimpleNamespace(_dflash_settings=object()))
+    monkeypatch.setattr(runtime_context, "get_context", lambda: published)
+
+    def req():
+        params = SamplingParams(max_new_tokens=cap, stop_token_ids=stop_ids)
+        params.normalize(None)
+        r = Req("r", "", [1, 2, 3], params, eos_token_ids={2})
+        r.vocab_size = 16  # set by the scheduler
+        return r
+
+    plain, spec = req(), req()
+    for token in output:  # plain decoding: one token a step
+        plain.output_ids.append(token)
+        plain.update_finish_state(1)
+        if plain.finished():
+            break
+    spec.output_ids = [5, 6]  # a first step, then one step committing the rest at once
+    spec.update_finish_state(2)
+    spec.output_ids = list(output)
+    spec.update_finish_state(len(output) - 2)
+    assert (type(spec.finished_reason), spec.finished_len) == (type(plain.finished_reason), plain.finished_len)
+
+
+@child_only
 def test_hub_draft_id_resolves_to_its_snapshot(plugin, pair, monkeypatch, tmp_path):
     """--speculative-draft-model-path ORG/NAME is fetched (here: found offline in a hub cache laid out like
     huggingface_hub's, under --download-dir) and replaced by the local snapshot before the draft is read."""

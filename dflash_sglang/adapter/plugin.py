@@ -31,7 +31,7 @@ import os
 import sys
 
 from .settings import IMPL_ENV, add_plugin_flags, nondefault_plugin_flags, pending_flags, split_plugin_flags
-from .versions import require_supported_sglang
+from .versions import require_supported_sglang, version_hooks
 
 IMPLS = ("ours", "builtin")
 
@@ -203,6 +203,7 @@ def register() -> None:
         (VALIDATE_REQUEST, _validate_request), (MASK_POLICY, _verify_mask_policy), (ROW_HEADROOM, _row_headroom),
         (KV_COPY_WARMUP, kv_copy_warmup_hook), (ASSIGN_REQ_TO_TOKEN, assign_req_to_token_pool_hook),
         (GRAMMAR_BITMASK, allocate_token_bitmask_hook), (GRAMMAR_APPLY, apply_vocab_mask_hook),
+        *version_hooks(),
     ):
         HookRegistry.register(target, hook, HookType.AROUND)
     _registered = True

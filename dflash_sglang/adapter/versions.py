@@ -9,7 +9,10 @@ upstream symbol it adapts and what changed (0.5.17 -> 0.5.23):
   `overrides.resolution_result` (the fields keep the operator's raw input);
 - a live read view while resolving: `overrides.resolved_view` -> `arg_groups.model_override_base.resolving_view`;
 - the target's ModelConfig: `ServerArgs.get_model_config()` -> `model_override_base.model_config_of(server_args)`;
-- the simulated-acceptance sampler: `spec_utils._sample_simulated_acc_len` -> `spec_utils.sample_simulated_acc_len`.
+- the simulated-acceptance sampler: `spec_utils._sample_simulated_acc_len` -> `spec_utils.sample_simulated_acc_len`;
+- finishing a multi-token commit, `schedule_batch.Req.update_finish_state`: 0.5.17 checks max_new_tokens before stop
+  strings and stop tokens, so a step that reaches the cap keeps the tokens after a stop it accepted earlier (plain
+  decoding, one token a step, stops there); 0.5.23 checks stops first. `finish_like_plain` hooks 0.5.17's.
 
 What did not change (checked against both wheels): the plugin entry-point group and `HookRegistry`, the hooked
 symbols (adapter/plugin.py), `DFlashDraftInputV2` / `DFlashVerifyInput`, `get_context().server_args`, and the
@@ -106,3 +109,40 @@ def sample_simulated_acc_len(mean: float, method: str, block_size: int) -> int:
 
     sampler = spec_utils.sample_simulated_acc_len if _SEALED_RESOLUTION else spec_utils._sample_simulated_acc_len
     return sampler(mean, method, block_size)
+
+
+FINISH_STATE = "sglang.srt.managers.schedule_batch.Req.update_finish_state"
+
+
+def version_hooks() -> tuple[tuple[str, Any], ...]:
+    """(upstream symbol, AROUND hook) pairs that only this SGLang version needs (adapter/plugin.py registers them)."""
+    return () if _SEALED_RESOLUTION else ((FINISH_STATE, finish_like_plain),)
+
+
+def finish_like_plain(original, req: Any, new_accepted_len: int = 1) -> None:
+    """SGLang 0.5.17's `Req.update_finish_state` for our DFLASH worker's multi-token commits: a step of k tokens that
+    reaches max_new_tokens finishes as k one-token steps of plain decoding would, i.e. at a stop string or stop token
+    that comes before the cap (0.5.17 ended such a step by length, keeping the tokens after the stop), and by length
+    when the stop is the cap's own token (as plain 0.5.17 does). Other steps, and other workers, are untouched."""
+    params = req.sampling_params
+    cap = params.max_new_tokens
+    if (new_accepted_len <= 1 or cap is None or len(req.output_ids) < cap or req.finished() or req.to_finish
+            or not _our_worker_serves()):
+        return original(req, new_accepted_len)
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+
+    params.max_new_tokens = len(req.output_ids) + 1  # the stop checks first, the length check passed
+    try:
+        original(req, new_accepted_len)
+    finally:
+        params.max_new_tokens = cap
+    if req.finished() and (req.finished_len is None or req.finished_len < cap):
+        return  # stopped before the cap, as plain decoding would have
+    req.finished_reason, req.finished_len = FINISH_LENGTH(length=cap), cap
+
+
+def _our_worker_serves() -> bool:
+    """This scheduler's server args were resolved for our DFLASH worker (never with DFLASH_SGLANG_IMPL=builtin)."""
+    from sglang.srt.runtime_context import get_context
+
+    return getattr(get_context().server_args, "_dflash_settings", None) is not None
