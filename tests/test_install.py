@@ -1,0 +1,72 @@
+"""The second SGLang environment of .ci/run layers over the *current* environment, virtualenv or not.
+
+`python -m venv --system-site-packages`, run from inside a virtualenv, layers over the base interpreter instead of
+that virtualenv (what broke `bash .ci/run` for users who install into a virtualenv). A probe module that exists
+only in the parent virtualenv must import in the layered one, next to torch and the project; one installed into the
+layered environment itself must win (it shadows SGLang's pins). No SGLang needed: seconds.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _purelib(py: Path) -> Path:
+    out = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         check=True, capture_output=True, text=True)
+    return Path(out.stdout.strip())
+
+
+def _run(py: Path, code: str) -> str:
+    out = subprocess.run([str(py), "-c", code], capture_output=True, text=True, cwd="/")
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_layered_venv_sees_the_parent_virtualenv_and_shadows_it(tmp_path: Path) -> None:
+    # The user's virtualenv: made from this interpreter; it sees torch and the project as this environment does,
+    # and has one package of its own, which the base interpreter lacks.
+    parent = tmp_path / "user_venv"
+    venv.EnvBuilder(system_site_packages=True, with_pip=False, symlinks=True).create(parent)
+    parent_py = parent / "bin" / "python"
+    (_purelib(parent_py) / "dflash_layer_probe.py").write_text("WHERE = 'parent virtualenv'\n")
+
+    layered = tmp_path / "sglang_venv"
+    made = subprocess.run([str(parent_py), str(REPO / ".ci" / "layered_venv.py"), str(layered)],
+                          capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    assert f"over {parent}" in made.stdout, made.stdout  # the one-line report names the parent environment
+    py = layered / "bin" / "python"
+
+    probe = "import dflash_layer_probe, torch, dflash_sglang; print(dflash_layer_probe.WHERE, torch.__version__)"
+    where, torch_version = _run(py, probe).rsplit(" ", 1)
+    assert where == "parent virtualenv"
+    assert torch_version == _run(Path(sys.executable), "import torch; print(torch.__version__)")
+
+    # What the layered environment installs itself comes first (SGLang's pins shadow the parent's packages).
+    (_purelib(py) / "dflash_layer_probe.py").write_text("WHERE = 'layered env'\n")
+    assert _run(py, "import dflash_layer_probe; print(dflash_layer_probe.WHERE)") == "layered env"
+    assert _run(parent_py, "import dflash_layer_probe; print(dflash_layer_probe.WHERE)") == "parent virtualenv"
+
+    # Re-running (as every .ci/run does) keeps the environment and its own packages.
+    again = subprocess.run([str(parent_py), str(REPO / ".ci" / "layered_venv.py"), str(layered)],
+                           capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert _run(py, "import dflash_layer_probe; print(dflash_layer_probe.WHERE)") == "layered env"
+
+
+def test_base_venv_flag_misses_the_parent_virtualenv(tmp_path: Path) -> None:
+    """The failure mode this guards against, shown: --system-site-packages from inside a virtualenv skips it."""
+    parent = tmp_path / "user_venv"
+    venv.EnvBuilder(system_site_packages=True, with_pip=False, symlinks=True).create(parent)
+    parent_py = parent / "bin" / "python"
+    (_purelib(parent_py) / "dflash_layer_probe.py").write_text("WHERE = 'parent virtualenv'\n")
+    naive = tmp_path / "naive"
+    subprocess.run([str(parent_py), "-m", "venv", "--system-site-packages", "--without-pip", str(naive)], check=True)
+    out = subprocess.run([str(naive / "bin" / "python"), "-c", "import dflash_layer_probe"], capture_output=True,
+                         text=True, cwd="/")
+    assert out.returncode != 0 and "No module named 'dflash_layer_probe'" in out.stderr
