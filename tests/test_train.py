@@ -302,6 +302,44 @@ def test_resume_continues_the_same_run(tmp_path):
         assert torch.allclose(a, b, atol=1e-6), n
 
 
+def test_sigterm_checkpoints_the_current_step_and_validation_runs_every_val_every(tmp_path, monkeypatch):
+    """The standing job (scripts/train_job.sh stop, or a session's end) sends SIGTERM: the step in progress is
+    finished and checkpointed, nothing is exported, the process exits 143; a resume goes on from that step with the
+    saved schedule (no new warm-up). Held-out passes: at the start, every val_every steps and at the end only."""
+    import os
+    import signal
+
+    import dflash_sglang.train.trainer as trainer_mod
+
+    frozen, data = _tiny_cache(tmp_path, n=10)
+    data, held_out = data[:8], data[8:]
+    tcfg = TrainConfig(max_steps=8, batch_size=4, num_anchors=4, lr=1e-3, seed=0, save_every=1, val_every=4,
+                       bf16=False, warmup_ratio=0.5)
+    run = Trainer(draft_cfg(), tcfg, frozen, data, tmp_path / "run", val_data=held_out)
+    real_step = trainer_mod.Trainer.loss_on
+
+    def loss_on(self, seqs, gen):  # SIGTERM arrives while step 3 runs
+        if self.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(self, seqs, gen)
+
+    monkeypatch.setattr(trainer_mod.Trainer, "loss_on", loss_on)
+    with pytest.raises(SystemExit) as stopped:
+        run.train(progress=False)
+    monkeypatch.undo()
+    assert stopped.value.code == 128 + signal.SIGTERM and run.step == 3
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("*.pt"))[-1] == "step_0000003.pt"
+    assert not (tmp_path / "run" / "model.safetensors").exists()
+    assert signal.getsignal(signal.SIGTERM) is not None  # the handler was put back
+    resumed = Trainer(draft_cfg(), tcfg, frozen, data, tmp_path / "run", val_data=held_out)
+    assert resumed.maybe_resume() and resumed.step == 3
+    assert resumed.sched.get_last_lr()[0] == pytest.approx(run.sched.get_last_lr()[0])  # no new warm-up
+    resumed.train(progress=False)
+    records = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    # step 0 at the start; the resumed launch validates step 3 (its start), then 4 and 8 (val_every, the end)
+    assert [r["step"] for r in records if "loss" not in r] == [0, 3, 4, 8]
+
+
 def test_init_from_a_checkpoint_continues_it(tmp_path):
     """--init DIR: a new run starts from the checkpoint's weights, so its loss starts where that run ended."""
     from dflash_sglang.train.warm_start import check_init_checkpoint, load_init_weights

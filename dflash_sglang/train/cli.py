@@ -25,6 +25,7 @@ from .trainer import FrozenTarget, TrainConfig, Trainer
 from .warm_start import check_init_checkpoint, load_init_weights, warm_start_from_target
 
 log = logging.getLogger(__name__)
+NEEDS_DATA = 3  # exit code: --max-passes reached, checkpointed; grow the cache and resume
 # Special tokens that never occur in chat text, by preference. <empty_output> is SmolLM2's jupyter-notebook
 # marker: a real embedding row, outside the chat template, never produced by tokenizing ordinary text.
 MASK_TOKEN_CANDIDATES = ("<|MASK|>", "<mask>", "<|mask|>", "<empty_output>")
@@ -77,6 +78,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--gamma", type=float, default=None, help="loss decay (default 7 for B=16, 4 for B=8)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--save-every", type=int, default=100)
+    t.add_argument("--max-passes", type=float, default=None,
+                   help="stop (checkpointed, exit code 3) once the steps have visited the cached sequences this many "
+                        "times on average: a resumed run with a grown cache goes on (scripts/train_job.sh)")
+    t.add_argument("--val-every", type=int, default=None,
+                   help="held-out pass every N steps (default: at every checkpoint)")
     t.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     t.add_argument("--init", default="target",
                    help="'target': start the draft layers as copies of the target layers after the deepest fused "
@@ -211,7 +217,8 @@ def run(args: argparse.Namespace) -> int:
     val_data = load_cache(val_cache, cfg.target_layer_ids) if args.val_samples and list_shards(val_cache) else []
     tcfg = TrainConfig(epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,
                        num_anchors=args.num_anchors, lr=args.lr, warmup_ratio=args.warmup_ratio, gamma=args.gamma,
-                       seed=args.seed, save_every=args.save_every, bf16=BF16_CHOICES[args.bf16],
+                       seed=args.seed, save_every=args.save_every, val_every=args.val_every, max_passes=args.max_passes,
+                       bf16=BF16_CHOICES[args.bf16],
                        output_norm_init=None if args.output_norm_init == "target" else float(args.output_norm_init))
     token_map = draft_token_map(data, args.draft_vocab, cfg.vocab_size)
     trainer = Trainer(cfg, tcfg, frozen, data, args.out, device, val_data=val_data, token_map=token_map)
@@ -226,6 +233,10 @@ def run(args: argparse.Namespace) -> int:
              sum(len(s.tokens) for s in data), trainer.total_steps, len(val_data))
     t1 = time.monotonic()
     last = trainer.train(time_budget_s=None if args.time_budget_min is None else 60 * args.time_budget_min)
+    if last.get("needs_data"):
+        print(json.dumps({"needs_data": True, "step": trainer.step, "passes": round(trainer.passes(), 2),
+                          "sequences": len(data)}))
+        return NEEDS_DATA
     summary = {"target": str(target_dir), "init": args.init, "data": args.data, "sequences": len(data),
                "draft_vocab": args.draft_vocab or cfg.vocab_size,
                "held_out": len(val_data), "steps": trainer.total_steps,

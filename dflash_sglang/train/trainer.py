@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,6 +49,10 @@ class TrainConfig:
     gamma: float | None = None  # None: paper value for the block size
     seed: int = 0
     save_every: int = 100
+    val_every: int | None = None  # held-out pass every this many steps (None: at every checkpoint); a multiple
+    # of save_every keeps validation cheap beside frequent checkpoints (a resumed run redoes fewer steps)
+    max_passes: float | None = None  # stop (checkpointed, not exported) once the steps taken have visited the
+    # sequences this many times on average: a growing cache (the standing CPU job) gets more data first
     keep_checkpoints: int = 2
     output_norm_init: float | None = 0.05  # None: copy the target's final norm (see init_drafter)
     bf16: bool | None = None  # autocast matmuls to bf16 (weights stay fp32); None: where it pays (bf16_pays)
@@ -152,6 +157,25 @@ def _features_to_device(data: list[Sequence_], device: torch.device, max_fractio
         return data
     log.info("features moved to %s: %.1f GB", device, total / 1e9)
     return [Sequence_(s.tokens, s.prompt_len, s.features.to(device)) for s in data]
+
+
+class _StopOnTerm:
+    """Turns SIGTERM into a flag the loop checks after each step (main thread only; elsewhere a no-op)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old = None
+        try:
+            self._old = signal.signal(signal.SIGTERM, self._on_term)
+        except ValueError:  # not the main thread
+            pass
+
+    def _on_term(self, signum, frame) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
 
 
 class Trainer:
@@ -315,6 +339,10 @@ class Trainer:
             log.info("%s: keeping the checkpoint's token map (the data's most frequent tokens moved)", path)
             self._set_token_map(saved)
 
+    def passes(self) -> float:
+        """Sequence visits so far (every step, earlier launches included) per sequence of the data now."""
+        return self.step * self.tcfg.batch_size / len(self.data)
+
     # ------------------------------------------------------------------ loop
     def train(self, progress: bool = True, time_budget_s: float | None = None, calibrate_steps: int = 10) -> dict:
         """Run to `total_steps` and export the drafter.
@@ -331,7 +359,12 @@ class Trainer:
         cpu_start = time.process_time()  # CPU seconds (all threads): what a shared CPU machine actually spent
         if self.step not in self._validated_steps():  # a resumed run's checkpoint step was validated when saved
             self._log_validation(logf)  # where this run starts (an --init drafter, a resumed step, or scratch)
+        stop = _StopOnTerm()  # a stopped background job keeps the step it is on (and exits 143, not exported)
+        needs_data = False
         while self.step < self.total_steps:
+            if self.tcfg.max_passes is not None and self.passes() >= self.tcfg.max_passes:
+                needs_data = True
+                break
             seqs = [self.data[i] for i in self._batch_indices(self.step)]
             gen = torch.Generator().manual_seed(self.tcfg.seed * 7_919 + self.step)
             loss, acc = self.loss_on(seqs, gen)
@@ -361,15 +394,28 @@ class Trainer:
                 self.fit_to_budget(time_budget_s - elapsed + per_step * self.step, per_step)
                 bar.total = self.total_steps
             out_of_time = time_budget_s is not None and elapsed > time_budget_s
-            if self.step % self.tcfg.save_every == 0 or self.step == self.total_steps or out_of_time:
+            end = self.step == self.total_steps or out_of_time
+            if self.step % self.tcfg.save_every == 0 or end or stop.requested:
                 self.save_checkpoint()
+            if self.step % (self.tcfg.val_every or self.tcfg.save_every) == 0 or end:
                 val = self._log_validation(logf)
                 if val is not None:
                     last["val"] = val
+            if stop.requested:
+                break
             if out_of_time:
                 log.warning("time budget reached at step %d/%d; exporting early", self.step, self.total_steps)
                 break
+        stop.restore()
         bar.close()
         logf.close()
+        if needs_data:
+            self.save_checkpoint()
+            log.warning("step %d: %.1f passes over %d sequences (--max-passes %g): checkpointed, grow the data first",
+                        self.step, self.passes(), len(self.data), self.tcfg.max_passes)
+            return {**last, "step": self.step, "needs_data": True}
+        if stop.requested:
+            log.warning("SIGTERM at step %d/%d: checkpointed, not exported", self.step, self.total_steps)
+            raise SystemExit(128 + signal.SIGTERM)
         save_drafter(self.model, self.out)
         return last
