@@ -53,19 +53,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--block-size", type=int, help="default: the checkpoint's block size")
+    p.add_argument("--block-size", type=int,
+                   help="a fixed chain of B verify rows every step (no goodput controller); default: the checkpoint's "
+                        "block size, each step's chain length from the goodput controller (as the server's default)")
+    p.add_argument("--fixed", action="store_true",
+                   help="a fixed chain of the block size every step instead of the goodput controller")
     p.add_argument("--tree-nodes", type=int, help="verify a draft tree of N nodes (root included) per step")
     p.add_argument("--tree-topk", type=int, default=4, help="candidates per draft position for --tree-nodes")
     p.add_argument("--adaptive", action="store_true",
-                   help="choose the tree/chain per step from the running batch size (--adaptive-table)")
+                   help="alone: the goodput controller, with --block-size as its longest chain; with --adaptive-table: "
+                        "the tree/chain per step from the running batch size")
     p.add_argument("--adaptive-table", default=None,
-                   help="MAX_BS:NODESxTOPK rows ascending, the last MAX_BS 'inf' (default: the server's default table)")
+                   help="MAX_BS:NODESxTOPK rows ascending, the last MAX_BS 'inf' (e.g. the server's "
+                        "--speculative-dflash-adaptive-table default)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-chat-template", action="store_true", help="tokenize prompts as raw text")
     p.add_argument("--check-lossless", action="store_true", help="also decode without speculation and compare")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per prompt (with the goodput controller: 'shapes', its batch's decode steps "
+                        "per chain length)")
     p.set_defaults(run=run_generate)
 
     for name, (module, help_text) in EXTERNAL.items():
@@ -185,20 +193,37 @@ def adaptive_policy(table: str | None):
         raise UsageError(f"--adaptive-table {table!r}: {e}") from None
 
 
+def spec_mode(args: argparse.Namespace) -> str:
+    """How `generate` picks each step's verify shape: 'goodput' (the default, as the server's: no --block-size,
+    no tree and no table, or --adaptive alone), 'chain' (--block-size or --fixed), 'tree' or 'table'."""
+    if args.adaptive_table is not None and not args.adaptive:
+        raise UsageError("--adaptive-table needs --adaptive")
+    if args.adaptive and args.tree_nodes:
+        raise UsageError("--adaptive picks the tree size itself; drop --tree-nodes")
+    if args.fixed and (args.adaptive or args.tree_nodes):
+        raise UsageError("--fixed verifies a chain of the block size every step; drop "
+                         + ("--adaptive" if args.adaptive else "--tree-nodes"))
+    if args.adaptive:
+        return "table" if args.adaptive_table is not None else "goodput"
+    if args.tree_nodes:
+        return "tree"
+    return "chain" if args.fixed or args.block_size is not None else "goodput"
+
+
 def run_generate(args: argparse.Namespace) -> int:
     import torch
 
     from dflash_sglang.core.adaptive import SpecShape
+    from dflash_sglang.core.goodput import GoodputConfig, GoodputController, describe
     from dflash_sglang.core.reference import ReferenceDecoder
 
     if args.max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be >= 1")
     if args.check_lossless and args.temperature != 0:
         raise UsageError("--check-lossless compares token identity, which needs --temperature 0")
-    if args.adaptive_table is not None and not args.adaptive:
-        raise UsageError("--adaptive-table needs --adaptive")
-    if args.adaptive and args.tree_nodes:
-        raise UsageError("--adaptive picks the tree size itself; drop --tree-nodes")
+    mode = spec_mode(args)
+    if args.block_size is not None and args.block_size < 2:
+        raise UsageError(f"--block-size must be >= 2, got {args.block_size}")
     if args.tree_nodes is not None and (args.tree_nodes < 1 or args.tree_topk < 1):
         raise UsageError("--tree-nodes and --tree-topk must be >= 1")
     if (args.target is None) != (args.draft is None):
@@ -214,15 +239,22 @@ def run_generate(args: argparse.Namespace) -> int:
     dec = ReferenceDecoder(target, drafter)
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                     eos_token_id=tokenizer.eos_token_id)
+    # one controller for the whole run, as in a server: it keeps learning over the batches
+    controller = (GoodputController(GoodputConfig(max_nodes=args.block_size or drafter.cfg.block_size))
+                  if mode == "goodput" else None)
     shape = dict(
-        tree=SpecShape(args.tree_nodes, args.tree_topk if args.tree_nodes >= 3 else 1) if args.tree_nodes else None,
-        policy=adaptive_policy(args.adaptive_table) if args.adaptive else None,
+        tree=SpecShape(args.tree_nodes, args.tree_topk if args.tree_nodes >= 3 else 1) if mode == "tree" else None,
+        policy=adaptive_policy(args.adaptive_table) if mode == "table" else None,
+        controller=controller,
     )
     for start in range(0, len(ids), args.batch_size):
         chunk = ids[start:start + args.batch_size]
+        before = dict(controller.counts) if controller is not None else {}
         t0 = time.perf_counter()
         outs = dec.generate(chunk, args.max_new_tokens, block_size=args.block_size, **sampling, **shape)
         elapsed = time.perf_counter() - t0
+        shapes = (None if controller is None else
+                  {n: c - before.get(n, 0) for n, c in sorted(controller.counts.items()) if c > before.get(n, 0)})
         plain = dec.plain_generate(chunk, args.max_new_tokens, **sampling) if args.check_lossless else None
         for i, out in enumerate(outs):
             record = {
@@ -233,6 +265,8 @@ def run_generate(args: argparse.Namespace) -> int:
                 "mean_accept_length": round(out.mean_accept_length, 4),
                 "batch_seconds": round(elapsed, 3),
             }
+            if shapes is not None:  # this batch's decode steps per chain length (1: a plain step)
+                record["shapes"] = shapes
             if plain is not None:
                 mismatch = next((j for j, (a, b) in enumerate(zip(out.tokens, plain[i])) if a != b), None)
                 if mismatch is None and len(out.tokens) != len(plain[i]):
@@ -244,6 +278,8 @@ def run_generate(args: argparse.Namespace) -> int:
             else:
                 extra = f"  lossless={record['lossless']}" if plain is not None else ""
                 print(f"[{record['index']}] tau={record['mean_accept_length']:.2f}{extra}\n{record['text']}\n")
+    if controller is not None and not args.json:
+        print(f"goodput controller: {describe(controller.summary(min(args.batch_size, len(ids))))}")
     return 0
 
 

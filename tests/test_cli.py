@@ -70,21 +70,47 @@ def test_inspect_target_mismatch(pair, tmp_path, capsys):
     assert "'vocab_size'=96 does not match the target's vocab_size=64" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("shape", [[], ["--tree-nodes", "12", "--tree-topk", "3"], ["--adaptive"]], ids=str)
-def test_generate_json_lossless(pair, tmp_path, capsys, shape):
+@pytest.mark.parametrize("shape,block,controlled", [
+    (["--block-size", "4"], 4, False),  # a fixed chain of 4
+    (["--fixed"], 8, False),  # a fixed chain of the checkpoint's block
+    (["--block-size", "4", "--tree-nodes", "12", "--tree-topk", "3"], 4, False),
+    (["--block-size", "4", "--adaptive", "--adaptive-table", "2:8x2,inf:4x1"], 4, False),
+    ([], 8, True),  # the default: the goodput controller over chains of 1 .. the checkpoint's block, as the server
+    (["--adaptive", "--block-size", "4"], 4, True),  # the controller with a longest chain of 4, as the server's flag
+], ids=str)
+def test_generate_json_lossless(pair, tmp_path, capsys, shape, block, controlled):
     target, draft = pair
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["hi", "a longer prompt here", "x"]) + "\n")
     code = main(["generate", "--target", str(target), "--draft", str(draft), "--prompts-file", str(prompts),
-                 "--max-new-tokens", "12", "--block-size", "4", "--check-lossless", "--json",
+                 "--max-new-tokens", "12", "--check-lossless", "--json",
                  "--no-chat-template", "--batch-size", "2", *shape])
     assert code == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["index"] for r in records] == [0, 1, 2]
     for r in records:
         assert r["lossless"] is True and r["first_mismatch"] is None
-        assert 1 <= r["mean_accept_length"] <= 4 and len(r["tokens"]) == 12
+        assert 1 <= r["mean_accept_length"] <= block and len(r["tokens"]) == 12
+        assert max(r["accept_lengths"]) <= block
         assert set(r) >= {"text", "tokens", "accept_lengths", "mean_accept_length", "lossless"}
+        assert ("shapes" in r) == controlled
+    if controlled:  # each batch's decode steps per chain length (1: a plain step), none longer than the block
+        for batch in (records[:2], records[2:]):
+            shapes = {int(n): c for n, c in batch[0]["shapes"].items()}
+            assert all(r["shapes"] == batch[0]["shapes"] for r in batch)
+            assert sum(shapes.values()) == max(len(r["accept_lengths"]) for r in batch)
+            assert max(shapes) <= block and min(shapes.values()) >= 1
+        first = {int(n) for n in records[0]["shapes"]}
+        assert {1, block} <= first, first  # its warm-up: the longest chain and plain steps
+
+
+def test_generate_text_ends_with_the_controller_state(pair, capsys):
+    target, draft = pair
+    assert main(["generate", "--target", str(target), "--draft", str(draft), "--prompt", "hi", "--max-new-tokens", "6",
+                 "--no-chat-template", "--check-lossless"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert "lossless=True" in out[0]
+    assert out[-1].startswith("goodput controller: steps per chain length {"), out[-1]
 
 
 @pytest.mark.parametrize(
@@ -94,6 +120,9 @@ def test_generate_json_lossless(pair, tmp_path, capsys, shape):
         (["--prompt", "hi", "--max-new-tokens", "4", "--temperature", "1", "--check-lossless"],
          "needs --temperature 0"),
         (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (["--prompt", "hi", "--max-new-tokens", "4", "--fixed", "--tree-nodes", "8"], "--fixed verifies a chain"),
+        (["--prompt", "hi", "--max-new-tokens", "4", "--adaptive-table", "inf:4x1"], "needs --adaptive"),
+        (["--prompt", "hi", "--max-new-tokens", "4", "--block-size", "1"], "--block-size must be >= 2"),
     ],
 )
 def test_generate_bad_input(pair, capsys, extra, match):

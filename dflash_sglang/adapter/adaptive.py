@@ -14,15 +14,19 @@ the largest shape the table can pick (or the explicit --speculative-num-draft-to
 each step verifies only its own shape's nodes, and result rows stay N wide (-1 padded). `adaptive_limits` checks a
 table at start-up (adapter/args.py), one line naming the flag.
 
-`ShapeSchedule` is what the worker asks each step; in fixed mode it returns the one shape of the flags.
+`ShapeSchedule` is what the worker asks each step; in fixed mode it returns the one shape of the flags, in goodput
+mode (the default, core/goodput.py) the controller's chain, which then learns from each step's `observe`.
 """
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dflash_sglang.core.adaptive import AdaptivePolicy, SpecShape
+from dflash_sglang.core.goodput import GoodputController, describe
 
 from .settings import DFlashSettings
 
@@ -72,21 +76,28 @@ def adaptive_limits(
 
 @dataclass
 class ShapeSchedule:
-    """The verify shape of every decode step: the fixed one of the flags, or the policy's for the batch size.
+    """The verify shape of every decode step: the fixed one of the flags, the policy's for the batch size, or the
+    goodput controller's.
 
     Adaptive mode counts decode steps per shape and logs the distribution at debug level whenever the shape
-    changes (so a steady load logs nothing).
+    changes (so a steady load logs nothing). Goodput mode logs the controller's state (chosen chains, acceptance by
+    depth, cost terms, predicted vs measured tokens/s) at INFO every `log_every_s` seconds of decoding.
     """
 
     max_nodes: int  # N: the result row stride and KV reservation; no step verifies more nodes per request
     fixed: SpecShape | None = None
     policy: AdaptivePolicy | None = None
+    controller: GoodputController | None = None
     table: str = ""
+    token_budget: int | None = None  # goodput: at most this many verify rows per step over the batch
     steps: Counter = field(default_factory=Counter)  # adaptive: decode steps per SpecShape
     current: SpecShape | None = None
+    log_every_s: float = 60.0
+    _last_log: float = field(default=0.0, repr=False)
 
     def __post_init__(self) -> None:
-        assert (self.fixed is None) != (self.policy is None), "a schedule is either fixed or adaptive"
+        assert sum(x is not None for x in (self.fixed, self.policy, self.controller)) == 1, \
+            "a schedule is fixed, a table or the goodput controller"
         if self.fixed is not None:
             assert self.fixed.nodes <= self.max_nodes
             self.current = self.fixed
@@ -95,6 +106,9 @@ class ShapeSchedule:
     def from_settings(cls, settings: DFlashSettings) -> ShapeSchedule:
         """Adaptive mode: the table's policy under N = settings.nodes; else the fixed shape N x k (the chain:
         N = B, k = 1). The table was checked at start-up."""
+        if settings.mode == "goodput":
+            return cls(settings.nodes, controller=GoodputController(settings.controller_config()),
+                       token_budget=settings.adaptive_token_budget)
         if settings.mode != "adaptive":
             return cls(settings.nodes, fixed=SpecShape(settings.nodes, settings.topk))
         return cls(settings.nodes, policy=settings.policy(), table=settings.adaptive_table)
@@ -102,12 +116,24 @@ class ShapeSchedule:
     def node_counts(self) -> tuple[int, ...]:
         """Verify rows per request of the table's shapes (the fixed shape's alone): what commit graphs are captured
         for. A token budget can shrink a step below its row's count; such a step commits eagerly."""
+        if self.controller is not None:
+            return self.controller.lengths
         if self.policy is None:
             return (self.fixed.nodes,)
         return tuple(sorted({s.nodes for s in self.policy.row_shapes()}))
 
     def choose(self, batch_size: int) -> SpecShape:
         """The shape of a decode step over `batch_size` running requests (host-side, no device sync)."""
+        if self.controller is not None:
+            decision = self.controller.choose(batch_size)
+            shape = decision.shape
+            if self.token_budget is not None:
+                shape = shape.at_most(max(1, self.token_budget // batch_size))
+            if shape != self.current and logger.isEnabledFor(logging.DEBUG):
+                logger.debug("DFLASH goodput: batch size %d -> chain %d (%s)", batch_size, shape.nodes,
+                             decision.reason)
+            self.current = shape
+            return shape
         if self.policy is None:
             return self.fixed
         shape = self.policy.choose(batch_size)
@@ -120,12 +146,27 @@ class ShapeSchedule:
                              batch_size, _name(shape), self.distribution())
         return shape
 
+    def observe(self, nodes: int, accepted: Sequence[int], seconds: float | None) -> None:
+        """A finished decode step (goodput mode): its chain length, accepted drafts per request and wall seconds
+        (None when the interval held other work, e.g. a prefill)."""
+        if self.controller is None:
+            return
+        self.controller.observe(nodes, accepted, seconds)
+        now = time.monotonic()
+        if now - self._last_log >= self.log_every_s and logger.isEnabledFor(logging.INFO):
+            self._last_log = now
+            logger.info("DFLASH goodput: %s", describe(self.controller.summary(len(accepted))))
+
     def distribution(self) -> str:
         """'10x3: 12, 4x1: 40' (decode steps per shape, most used first)."""
         return ", ".join(f"{_name(s)}: {n}" for s, n in self.steps.most_common())
 
     def describe(self) -> str:
         """One phrase for the startup log line."""
+        if self.controller is not None:
+            budget = "" if self.token_budget is None else f", token budget {self.token_budget}"
+            return (f"goodput controller over chains of {'/'.join(map(str, self.controller.lengths))} rows (1: a plain "
+                    f"step){budget}")
         if self.policy is None:
             shape = self.fixed
             return f"chain of {shape.nodes}" if shape.is_chain else f"tree of {shape.nodes} nodes (top-{shape.topk})"

@@ -17,9 +17,14 @@ Shape per mode (N verify rows per request and step, B the drafter block, k the t
 - tree (`--speculative-eagle-topk k`, k > 1): B = `--speculative-dflash-block-size` (default the checkpoint's);
   N = `--speculative-num-draft-tokens` (default B) nodes, root included, best-first over the top-k of each of the
   B-1 draft positions.
-- adaptive (`--speculative-adaptive`): B as for a tree; each step's shape from `--speculative-dflash-adaptive-table`
-  by batch size; N = the largest shape it can pick (or the explicit `--speculative-num-draft-tokens`, which every
-  row must fit), k = its largest top-k.
+- goodput (no shape flag at all, or `--speculative-adaptive` without a table): B as for a tree; each step's chain
+  length 1..N from the goodput controller (core/goodput.py: measured acceptance and step cost); N = the explicit
+  `--speculative-num-draft-tokens` (at most B) or B.
+- adaptive (`--speculative-adaptive` with `--speculative-dflash-adaptive-table`): B as for a tree; each step's shape
+  from the table by batch size; N = the largest shape it can pick (or the explicit `--speculative-num-draft-tokens`,
+  which every row must fit), k = its largest top-k.
+A shape flag (`--speculative-num-draft-tokens`, `--speculative-dflash-block-size`, `--speculative-eagle-topk`) without
+`--speculative-adaptive` pins the shape (chain or tree), as does simulated acceptance (`SGLANG_SIMULATE_ACC_LEN`).
 SGLang sizes its per-step KV reservation from the declared N (`DFlashDraftInputV2.prepare_for_decode` reserves
 2*N slots past the committed length) and the result row stride from it.
 """
@@ -144,7 +149,8 @@ def handle_dflash_args(server_args: ServerArgs) -> DFlashSettings:
     if not dummy:
         check_weight_headers(cfg.speculative_draft_model_path, draft)
     max_running = int(cfg.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS)
-    mode, block, nodes, topk, table = resolve_shape(server_args, draft, flags, max_running)
+    simulation = SimulatedAcceptance.from_env()
+    mode, block, nodes, topk, table = resolve_shape(server_args, draft, flags, max_running, simulation)
     settings = DFlashSettings(
         draft_dir=str(cfg.speculative_draft_model_path), draft=draft, mode=mode, block_size=block, nodes=nodes,
         topk=topk, max_running_requests=max_running, device=str(cfg.device),
@@ -153,12 +159,12 @@ def handle_dflash_args(server_args: ServerArgs) -> DFlashSettings:
         tree_cuda_graph=bool(flags["speculative_dflash_tree_cuda_graph"]) and topk > 1,
         dummy_draft=dummy, adaptive_table=table,
         token_map=token_map_path(cfg.speculative_token_map, str(cfg.speculative_draft_model_path), draft),
-        adaptive_token_budget=flags["speculative_dflash_adaptive_token_budget"] if table else None,
-        simulation=SimulatedAcceptance.from_env(),
+        adaptive_token_budget=flags["speculative_dflash_adaptive_token_budget"] if mode != "chain" else None,
+        simulation=simulation,
     )
-    if settings.simulation is not None and mode != "chain":
-        raise UnsupportedFlagError("SGLANG_SIMULATE_ACC_LEN: simulated acceptance forces a chain's commit length; "
-                                   "unset it for tree verification and --speculative-adaptive")
+    if simulation is not None and not simulation.serves(mode):
+        raise UnsupportedFlagError(f"{simulation.variable}: simulated acceptance forces a chain's commit length; "
+                                   f"unset it for {'tree verification' if mode == 'tree' else 'adaptive tables'}")
     if cfg.speculative_num_steps not in (None, 1):
         logger.warning("DFLASH: --speculative-num-steps %s is ignored (one drafter pass per step)",
                        cfg.speculative_num_steps)
@@ -228,18 +234,35 @@ def check_draft_fits(server_args: ServerArgs, cfg: DraftConfig) -> DraftConfig:
     return cfg
 
 
-def resolve_shape(server_args: ServerArgs, cfg: DraftConfig, flags: dict, max_running: int
-                  ) -> tuple[str, int, int, int, str | None]:
+def resolve_shape(server_args: ServerArgs, cfg: DraftConfig, flags: dict, max_running: int,
+                  simulation: SimulatedAcceptance | None = None) -> tuple[str, int, int, int, str | None]:
     """(mode, B, N, k, adaptive table or None) from the flags (see the module docstring)."""
     v = view(server_args)
     topk_flag = v.speculative_eagle_topk
+    table, budget = flags["speculative_dflash_adaptive_table"], flags["speculative_dflash_adaptive_token_budget"]
+    explicit = v.speculative_num_draft_tokens
+    pinned = explicit is not None or v.speculative_dflash_block_size is not None or topk_flag is not None
+    if not flags["speculative_adaptive"] and not pinned and table is None and (simulation is None or
+                                                                               simulation.serves("goodput")):
+        block = draft_block_size(v, cfg)
+        check_token_budget(budget, max_running)
+        return "goodput", block, block, 1, None
+    if flags["speculative_adaptive"] and table is None:
+        if topk_flag is not None:
+            _refuse("--speculative-eagle-topk", topk_flag, "with --speculative-adaptive the top-k comes from "
+                    "--speculative-dflash-adaptive-table (the goodput controller picks chain lengths); drop the flag")
+        block = draft_block_size(v, cfg)
+        nodes = int(explicit) if explicit is not None else block
+        if not 2 <= nodes <= block:
+            _refuse("--speculative-num-draft-tokens", nodes, f"with --speculative-adaptive it is the longest chain, "
+                    f"2 .. the drafter block ({block})")
+        check_token_budget(budget, max_running)
+        return "goodput", block, nodes, 1, None
     if flags["speculative_adaptive"]:
         if topk_flag is not None:
             _refuse("--speculative-eagle-topk", topk_flag, "with --speculative-adaptive the top-k of each batch size "
                     "comes from --speculative-dflash-adaptive-table; drop the flag")
         block = draft_block_size(v, cfg)
-        table, budget = flags["speculative_dflash_adaptive_table"], flags["speculative_dflash_adaptive_token_budget"]
-        explicit = v.speculative_num_draft_tokens
         try:
             _, largest = adaptive_limits(table, budget, block, None if explicit is None else int(explicit),
                                          cfg.vocab_size, max_running)
@@ -276,6 +299,17 @@ def resolve_shape(server_args: ServerArgs, cfg: DraftConfig, flags: dict, max_ru
                 f"--speculative-eagle-topk {topk} has at most {most} nodes")
     check_tree_serving(server_args, nodes, f"--speculative-num-draft-tokens {nodes}", "--speculative-eagle-topk > 1")
     return "tree", block, nodes, topk, None
+
+
+def check_token_budget(budget, max_running: int) -> None:
+    """--speculative-dflash-adaptive-token-budget for the goodput controller (a static table checks its own)."""
+    flag = "--speculative-dflash-adaptive-token-budget"
+    if budget is not None and (not isinstance(budget, int) or budget < 1):
+        raise UnsupportedFlagError(f"{flag} {budget!r}: expected a positive integer (verify tokens per step over the "
+                                   f"batch)")
+    if budget is not None and budget < max_running:
+        raise UnsupportedFlagError(f"{flag} {budget} is below --max-running-requests {max_running}: every running "
+                                   f"request verifies at least one token per step")
 
 
 def draft_block_size(v, cfg: DraftConfig) -> int:

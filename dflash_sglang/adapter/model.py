@@ -243,11 +243,13 @@ class DraftPass(Protocol):
     captured size fits) take the same arguments.
 
     bonus [bs] int64, seq_lens [bs] (device), seq_lens_cpu [bs] its host mirror (None: a host sync),
-    req_pool_indices [bs] -> draft logits [bs, B-1, V] for block positions 1..B-1 (V: this rank's draft rows).
+    req_pool_indices [bs] -> draft logits [bs, D, V] for block positions 1..D (V: this rank's draft rows), D = B-1, or
+    at least `positions` of them when given (a short chain reads only its first drafts: the head over the others is
+    skipped where the pass is eager).
     """
 
     def __call__(self, bonus: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor | None,
-                 req_pool_indices: Tensor) -> Tensor | None: ...
+                 req_pool_indices: Tensor, positions: int | None = None) -> Tensor | None: ...
 
 
 @dataclass(frozen=True)
@@ -260,7 +262,9 @@ class EagerDraftPass:
 
     @torch.inference_mode()
     def __call__(self, bonus: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor | None,
-                 req_pool_indices: Tensor) -> Tensor:
-        embeds, positions = self.drafter.embed_block(self.head, bonus, seq_lens)
-        hidden = self.drafter.draft(embeds, positions, self.req_to_token, req_pool_indices, seq_lens, seq_lens_cpu)
+                 req_pool_indices: Tensor, positions: int | None = None) -> Tensor:
+        embeds, block_pos = self.drafter.embed_block(self.head, bonus, seq_lens)
+        hidden = self.drafter.draft(embeds, block_pos, self.req_to_token, req_pool_indices, seq_lens, seq_lens_cpu)
+        if positions is not None:  # the block pass is whole (drafts depend on every block row); the head is not
+            hidden = hidden[:, : positions + 1]
         return self.drafter.head_logits(hidden, self.head.lm_head_weight)

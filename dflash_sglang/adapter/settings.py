@@ -22,13 +22,14 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_sglang.core.adaptive import DEFAULT_TABLE, AdaptivePolicy
+from dflash_sglang.core.adaptive import AdaptivePolicy
 from dflash_sglang.core.config import DraftConfig
+from dflash_sglang.core.goodput import GoodputConfig
 
 from .simulate import SimulatedAcceptance
 
 IMPL_ENV = "DFLASH_SGLANG_IMPL"
-MODES = ("chain", "tree", "adaptive")
+MODES = ("chain", "tree", "adaptive", "goodput")
 DRAFT_ATTENTION = {None: "auto", "flashinfer": "flashinfer", "torch_native": "torch"}  # flag value -> ours
 DRAFT_GRAPHS = ("auto", "eager", "static")
 
@@ -54,11 +55,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("speculative_dflash_block_size", "--speculative-dflash-block-size", int, None,
             "the drafter block [bonus, MASK x (B-1)] (default: the checkpoint's block_size)"),
     Setting("speculative_eagle_topk", "--speculative-eagle-topk", int, 1,
-            "candidates per draft position: 1 = chain, k > 1 = tree verification"),
+            "candidates per draft position: 1 = chain, k > 1 = tree verification (pins the shape)"),
     Setting("speculative_adaptive", "--speculative-adaptive", bool, False,
-            "pick each decode step's verify shape from the running batch size (the adaptive table)"),
-    Setting("speculative_dflash_adaptive_table", "--speculative-dflash-adaptive-table", str, DEFAULT_TABLE,
-            "adaptive shapes: comma-separated MAX_BS:NODESxTOPK rows ascending, the last MAX_BS 'inf'", ours=True),
+            "each decode step's chain length from measured acceptance and step cost (the goodput controller, also "
+            "the default without shape flags), or from the batch size with --speculative-dflash-adaptive-table"),
+    Setting("speculative_dflash_adaptive_table", "--speculative-dflash-adaptive-table", str, None,
+            "a static adaptive table instead of the goodput controller: comma-separated MAX_BS:NODESxTOPK rows "
+            "ascending, the last MAX_BS 'inf' (core/adaptive.py DEFAULT_TABLE is the earlier default)", ours=True),
     Setting("speculative_dflash_adaptive_token_budget", "--speculative-dflash-adaptive-token-budget", int, None,
             "adaptive: at most this many verify tokens per step over the batch (>= --max-running-requests)",
             ours=True),
@@ -97,7 +100,8 @@ RETIRED_ENV = {
 class DFlashSettings:
     """What our worker serves with, resolved and checked once (adapter/args.py) in the process that builds
     ServerArgs. Modes: chain (N = B verify rows, k = 1), tree (N best-first nodes from the top-k of each draft
-    position), adaptive (each step's shape from `policy()` by batch size; N and k its maxima)."""
+    position), adaptive (each step's shape from `policy()` by batch size; N and k its maxima), goodput (each step's
+    chain length, 1..N, from the goodput controller, core/goodput.py)."""
 
     draft_dir: str
     draft: DraftConfig  # the checkpoint's config, checked against the target
@@ -125,6 +129,11 @@ class DFlashSettings:
         """Whether a step may verify a tree (tree mode, or an adaptive table with a top-k > 1 row): what needs a
         page size of 1, a tree-capable target attention backend and, for graphs, the masked verify capture."""
         return self.topk > 1
+
+    def controller_config(self) -> GoodputConfig:
+        """Goodput mode's controller: chains of 1..N rows (1 = a plain step, no drafter pass)."""
+        assert self.mode == "goodput"
+        return GoodputConfig(max_nodes=self.nodes)
 
     def policy(self) -> AdaptivePolicy:
         """Adaptive mode's per-step shapes (the table capped to this drafter block)."""

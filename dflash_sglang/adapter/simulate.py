@@ -11,8 +11,13 @@ workers see the same acceptance distribution in a side-by-side benchmark:
 - `SGLANG_SIMULATE_ACC_TOKEN_MODE`: `fixed` (every emitted token is id 100) or `real-draft-token` (the first
   L-1 drafts, then the target's own token at row L-1).
 
+Ours, for the goodput controller (core/goodput.py), which must see shorter chains accept proportionally less:
+- `DFLASH_SIMULATE_ACC_RATE` (0 < p <= 1): every draft position is accepted with probability p given the ones
+  before it, so a chain of n rows commits 1 + min(G, n - 1) tokens (G geometric); tokens as `real-draft-token`.
+  Chains and the goodput controller (not with SGLANG_SIMULATE_ACC_LEN).
+
 One length L is drawn per step (on the host) and applied to every request of the batch; KV and draft-KV commits
-follow L exactly as if verification had accepted it. Chain mode only (a tree's accepted path is not a prefix).
+follow L exactly as if verification had accepted it. Chains only (a tree's accepted path is not a prefix).
 """
 from __future__ import annotations
 
@@ -27,11 +32,23 @@ TOKEN_MODES = ("fixed", "real-draft-token")
 FIXED_TOKEN_ID = 100  # the builtin's "some legit token id"
 
 
+RATE_ENV = "DFLASH_SIMULATE_ACC_RATE"
+
+
 @dataclass(frozen=True)
 class SimulatedAcceptance:
-    mean: float
+    mean: float = 0.0  # SGLANG_SIMULATE_ACC_LEN
     method: str = "match-expected"
     token_mode: str = "fixed"
+    rate: float | None = None  # DFLASH_SIMULATE_ACC_RATE: per-position acceptance instead of a mean length
+
+    @property
+    def variable(self) -> str:
+        return RATE_ENV if self.rate is not None else "SGLANG_SIMULATE_ACC_LEN"
+
+    def serves(self, mode: str) -> bool:
+        """Whether this simulation applies to a worker mode (adapter/settings.py MODES)."""
+        return mode in ("chain", "goodput") if self.rate is not None else mode == "chain"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> SimulatedAcceptance | None:
@@ -41,6 +58,17 @@ class SimulatedAcceptance:
         """
         env = os.environ if env is None else env
         raw = env.get("SGLANG_SIMULATE_ACC_LEN", "").strip()
+        rate = env.get(RATE_ENV, "").strip()
+        if rate:
+            if raw:
+                raise ValueError(f"{RATE_ENV} and SGLANG_SIMULATE_ACC_LEN are both set: choose one")
+            try:
+                p = float(rate)
+            except ValueError:
+                raise ValueError(f"{RATE_ENV}={rate!r}: expected a number in (0, 1]") from None
+            if not 0 < p <= 1:
+                raise ValueError(f"{RATE_ENV}={rate!r}: expected a number in (0, 1]")
+            return cls(token_mode="real-draft-token", rate=p)
         if not raw:
             return None
         try:
@@ -58,7 +86,11 @@ class SimulatedAcceptance:
         return cls(mean, method, mode)
 
     def sample_commit_len(self, block_size: int) -> int:
-        """One commit length L in [1, block_size], drawn by SGLang's own sampler (same law as the builtin)."""
+        """One commit length L in [1, block_size], drawn by SGLang's own sampler (same law as the builtin), or with
+        the per-position rate (leading successes, torch's default generator: SGLang's --random-seed)."""
+        if self.rate is not None:
+            hits = (torch.rand(block_size - 1) < self.rate).tolist() + [False]
+            return 1 + hits.index(False)
         from .versions import sample_simulated_acc_len
 
         return sample_simulated_acc_len(self.mean, self.method, block_size)

@@ -73,6 +73,14 @@ class DraftVocab:
         """[...] on each rank -> [R, ...] in rank order."""
         return self.group.all_gather(t.contiguous()[None], dim=0)
 
+    def same_int_on_every_rank(self, value: int, device) -> int:
+        """TP rank 0's value of a host integer (e.g. the goodput controller's chain length), on every rank."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        self.group.broadcast(t, src=0)
+        return int(t.item())
+
     def same_on_every_rank(self, result):
         """The accept result (a dataclass of tensors) as TP rank 0 decided it, on every rank."""
         if self.world_size == 1:

@@ -9,9 +9,11 @@ and to its ancestors and itself: `allow[i] = [True x seq_len | tree_mask[i]]`.
   0.5.17 reads for TARGET_VERIFY (`DFlashVerifyInput.generate_attn_arg_prefill` for FlashInfer, the
   `mask_indptr` of triton_backend.py): per request the [N, seq_len + N] allow matrix row-major, requests
   concatenated, True = attend.
-- CPU: SGLang's TorchNativeAttnBackend has no custom-mask support, so `TreeMaskAttention` stands in for it
-  during one verify forward (RadixAttention calls `get_attn_backend().forward(...)` of the active
-  ForwardContext): it writes the K/V like the wrapped backend, then runs SDPA per request with the mask.
+- CPU: SGLang's TorchNativeAttnBackend has no custom-mask support (and its extend attention pads each request's
+  query to the whole prefix), so `TreeMaskAttention` stands in for it during every verify forward, chains
+  included (sliding-window layers of a chain are left to SGLang's). RadixAttention calls
+  `get_attn_backend().forward(...)` of the active ForwardContext: it writes the K/V like the wrapped backend, then
+  runs SDPA per request over the verify rows only, with the mask.
 """
 from __future__ import annotations
 
@@ -61,7 +63,8 @@ def tree_attention(
         rows = slice(b * n, (b + 1) * n)
         keys = k_cache[slots].transpose(0, 1).to(q.dtype)  # [Hk, S, d]
         values = v_cache[slots].transpose(0, 1).to(q.dtype)
-        allow = allow_matrix(slots.numel() - n, tree_mask[b])
+        # one row attends to everything: no mask, the same call as SGLang's torch_native decode attention
+        allow = allow_matrix(slots.numel() - n, tree_mask[b]) if n > 1 else None
         o = scaled_dot_product_attention(
             q[rows].transpose(0, 1)[None], keys[None], values[None], attn_mask=allow, scale=scaling,
             enable_gqa=q.shape[1] != k_cache.shape[1],
@@ -78,11 +81,13 @@ class TreeMaskAttention:
     Every other attribute is the inner backend's.
     """
 
-    def __init__(self, inner, tree_mask: Tensor, prefix_lens: Tensor) -> None:
-        assert not getattr(inner, "use_sliding_window_kv_pool", False), "tree verify: no sliding-window KV pools"
+    def __init__(self, inner, tree_mask: Tensor, prefix_lens: Tensor, chain: bool = False) -> None:
+        assert chain or not getattr(inner, "use_sliding_window_kv_pool", False), "tree verify: no sliding-window KV"
         self.inner = inner
+        self.chain = chain  # tree_mask is causal: SGLang's own attention is a correct (slower) fallback
         self.tree_mask = tree_mask
         self.prefix_lens = prefix_lens.tolist()  # CPU path only: per-request loops need host ints anyway
+        self._kv_slots: list[Tensor] | None = None  # per request [prefix + N] KV slots, set by the first layer
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -90,17 +95,22 @@ class TreeMaskAttention:
     def forward(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
         from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
+        window = layer.sliding_window_size is not None and layer.sliding_window_size > -1
+        if self.chain and (window or getattr(self.inner, "use_sliding_window_kv_pool", False)):
+            return self.inner.forward(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         assert not layer.is_cross_attention, "tree verify: decoder self-attention only"
         assert layer.sliding_window_size is None or layer.sliding_window_size < 0, "tree verify: no sliding window"
         pool = self.inner.token_to_kv_pool
         if save_kv_cache and k is not None and v is not None:
             pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, self.inner.swa_out_cache_loc), k, v)
         n = self.tree_mask.shape[1]
-        req_to_token = self.inner.req_to_token_pool.req_to_token
-        kv_slots = [
-            req_to_token[int(row), : prefix + n].to(torch.int64)
-            for row, prefix in zip(forward_batch.req_pool_indices.tolist(), self.prefix_lens)
-        ]
+        if self._kv_slots is None:  # the same for every layer of this forward: gathered once
+            req_to_token = self.inner.req_to_token_pool.req_to_token
+            self._kv_slots = [
+                req_to_token[int(row), : prefix + n].to(torch.int64)
+                for row, prefix in zip(forward_batch.req_pool_indices.tolist(), self.prefix_lens)
+            ]
+        kv_slots = self._kv_slots
         out = tree_attention(
             q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim), pool.get_key_buffer(layer.layer_id),
             pool.get_value_buffer(layer.layer_id), kv_slots, self.tree_mask, layer.scaling,

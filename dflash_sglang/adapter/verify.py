@@ -5,7 +5,8 @@ layer ids), planned exactly like the builtin DFLASH does it. A chain is causal o
 plus the block. A tree passes its ancestor mask (adapter/tree_attention.py): as the verify input's
 `custom_mask` on GPU backends, through `TreeMaskAttention` on CPU. SGLang's torch_native backend (the CPU
 path) has no TARGET_VERIFY planning: it reads the rows as an extend on top of the prefix, so we give it
-those lengths.
+those lengths, and its attention is ours (`TreeMaskAttention`, chains with their causal mask): its own extend
+attention pads the query to the whole prefix.
 
 Acceptance is core's (core/speculate.py `accept`); `sampling_params` translates SGLang's sampling state for it.
 """
@@ -99,13 +100,21 @@ def run_target_verify(
             forward_batch.extend_prefix_lens = prefix
             forward_batch.extend_seq_lens = torch.full_like(prefix, width)
             forward_batch.seq_lens = prefix + width
-            if tree_mask is not None:  # RadixAttention calls the backend of the active ForwardContext
-                masked = TreeMaskAttention(runner.attn_backend, tree_mask, prefix)
-                context = forward_context(ForwardContext(attn_backend=masked))
+            # RadixAttention calls the backend of the active ForwardContext. Chains too: SGLang's torch_native extend
+            # attends a query padded to the whole prefix (an L x L attention per request and layer, most of a verify's
+            # time), ours only the verify rows (n x L); one row is exactly its decode attention.
+            mask = tree_mask if tree_mask is not None else _causal(bs, width, ids.device)
+            masked = TreeMaskAttention(runner.attn_backend, mask, prefix, chain=tree_mask is None)
+            context = forward_context(ForwardContext(attn_backend=masked))
         forward_batch.mark_forward_metadata_ready()
         with context:
             out = target_worker.forward_batch_generation(batch=None, forward_batch=forward_batch, is_verify=True)
     return out.logits_output, bool(out.can_run_cuda_graph)
+
+
+def _causal(bs: int, width: int, device) -> Tensor:
+    """[bs, width, width] bool: a chain's verify rows, each attending to itself and the rows before it."""
+    return torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(bs, width, width)
 
 
 @contextlib.contextmanager

@@ -148,6 +148,11 @@ class DFlashWorker(BaseSpecWorker):
         self.schedule = ShapeSchedule.from_settings(self.settings)
         self.simulation = self.settings.simulation  # SGLANG_SIMULATE_ACC_LEN: forced commit lengths (chain only)
         self.masked_graphs = masked_verify_graphs(self.settings)  # tree verifies replay masked verify graphs
+        # goodput mode: the last decode step (chain length, accepted drafts [bs] tensor, start time), observed at the
+        # next step's start (its accepted lengths are ready by then, no sync of their own; the time between the two
+        # starts is what the step cost the server); None after a prefill or idle step (the interval was not its own)
+        self._last_step: tuple[int, Tensor, float] | None = None
+        self._interval_clean = False
 
     @property
     def speculative_num_draft_tokens(self) -> int:
@@ -259,6 +264,7 @@ class DFlashWorker(BaseSpecWorker):
     def _prefill(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
         """Target prefill with feature capture; the prompt's draft K/V are written right away (a radix-cache
         hit of this prompt may be scheduled before this request decodes)."""
+        self._interval_clean = False
         out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
         out.new_seq_lens = batch.seq_lens
         if on_publish is not None:
@@ -272,6 +278,7 @@ class DFlashWorker(BaseSpecWorker):
         return out
 
     def _idle(self, on_publish) -> GenerationBatchResult:
+        self._interval_clean = False
         empty = torch.empty((0,), dtype=torch.int64, device=self.device)
         if on_publish is not None:
             on_publish(empty)
@@ -289,12 +296,15 @@ class DFlashWorker(BaseSpecWorker):
         seq_lens = batch.seq_lens
         if seq_lens.is_cuda:  # carried over from the previous overlap iteration, maybe made on another stream
             seq_lens.record_stream(torch.cuda.current_stream(seq_lens.device))
-        shape = self.schedule.choose(seq_lens.numel())
+        shape = self._choose_shape(seq_lens.numel())
         # Near the context limit the verify rows (positions seq_len .. seq_len + n - 1) must stay inside it: the
         # target has no positions past it, and no request can commit past it anyway.
         longest = int(batch.seq_lens_cpu.max()) if batch.seq_lens_cpu is not None else int(seq_lens.max())
         shape = shape.at_most(self.context_len - longest)
         step = self._step(batch, state.bonus_tokens, shape, grammar_barrier)
+        if self.schedule.controller is not None:
+            self._last_step = (shape.nodes, step.accept_len, self._step_start)
+            self._interval_clean = True
 
         commit_lens = (step.accept_len + 1).to(torch.int32)
         new_seq_lens = seq_lens + commit_lens.to(seq_lens.dtype)
@@ -325,12 +335,27 @@ class DFlashWorker(BaseSpecWorker):
             new_seq_lens=new_seq_lens,
         )
 
+    def _choose_shape(self, bs: int) -> SpecShape:
+        """This step's shape; in goodput mode the previous step is observed first (acceptance and wall time), and
+        TP rank 0's choice is every rank's (each rank times its own steps)."""
+        self._step_start = time.perf_counter()
+        if self.schedule.controller is not None and self._last_step is not None:
+            nodes, accepted, start = self._last_step
+            seconds = self._step_start - start if self._interval_clean else None
+            self.schedule.observe(nodes, accepted.tolist(), seconds)
+            self._last_step = None
+        shape = self.schedule.choose(bs)
+        if self.schedule.controller is not None and self.vocab.world_size > 1:
+            shape = SpecShape(self.vocab.same_int_on_every_rank(shape.nodes, self.device), 1)
+        return shape
+
     def _step(self, batch: ScheduleBatch, bonus: Tensor, shape: SpecShape, grammar_barrier) -> _Accepted:
         """Core's decode step (core/speculate.py) on SGLang's state: propose shape.nodes = n verify rows per request
         (a chain: [bonus, n-1 greedy drafts]; n = 1: a plain decoding step, no drafter pass; a tree: the best-first
         tree of n nodes), verify them in one TARGET_VERIFY forward (a tree with its ancestor mask), accept."""
         seq_lens, bs, n = batch.seq_lens, batch.seq_lens.numel(), shape.nodes
-        scores = self.vocab.scores(self._draft_pass(batch, bonus)) if n > 1 else None
+        positions = n - 1 if shape.is_chain else None  # a chain reads its first n-1 drafts only
+        scores = self.vocab.scores(self._draft_pass(batch, bonus, positions)) if n > 1 else None
         proposal = propose(bonus, scores, shape, ops.TREE_KERNELS)
         tree = proposal.tree
         inputs = ops.build_tree_inputs(proposal.ids, proposal.depth, seq_lens, self.req_to_token_pool.req_to_token,
@@ -346,7 +371,7 @@ class DFlashWorker(BaseSpecWorker):
         logits = self._verify_logits(logits_output, batch, n, grammar, grammar_barrier)
         slots = inputs.out_cache_loc if tree is not None else None  # a tree's verify splits commit / free slots
         result = accept(proposal, logits, sampling_params(batch.sampling_info, bs), None, slots, ops.TREE_KERNELS)
-        if self.simulation is not None:  # the verify ran as usual (same cost); only its outcome is forced (chains)
+        if self.simulation is not None and n > 1:  # the verify ran as usual (same cost); only its outcome is forced
             result = AcceptResult(*self.simulation.force(proposal.ids[:, 1:], logits.argmax(-1),
                                                          self.simulation.sample_commit_len(n)))
         result = self.vocab.same_on_every_rank(result)
@@ -372,11 +397,11 @@ class DFlashWorker(BaseSpecWorker):
                 mask.apply(logits_output.next_token_logits)
         return logits_output.next_token_logits.view(batch.seq_lens.numel(), n, -1)
 
-    def _draft_pass(self, batch: ScheduleBatch, bonus: Tensor) -> Tensor:
-        """One drafter pass over the block [bonus, MASK x (B-1)] at seq_len.. -> draft logits [bs, B-1, V] for
-        block positions 1..B-1. The pass writes no target KV (only the draft pool's per-request scratch rows), so
-        the block needs no KV slots (B may exceed N)."""
+    def _draft_pass(self, batch: ScheduleBatch, bonus: Tensor, positions: int | None = None) -> Tensor:
+        """One drafter pass over the block [bonus, MASK x (B-1)] at seq_len.. -> draft logits [bs, D, V] for
+        block positions 1..D (D = B-1, or >= `positions`). The pass writes no target KV (only the draft pool's
+        per-request scratch rows), so the block needs no KV slots (B may exceed N)."""
         # batch.seq_lens_cpu: the scheduler's host mirror (it resolves it on its own stream), so no sync here
-        args = (bonus, batch.seq_lens, batch.seq_lens_cpu, batch.req_pool_indices)
+        args = (bonus, batch.seq_lens, batch.seq_lens_cpu, batch.req_pool_indices, positions)
         logits = self.graphs(*args) if self.graphs is not None else None
         return logits if logits is not None else self.eager_pass(*args)

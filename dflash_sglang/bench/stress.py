@@ -29,19 +29,23 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..core.adaptive import DEFAULT_TABLE
 from .server import Server, ServerError, cpu_env, http_json
 from .stress_client import Outcome, post_json, run_all
 from .stress_report import Row, judge, read_health, table
 from .stress_workload import GENERATE, Case, WorkloadSpec, build_workload, load_pool
 
-MODE_FLAGS = {"chain": [], "tree": ["--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "16"],
+# goodput: no shape flag (the controller, the default); chain: pinned to the checkpoint's block (top-k 1 pins it);
+# adaptive: the static table (--adaptive-table, default core.adaptive.DEFAULT_TABLE)
+MODE_FLAGS = {"goodput": [], "chain": ["--speculative-eagle-topk", "1"],
+              "tree": ["--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "16"],
               "adaptive": ["--speculative-adaptive"]}
 IDLE_SETTLE_S = 3.0  # after the queues drain: SGLang runs its leak check on every idle loop iteration
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stress.py", description=__doc__.splitlines()[0])
-    p.add_argument("--mode", default="chain", help="comma list of DFLASH modes: chain, tree, adaptive")
+    p.add_argument("--mode", default="goodput", help="comma list of DFLASH modes: goodput, chain, tree, adaptive")
     p.add_argument("--requests", type=int, default=300, help="requests per workload (one per concurrency)")
     p.add_argument("--concurrency", default="64,256", help="comma list: requests in flight, one workload each")
     p.add_argument("--aborts", type=int, default=30, help="aborted or abandoned requests per workload")
@@ -73,8 +77,8 @@ def server_argv(args, mode: str | None) -> list[str]:
     if mode is not None:
         argv += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(args.draft),
                  *MODE_FLAGS[mode]]
-        if mode == "adaptive" and args.adaptive_table:
-            argv += ["--speculative-dflash-adaptive-table", args.adaptive_table]
+        if mode == "adaptive":
+            argv += ["--speculative-dflash-adaptive-table", args.adaptive_table or DEFAULT_TABLE]
     return argv
 
 

@@ -24,6 +24,7 @@ from .block import build_block_inputs
 from .checkpoint import check_fit
 from .drafter import KV, DFlashDrafter
 from .features import target_layer_features
+from .goodput import GoodputController
 from .speculate import DraftLogits, accept, kept_rows, propose
 from .token_map import restrict_head
 
@@ -106,10 +107,18 @@ class ReferenceDecoder:
         min_p: float = 0.0,
         policy: AdaptivePolicy | None = None,
         times: StepTimes | None = None,
+        controller: GoodputController | None = None,
     ) -> list[Generation]:
-        """Speculative decoding. Per step the verify shape is `policy.choose(running batch size)` if a policy
-        is given, else `tree` (nodes x top-k from one drafter pass), else a chain of the block size. `times`, when
-        given, accumulates where the decode steps' wall time goes.
+        """Speculative decoding. Per step the verify shape is, by precedence: the goodput controller's chain
+        (`controller.choose(running batch size)`, capped to the block; n = 1 is a plain step with no drafter pass),
+        else `policy.choose(running batch size)`, else `tree` (nodes x top-k from one drafter pass), else a chain of
+        the block size. Every shape is lossless: greedy output is token-identical to `plain_generate`.
+
+        The controller, when given, observes every step after it ran: its chain length, the drafts accepted per
+        running request, and its wall seconds from the start of its `choose` to the start of the next step's (its
+        bookkeeping included, as a server's step; the last step's up to its own end). One controller may serve many
+        calls (it keeps learning, as in a server). `times`, when given, accumulates where the decode steps' wall
+        time goes.
         """
         block = block_size or self.cfg.block_size
         if block < 2:
@@ -121,7 +130,8 @@ class ReferenceDecoder:
             raise ValueError(f"a chain of {fixed.nodes} tokens needs block size >= {fixed.nodes}, got {block}")
         if policy is not None and policy.max_depth is None:
             policy = replace(policy, max_depth=block - 1)  # chains never outgrow one drafter block
-        verify_width = max([fixed.nodes] + ([s.nodes for _, s in policy.rows] if policy else []))
+        verify_width = max([fixed.nodes] + ([s.nodes for _, s in policy.rows] if policy else [])
+                           + ([controller.cfg.max_nodes] if controller is not None else []))
         self._check_context(prompts, max_new_tokens, max(block, verify_width))
         gen = torch.Generator(device=self._device).manual_seed(seed)
         params = SamplingParams.full(len(prompts), temperature, top_k, top_p, min_p, device=self._device)
@@ -129,14 +139,25 @@ class ReferenceDecoder:
         batch, first = self._prefill(prompts, params, gen, capture=True)
         self._emit(outs, batch.rid, first[:, None], torch.ones_like(first), max_new_tokens, eos_token_id)
         batch = self._drop_finished(batch, outs, max_new_tokens, eos_token_id)
+        last = None  # the controller's previous step: (chain length, accepted drafts per request, start time)
         while batch is not None:
-            shape = policy.choose(len(batch.rid)) if policy is not None else fixed
+            start = time.perf_counter()
+            if last is not None:  # the previous step ends where this one starts (as the SGLang worker times it)
+                controller.observe(last[0], last[1], start - last[2])
+            if controller is not None:
+                shape = controller.choose(len(batch.rid)).shape.at_most(block)
+            else:
+                shape = policy.choose(len(batch.rid)) if policy is not None else fixed
             result = self._spec_step(batch, block, shape, params.select(batch.rid), gen, times)
             commit = result.accept_len + 1
+            if controller is not None:
+                last = (shape.nodes, result.accept_len.tolist(), start)
             for r, n in zip(batch.rid.tolist(), commit.tolist()):
                 outs[r].accept_lengths.append(n)
             self._emit(outs, batch.rid, result.out_tokens, commit, max_new_tokens, eos_token_id)
             batch = self._drop_finished(batch, outs, max_new_tokens, eos_token_id)
+        if last is not None:
+            controller.observe(last[0], last[1], time.perf_counter() - last[2])
         return outs
 
     @torch.no_grad()

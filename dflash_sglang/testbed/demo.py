@@ -1,21 +1,28 @@
 """`dflash-sglang demo`: speculative decoding on the SmolLM2 testbed, on CPU, with the core reference decoder.
 
 Sets up the target (converting the packaged GGUF on first use), loads the shipped drafter, and decodes a few
-held-out ShareGPT prompts one at a time, both speculatively and plainly. Prints per prompt the text, tau, tokens/s
-both ways and where a speculative step's time goes (drafter pass / target verify / the rest), then the speedup
-(speculative over plain tokens/s: > 1 means speculation was faster), and checks that greedy speculative output
-equals plain output token for token. Other processes' CPU use during the timed runs is measured (/proc/stat): when
-it is large, the ratio is printed as not meaningful instead of as a result.
+held-out ShareGPT prompts one at a time three ways: plainly, with a fixed chain of the drafter's block every step
+(no controller), and with the goodput controller (core/goodput.py, the server's default: each step's chain length,
+1 = a plain step, from measured acceptance and step cost). One controller serves the warm-up and every prompt, as in a
+server, so it learns over the run. Prints per prompt the text, tokens/s of each way, tau, the controller's chain
+lengths and where a step's time goes (drafter pass / target verify / the rest); then a table of the three (tokens/s,
+ratio to plain, tau), what the controller chose and why, and the headline: the controller's speedup over plain (the
+product's speed; a fixed chain slower than plain is only a row of the table). Greedy outputs must equal plain output
+token for token. Other processes' CPU use during the timed runs is measured (/proc/stat): when it is large, the
+ratio is printed as not meaningful instead of as a result.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from ..core.goodput import Decision, GoodputConfig, GoodputController, describe
 
 BUSY_SHARE = 0.15  # other processes' share of the machine's CPU above which timings are not reported as results
 
@@ -69,6 +76,49 @@ def _machine_busy_s() -> float | None:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+class CountingController(GoodputController):
+    """The goodput controller, also counting its decisions by reason (warmup / best / probe) for the demo's report."""
+
+    def __init__(self, cfg: GoodputConfig) -> None:
+        super().__init__(cfg)
+        self.reasons: Counter[str] = Counter()
+
+    def choose(self, bs: int) -> Decision:
+        decision = super().choose(bs)
+        self.reasons[decision.reason] += 1
+        return decision
+
+
+def controller_verdict(summary: dict, reasons: Counter | None = None) -> str:
+    """One line: what the goodput controller chose over the run and why, from its `summary` (core/goodput.py) and,
+    when known, its decisions by reason."""
+    steps = summary["steps"]
+    total = sum(steps.values())
+    pred = summary.get("predicted_tps")
+    drafted = {n: g for n, g in (pred or {}).items() if n > 1}
+    if not pred or not drafted or not total:
+        return f"controller: {describe(summary)}"
+    best = summary["best"]
+    top = max(drafted, key=drafted.get)
+    plain_share = steps.get(1, 0) / total
+    how = "" if reasons is None else (f"; {reasons['warmup']} warm-up steps (longest chain, plain, middle chain), "
+                                      f"{reasons['probe']} probes of a longer chain")
+    if best == 1:
+        why = (f"drafting does not pay on this machine with this drafter: a plain step is predicted {pred[1]} tok/s, "
+               f"the best drafted chain ({top} rows) {drafted[top]} tok/s, so it ran plain steps ({plain_share:.0%} "
+               f"of its {total} steps{how})")
+    else:
+        why = (f"drafting pays: a chain of {best} rows is predicted {pred[best]} tok/s vs plain {pred[1]} tok/s, so "
+               f"{1 - plain_share:.0%} of its {total} steps drafted{how}")
+    return f"controller: {why} ({describe(summary)})"
+
+
+def _step_split(times) -> str:
+    per = 1e3 / max(times.steps, 1)
+    return (f"per step {times.total * per:.0f} ms = draft {times.draft * per:.0f} + verify {times.verify * per:.0f} + "
+            f"rest {times.other * per:.0f}")
+
+
 def run(args: argparse.Namespace) -> int:
     from ..core.checkpoint import load_drafter
     from ..core.reference import ReferenceDecoder, StepTimes
@@ -85,44 +135,77 @@ def run(args: argparse.Namespace) -> int:
     target, tok = load_target(args.target)
     decoder = ReferenceDecoder(target, load_drafter(args.draft, dtype=torch.float32))
     block = args.block_size or decoder.cfg.block_size
+    controller = CountingController(GoodputConfig(max_nodes=block))  # one for the whole run, as in a server
     eos = tok.eos_token_id
     kw = dict(temperature=args.temperature, eos_token_id=eos)
     prompts = eval_prompts(tok, args.num_prompts)
-    decoder.generate([list(prompts[0].ids)], 4, block_size=block, **kw)  # warm-up (first-call allocations)
-    spec_meter, plain_meter = CpuMeter(), CpuMeter()
-    taus, mismatches, n_spec, n_plain = [], 0, 0, 0
+    warm = [list(prompts[0].ids)]
+    decoder.generate(warm, 4, block_size=block, **kw)  # warm-up (first-call allocations), untimed
+    decoder.generate(warm, 4, block_size=block, controller=controller, **kw)  # the controller's first steps
+    fixed_name = f"fixed block {block} (no controller)"
+    ways = ("plain", "fixed", "controller")
+    meters = {w: CpuMeter() for w in ways}
+    tokens = dict.fromkeys(ways, 0)
+    taus: dict[str, list[float]] = {"fixed": [], "controller": []}
+    mismatches = 0
     for i, p in enumerate(prompts):
-        times = StepTimes()
-        with spec_meter:
+        ids = [list(p.ids)]
+        with meters["plain"]:
             t = time.perf_counter()
-            (gen,) = decoder.generate([list(p.ids)], args.max_new_tokens, block_size=block, times=times, **kw)
-            dt_s = time.perf_counter() - t
-        with plain_meter:
-            t = time.perf_counter()
-            (plain,) = decoder.plain_generate([list(p.ids)], args.max_new_tokens, **kw)
+            (plain,) = decoder.plain_generate(ids, args.max_new_tokens, **kw)
             dt_p = time.perf_counter() - t
-        n_spec, n_plain = n_spec + len(gen.tokens), n_plain + len(plain)
-        taus.append(gen.mean_accept_length)
-        same = gen.tokens == plain
-        mismatches += args.temperature == 0 and not same
-        per_step = 1e3 / max(times.steps, 1)
+        fixed_times, ctrl_times = StepTimes(), StepTimes()
+        with meters["fixed"]:
+            t = time.perf_counter()
+            (fixed,) = decoder.generate(ids, args.max_new_tokens, block_size=block, times=fixed_times, **kw)
+            dt_f = time.perf_counter() - t
+        before = dict(controller.counts)
+        with meters["controller"]:
+            t = time.perf_counter()
+            (gen,) = decoder.generate(ids, args.max_new_tokens, block_size=block, times=ctrl_times,
+                                      controller=controller, **kw)
+            dt_c = time.perf_counter() - t
+        chosen = {n: c - before.get(n, 0) for n, c in sorted(controller.counts.items()) if c > before.get(n, 0)}
+        for way, out in (("plain", plain), ("fixed", fixed.tokens), ("controller", gen.tokens)):
+            tokens[way] += len(out)
+        taus["fixed"].append(fixed.mean_accept_length)
+        taus["controller"].append(gen.mean_accept_length)
+        greedy = args.temperature == 0
+        mismatches += greedy * ((fixed.tokens != plain) + (gen.tokens != plain))
+
+        def same(out) -> str:
+            return f"; identical to plain: {out.tokens == plain}]" if greedy else "]"
+
         print(f"--- prompt {i} ({p.conv_id}): {p.text[:100]!r}")
         print(tok.decode(gen.tokens, skip_special_tokens=True))
-        print(f"[tau {gen.mean_accept_length:.2f} over {len(gen.accept_lengths)} steps, {len(gen.tokens)} tokens; "
-              f"spec {len(gen.tokens) / dt_s:.1f} tok/s vs plain {len(plain) / dt_p:.1f} tok/s; per step "
-              f"{times.total * per_step:.0f} ms = draft {times.draft * per_step:.0f} + verify "
-              f"{times.verify * per_step:.0f} + rest {times.other * per_step:.0f}"
-              + (f"; identical to plain: {same}]" if args.temperature == 0 else "]"))
-    ratio = (n_spec / spec_meter.wall) / (n_plain / plain_meter.wall)
-    tau = sum(taus) / len(taus)
-    summary = (f"=== block {block}, temperature {args.temperature}: mean tau {tau:.2f}; speedup {ratio:.2f}x "
-               f"(speculative {n_spec / spec_meter.wall:.1f} vs plain {n_plain / plain_meter.wall:.1f} tok/s; CPU, "
-               f"batch 1, {torch.get_num_threads()} threads)")
-    shares = [s for s in (spec_meter.others_share(), plain_meter.others_share()) if s is not None]
-    if shares and max(shares) > BUSY_SHARE:
-        summary = (f"=== mean tau {tau:.2f}; machine busy: other processes used {max(shares):.0%} of the CPU while "
-                   f"timing, so the speed ratio ({ratio:.2f}x) is not a measurement of this decoder")
-    print(summary)
+        print(f"[plain: {len(plain) / dt_p:.1f} tok/s, {len(plain)} tokens]")
+        print(f"[{fixed_name}: tau {fixed.mean_accept_length:.2f} over {len(fixed.accept_lengths)} steps, "
+              f"{len(fixed.tokens) / dt_f:.1f} tok/s; {_step_split(fixed_times)}" + same(fixed))
+        print(f"[goodput controller: tau {gen.mean_accept_length:.2f} over {len(gen.accept_lengths)} steps, "
+              f"{len(gen.tokens) / dt_c:.1f} tok/s; chains (rows: steps) {chosen}; {_step_split(ctrl_times)}"
+              + same(gen))
+    tps = {w: tokens[w] / meters[w].wall for w in ways}
+    tau = {w: sum(v) / len(v) for w, v in taus.items()}
+    ratio = tps["controller"] / tps["plain"]
+    shares = [s for s in (m.others_share() for m in meters.values()) if s is not None]
+    busy = bool(shares) and max(shares) > BUSY_SHARE
+    setting = (f"CPU, batch 1, {torch.get_num_threads()} threads, {len(prompts)} prompts x up to "
+               f"{args.max_new_tokens} tokens")
+    print(f"=== block {block}, temperature {args.temperature} ({setting})"
+          + ("; the machine was busy, so the tok/s below are not measurements" if busy else ""))
+    width = len(fixed_name)
+    print(f"{'':{width}}  {'tok/s':>8}  {'vs plain':>8}  {'tau':>5}")
+    for way, name in (("plain", "plain"), ("fixed", fixed_name), ("controller", "goodput controller")):
+        print(f"{name:{width}}  {tps[way]:8.1f}  {tps[way] / tps['plain']:7.2f}x  "
+              + (f"{tau[way]:5.2f}" if way in tau else f"{'-':>5}"))
+    print(controller_verdict(controller.summary(1), controller.reasons))
+    if busy:
+        print(f"=== mean tau {tau['controller']:.2f}; machine busy: other processes used {max(shares):.0%} of the CPU "
+              f"while timing, so the speed ratio ({ratio:.2f}x) is not a measurement of this decoder")
+    else:
+        print(f"=== block {block}, temperature {args.temperature}: mean tau {tau['controller']:.2f}; speedup "
+              f"{ratio:.2f}x with the goodput controller ({tps['controller']:.1f} vs plain {tps['plain']:.1f} tok/s; "
+              f"{setting})")
     if mismatches:
         print(f"ERROR: {mismatches} greedy outputs differ from plain decoding")
         return 1

@@ -1,0 +1,301 @@
+"""CPU `sgl.Engine` decoding throughput per speculation arm on the SmolLM2 testbed pair, one Engine at a time.
+
+Measured: each arm is a child process running one Engine (never two at once); per concurrency c, a warm-up, then
+`repeats` rounds of one greedy `engine.generate` call with c prompts (all concurrent, N new tokens, `ignore_eos`):
+wall seconds, output tokens, tokens/s, per request `spec_accept_length` / `spec_verify_ct`. Arms: `plain`, DFLASH
+`default`, `chain16`, `static` (the static adaptive table), `floor` (adaptive `inf:1x1`: every step a plain step
+through our worker), `adaptive`, or `name:key=value;...` (DFLASH plus those Engine kwargs; `none` drops a key).
+Why: where speculation stops paying over plain decoding as the batch grows, what our worker's floor costs against
+plain SGLang, and what the adaptive policy recovers: the adaptive tables come from this. Every arm decodes the same
+prompts and must be token-identical to plain (lossless): a mismatch is printed loudly and exits 1. `--workload
+switch`: one stream at the first concurrency alternating A (ShareGPT eval chat) and B (count / repeat prompts), for
+a policy that follows acceptance. The training job is paused meanwhile (bench/quiet.py); the machine's busy share
+before each Engine is recorded (it is shared).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import datetime
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .plotting import pyplot
+from .quiet import busy_share, cpu_model, training_paused
+from .server import cpu_env
+
+REPO = Path(__file__).resolve().parents[2]
+STATIC_TABLE = "1:64x4,4:32x2,8:16x2,32:16x1,64:8x1,inf:4x1"
+ARMS: dict[str, dict[str, Any] | None] = {  # None: no speculation; a dict: DFLASH plus these kwargs
+    "plain": None, "default": {}, "chain16": {"speculative_num_draft_tokens": 16},
+    "static": {"speculative_adaptive": True, "speculative_dflash_adaptive_table": STATIC_TABLE},
+    "floor": {"speculative_adaptive": True, "speculative_dflash_adaptive_table": "inf:1x1"},
+    "adaptive": {"speculative_adaptive": True},
+}
+PREDICTABLE = (
+    "Count from 1 to 300, separated by commas.", "Repeat the word 'apple' 200 times.",
+    "Count down from 500 to 1, separated by commas.", "Write 'hello world' 100 times, one per line.",
+    "List the numbers from 100 to 400, one per line.", "Repeat the sentence 'The cat sat on the mat.' 50 times.",
+    "Write the alphabet from A to Z ten times, separated by spaces.", "Print the even numbers from 2 to 600.",
+)
+WARMUP_NEW, WARMUP_PROMPTS, KV_MARGIN = 8, 4, 80  # KV_MARGIN: tokens per request beyond prompt + new (verify rows)
+
+
+def parse_value(text: str) -> Any:
+    """'3' -> 3, '0.5' -> 0.5, 'true'/'false' -> bool, 'none' -> None, else the string."""
+    if (low := text.lower()) in ("true", "false", "none"):
+        return {"true": True, "false": False, "none": None}[low]
+    for cast in (int, float):
+        with contextlib.suppress(ValueError):
+            return cast(text)
+    return text
+
+
+def parse_kv(items: list[str]) -> dict[str, Any]:
+    pairs = [item.partition("=") for item in items if item]
+    if bad := [k for k, eq, _ in pairs if not eq or not k]:
+        raise ValueError(f"expected KEY=VALUE, got {bad}")
+    return {k.strip(): parse_value(v.strip()) for k, _, v in pairs}
+
+
+def parse_arm(spec: str, draft: str) -> tuple[str, dict[str, Any]]:
+    """(name, the arm's Engine kwargs beyond the common ones) of a built-in arm or a `name:key=value;...` spec."""
+    name, sep, extra = spec.partition(":")
+    if not sep and name not in ARMS:
+        raise ValueError(f"unknown arm {spec!r}: one of {', '.join(ARMS)} or NAME:key=value;key=value")
+    base = ARMS.get(name) if not sep else {}
+    if base is None:
+        return name, {}
+    kw = {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": str(draft), **base}
+    kw.update(parse_kv(extra.split(";")))
+    return name, {k: v for k, v in kw.items() if v is not None}
+
+
+def switch_schedule(phases: str, rounds: int) -> list[tuple[int, str]]:
+    """(round index, phase) of the switch stream: each phase letter `rounds` times, in order (ABA, 2: AABBAA)."""
+    return list(enumerate(p for p in phases for _ in range(rounds)))
+
+
+def take(pool: list[list[int]], start: int, n: int) -> list[list[int]]:
+    return [pool[(start + i) % len(pool)] for i in range(n)]
+
+
+def build_plan(workload: str, concurrency: list[int], repeats: int, evals: list[list[int]],
+               predictable: list[list[int]], phases: str = "ABA", phase_rounds: int = 2) -> list[dict]:
+    """The generate calls every arm makes, in order: warm-ups (`warmup`) and timed rounds (key, group, c, phase,
+    ids). eval: per c, round r takes eval prompts r*c .. r*c+c-1 (cycling); switch: phase A eval prompts, B the
+    predictable ones, each phase continuing where its last round stopped."""
+    plan: list[dict] = []
+    if workload == "eval":
+        for c in concurrency:
+            plan.append({"warmup": True, "c": c, "ids": take(evals, 0, min(c, WARMUP_PROMPTS))})
+            plan += [{"key": f"c{c}.r{r}", "group": f"c={c}", "c": c, "phase": "eval", "ids": take(evals, r * c, c)}
+                     for r in range(repeats)]
+        return plan
+    c, used = concurrency[0], {"A": 0, "B": 0}
+    plan.append({"warmup": True, "c": c, "ids": take(evals, 0, min(c, WARMUP_PROMPTS))})
+    for i, phase in switch_schedule(phases, phase_rounds):
+        ids = take(evals if phase == "A" else predictable, used[phase] * c, c)
+        plan.append({"key": f"s{i}", "group": f"{i}:{phase}", "c": c, "phase": phase, "ids": ids})
+        used[phase] += 1
+    return plan
+
+
+def run_child(job_path: Path) -> None:
+    """Child body: one Engine, the plan's generate calls, the result JSON (written even if a call fails)."""
+    import sglang as sgl
+
+    job = json.loads(Path(job_path).read_text())
+    t0 = time.perf_counter()
+    engine = sgl.Engine(**job["engine_kwargs"])
+    res: dict = {"startup_s": time.perf_counter() - t0, "rounds": []}
+    print(f"[{job['arm']}] Engine up in {res['startup_s']:.1f}s", file=sys.stderr, flush=True)
+    try:
+        for step in job["plan"]:
+            new = WARMUP_NEW if step.get("warmup") else job["new_tokens"]
+            t0 = time.perf_counter()
+            outs = engine.generate(input_ids=step["ids"], sampling_params={
+                "temperature": 0, "max_new_tokens": new, "ignore_eos": True})
+            wall, metas = time.perf_counter() - t0, [o["meta_info"] for o in outs]
+            print(f"[{job['arm']}] {step.get('key', 'warmup')} c={step['c']} {wall:.2f}s", file=sys.stderr, flush=True)
+            if not step.get("warmup"):
+                res["rounds"].append({"key": step["key"], "wall_s": wall, "ids": [o["output_ids"] for o in outs],
+                                      "accept": [m.get("spec_accept_length") for m in metas],
+                                      "verify_ct": [m.get("spec_verify_ct") for m in metas]})
+    finally:
+        engine.shutdown()
+        Path(job["result"]).write_text(json.dumps(res))
+
+
+def mismatches(arm: dict | None, base: dict | None, keys: list[str]) -> int | None:
+    """Requests of rounds `keys` whose output ids differ from the baseline's (None without a baseline)."""
+    if arm is None or base is None:
+        return None
+    a, b = ({r["key"]: r["ids"] for r in res["rounds"]} for res in (arm, base))
+    return sum(x != y for k in keys if k in a and k in b for x, y in zip(a[k], b[k]))
+
+
+def summarize(plan: list[dict], results: dict[str, dict | None], baseline: str = "plain") -> list[dict]:
+    """One row per arm x group: tokens/s (tokens / wall over its rounds), ratio to the baseline's, mean accept
+    length over requests, mismatches vs the baseline."""
+    timed = [s for s in plan if not s.get("warmup")]
+    groups = list(dict.fromkeys(s["group"] for s in timed))
+    rows = []
+    for arm, res in results.items():
+        if res is None:
+            continue
+        by_key = {r["key"]: r for r in res["rounds"]}
+        for g in groups:
+            steps = [s for s in timed if s["group"] == g and s["key"] in by_key]
+            rounds = [by_key[s["key"]] for s in steps]
+            tokens, wall = sum(len(i) for r in rounds for i in r["ids"]), sum(r["wall_s"] for r in rounds)
+            acc = [a for r in rounds for a in r["accept"] if a]
+            rows.append({"arm": arm, "group": g, "c": steps[0]["c"] if steps else None,
+                         "phase": steps[0]["phase"] if steps else None, "rounds": len(rounds), "tokens": tokens,
+                         "wall_s": _r(wall), "tok_s": _r(tokens / wall) if wall else None,
+                         "accept_mean": _r(statistics.fmean(acc)) if acc else None,
+                         "mismatches": mismatches(res, results.get(baseline), [s["key"] for s in steps])})
+    base = {r["group"]: r["tok_s"] for r in rows if r["arm"] == baseline}
+    for r in rows:
+        r["ratio"] = _r(r["tok_s"] / base[r["group"]]) if r["tok_s"] and base.get(r["group"]) else None
+    return rows
+
+
+def _r(x: float | None, nd: int = 3) -> float | None:
+    return None if x is None else round(float(x), nd)
+
+
+def run_arm(name: str, kwargs: dict, plan: list[dict], args: argparse.Namespace, common: dict) -> dict | None:
+    """One arm's child process (its own session, killed as a group on timeout / Ctrl-C); its result or None."""
+    job = {"arm": name, "plan": plan, "new_tokens": args.new_tokens, "engine_kwargs": {**common, **kwargs},
+           "result": str(args.out / f"{name}.result.json")}
+    (args.out / f"{name}.job.json").write_text(json.dumps(job))
+    Path(job["result"]).unlink(missing_ok=True)
+    env = {**os.environ, **cpu_env(REPO), **args.env}
+    cmd = [sys.executable, "-m", "dflash_sglang.bench.engine", "--child", str(args.out / f"{name}.job.json")]
+    with open(args.out / f"{name}.log", "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=args.child_timeout)
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the Engine's scheduler / detokenizer, if left behind
+    if rc != 0 or not Path(job["result"]).is_file():
+        tail = (args.out / f"{name}.log").read_text()[-3000:]
+        print(f"[{name}] FAILED ({rc}), log {args.out / f'{name}.log'}:\n{tail}", file=sys.stderr, flush=True)
+        return None
+    return json.loads(Path(job["result"]).read_text())
+
+
+def plot_switch(rows: list[dict], path: Path) -> str | None:
+    plt = pyplot()
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    if plt is None or not arms:
+        return None
+    fig, axes = plt.subplots(len(arms), 1, sharex=True, sharey=True, figsize=(8, 1.8 * len(arms) + 1), squeeze=False)
+    for ax, arm in zip(axes[:, 0], arms):
+        mine = [r for r in rows if r["arm"] == arm]
+        ax.bar(range(len(mine)), [r["tok_s"] or 0 for r in mine],
+               color=["tab:blue" if r["phase"] == "A" else "tab:orange" for r in mine])
+        ax.set_ylabel(f"{arm}\ntok/s")
+    axes[-1, 0].set_xlabel("round (blue: A, eval chat; orange: B, predictable)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arms", default="plain,default,chain16,static,floor")
+    p.add_argument("--concurrency", default="1,4,16,64")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--workload", choices=("eval", "switch"), default="eval")
+    p.add_argument("--phases", default="ABA", help="switch: phase order (A eval chat, B predictable)")
+    p.add_argument("--phase-rounds", type=int, default=2, help="switch: rounds per phase")
+    p.add_argument("--out", type=Path, default=REPO / "work_tmp" / "bench_engine")
+    p.add_argument("--engine-kwarg", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="child environment")
+    p.add_argument("--child-timeout", type=float, default=3600.0)
+    p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.child:
+        run_child(args.child)
+        return 0
+    from transformers import AutoTokenizer
+
+    from ..testbed import default_pair
+    from ..testbed.data import chat_prompt_ids, eval_prompts
+
+    target, draft = default_pair()
+    arms = dict(parse_arm(s, str(draft)) for s in args.arms.split(",") if s)
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.env = {k: str(v) for k, v in parse_kv(args.env).items()}
+    tok = AutoTokenizer.from_pretrained(target)
+    n_eval = (max(concurrency) * args.repeats if args.workload == "eval"
+              else concurrency[0] * args.phase_rounds * max(args.phases.count("A"), 1))
+    evals = [list(p.ids) for p in eval_prompts(tok, n_eval)]
+    plan = build_plan(args.workload, concurrency, args.repeats, evals,
+                      [chat_prompt_ids(tok, t) for t in PREDICTABLE], args.phases, args.phase_rounds)
+    need = max(sum(len(p) + args.new_tokens + KV_MARGIN for p in s["ids"]) for s in plan)
+    common = {"model_path": str(target), "device": "cpu", "dtype": "float32", "attention_backend": "torch_native",
+              "log_level": "warning", "random_seed": 0, "max_total_tokens": max(16384, need),
+              "chunked_prefill_size": 512, "max_running_requests": max(concurrency), **parse_kv(args.engine_kwarg)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    info: dict[str, dict] = {}
+    results: dict[str, dict | None] = {}
+    with training_paused() as job:
+        for name, kwargs in arms.items():
+            job.pause()
+            info[name] = {"kwargs": kwargs, "busy_share_before": _r(busy_share(2.0))}
+            print(f"[{name}] starting Engine {kwargs} (machine busy {info[name]['busy_share_before']})", flush=True)
+            t0 = time.perf_counter()
+            results[name] = run_arm(name, kwargs, plan, args, common)
+            res = results[name] or {}
+            info[name].update(child_s=_r(time.perf_counter() - t0), startup_s=_r(res.get("startup_s")),
+                              failed=results[name] is None, rounds=[
+                                  {"key": r["key"], "wall_s": _r(r["wall_s"]), "tokens": sum(map(len, r["ids"]))}
+                                  for r in res.get("rounds", [])])
+            print(f"[{name}] Engine startup {info[name]['startup_s']}s, child {info[name]['child_s']}s", flush=True)
+    rows = summarize(plan, results)
+    cols = ["arm", "group", "c", "phase", "rounds", "tokens", "wall_s", "tok_s", "ratio", "accept_mean", "mismatches"]
+    print(f"\n{'arm':<12}{'group':>8}{'tok/s':>9}{'ratio':>7}{'accept':>8}{'mism':>6}")
+    for r in rows:
+        print(f"{r['arm']:<12}{r['group']:>8}{r['tok_s'] or '-':>9}{r['ratio'] or '-':>7}"
+              f"{r['accept_mean'] or '-':>8}{'-' if r['mismatches'] is None else r['mismatches']:>6}")
+    with open(args.out / "bench_engine.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows({k: r[k] for k in cols} for r in rows)
+    total = sum(r["mismatches"] or 0 for r in rows)
+    if total:
+        print(f"\n{'!' * 80}\nWARNING: {total} request(s) NOT identical to plain (lossless broken)\n{'!' * 80}",
+              file=sys.stderr, flush=True)
+    failed = [a for a, res in results.items() if res is None]
+    summary = {"script": "bench_engine", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               "cpu_model": cpu_model(), "cpus": os.cpu_count(), "workload": args.workload,
+               "new_tokens": args.new_tokens, "concurrency": concurrency, "engine_kwargs": common, "env": args.env,
+               "arms": info, "rows": rows, "mismatches": total, "failed": failed, "out": str(args.out),
+               "png": plot_switch(rows, args.out / "switch.png") if args.workload == "switch" else None}
+    (args.out / "bench_engine.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary))
+    return 1 if total or failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,328 @@
+"""Goodput controller: each decode step's verify shape from acceptance and step cost measured online.
+
+Speculation pays only when the tokens a step commits outweigh what drafting and verifying cost on this hardware,
+for this drafter, on this traffic. For a chain of n verify rows (the bonus token and n-1 drafts; n = 1 is a plain
+decoding step with no drafter pass) at batch size bs the controller predicts the batch's committed tokens per second
+
+    G(n, bs) = bs * E(n) / T(n, bs)
+    E(n)     = 1 + sum_{k=1}^{n-1} prod_{d=1}^{k} a_d          (a_d: acceptance at draft depth d, given depth d-1)
+    T(n, bs) = theta . [1, bs, bs * (n - 1), drafts, drafts * bs]    (drafts = 1 if n > 1)
+
+and verifies the n of the largest G (SmartSpec's goodput, arXiv 2406.14066, over DFlash chains). Acceptance a_d
+comes from the steps' accepted lengths (exponentially forgotten counts, a Beta prior); theta from the steps' wall
+times (exponentially forgotten least squares, ridge toward a prior, coefficients kept >= 0 so a noisy fit can
+never make a longer chain look cheaper than a shorter one). The cost model's terms: a fixed per-step cost, a
+per-request cost (a plain step), each extra verify row per request (compute-bound verifies pay it in full,
+memory-bound ones little), and the drafter pass (fixed + per request).
+
+Exploration is bounded. Warm-up runs one step each of the longest chain, a plain step and a middle chain
+(`warmup_per_shape`) to seed both models. After that, whatever the best shape is, a probe credit of `probe_fraction` of the
+measured time accrues; when it covers a probe's predicted extra cost, one step runs a long chain (the longest whose
+predicted cost stays within `probe_cost_ratio` of the best step's: it measures acceptance at every depth it
+reaches) and the credit pays for it. So with speculation off the controller spends at most
+about `probe_fraction` of the time re-checking whether traffic became predictable, and turns speculation back on
+when it did.
+
+Pure logic: no torch, no clock of its own (the caller passes measured seconds), deterministic, so tests drive it
+with a fake clock. The SGLang worker and the reference decoder both use it (docs/structure.md, "One decode step").
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from .adaptive import SpecShape
+
+N_TERMS = 5  # [1, bs, bs*(n-1), drafts, drafts*bs]
+TERMS = ("step", "per_request", "per_extra_row", "draft_pass", "draft_per_request")
+
+
+@dataclass(frozen=True)
+class GoodputConfig:
+    max_nodes: int  # the longest chain (the drafter block, or less)
+    candidates: tuple[int, ...] = ()  # chain lengths to choose among (1 = plain); () = 1, 2, 3, 4, 6, 8, 12, 16, ...
+    probe_fraction: float = 0.03  # time share spent on probes of the longest chain while it is not chosen
+    accept_halflife: float = 64.0  # decode steps after which an acceptance observation counts half
+    cost_halflife: float = 256.0  # decode steps after which a step-time observation counts half
+    warmup_per_shape: int = 1  # warm-up steps of each of the longest chain, a plain step and a middle chain
+    prior_rate: float = 0.4  # acceptance prior at every depth ...
+    prior_strength: float = 2.0  # ... worth this many observations
+    cost_prior: tuple[float, ...] | None = None  # theta prior (seconds), e.g. from an offline profile; None: from
+    # the first measured steps
+    prior_weight: float = 1.0  # the cost prior counts as this many steps of each kind
+    margin: float = 0.02  # a longer chain must beat the plain step's goodput by this fraction (noise hysteresis)
+    probe_cost_ratio: float = 4.0  # a probe is the longest chain predicted to cost at most this x the best step
+
+    def __post_init__(self) -> None:
+        if self.max_nodes < 1:
+            raise ValueError(f"max_nodes must be >= 1, got {self.max_nodes}")
+        if not 0 <= self.probe_fraction < 1:
+            raise ValueError(f"probe_fraction must be in [0, 1), got {self.probe_fraction}")
+        if self.cost_prior is not None and len(self.cost_prior) != N_TERMS:
+            raise ValueError(f"cost_prior needs {N_TERMS} terms {TERMS}, got {len(self.cost_prior)}")
+
+    def chain_lengths(self) -> tuple[int, ...]:
+        base = self.candidates or (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+        lengths = sorted({min(n, self.max_nodes) for n in base if n >= 1} | {1, self.max_nodes})
+        return tuple(lengths)
+
+
+def features(nodes: int, bs: int) -> tuple[float, ...]:
+    """The cost model's terms for a chain of `nodes` verify rows per request over `bs` requests."""
+    draft = 1.0 if nodes > 1 else 0.0
+    return (1.0, float(bs), float(bs * (nodes - 1)), draft, draft * bs)
+
+
+def expected_tokens(rates: Sequence[float], nodes: int) -> float:
+    """E(n): committed tokens per request of a chain of `nodes` rows (rates[d-1] = a_d)."""
+    total, p = 1.0, 1.0
+    for d in range(1, nodes):
+        p *= rates[d - 1]
+        total += p
+    return total
+
+
+@dataclass
+class AcceptanceModel:
+    """Per-depth conditional acceptance from accepted lengths, exponentially forgotten, Beta prior."""
+
+    depth: int  # the deepest draft position (max_nodes - 1)
+    halflife: float
+    prior_rate: float
+    prior_strength: float
+    trials: list[float] = field(init=False)
+    hits: list[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.trials = [0.0] * self.depth
+        self.hits = [0.0] * self.depth
+
+    def observe(self, nodes: int, accepted: Iterable[int]) -> None:
+        """One decode step of a chain of `nodes` rows (plain steps too: what is known fades with every step, so
+        after a long spell of plain steps the few recent probes outweigh the stale regime); accepted: drafts
+        accepted per request (0..nodes-1)."""
+        decay = 0.5 ** (1.0 / self.halflife)
+        self.trials = [t * decay for t in self.trials]
+        self.hits = [h * decay for h in self.hits]
+        for a in accepted:
+            assert 0 <= a <= nodes - 1, (a, nodes)
+            for d in range(min(a + 1, nodes - 1)):  # depth d+1 was tried (all before it accepted) ...
+                self.trials[d] += 1.0
+                if a > d:  # ... and accepted
+                    self.hits[d] += 1.0
+
+    def rates(self) -> list[float]:
+        a0, s = self.prior_rate * self.prior_strength, self.prior_strength
+        return [(h + a0) / (t + s) for h, t in zip(self.hits, self.trials)]
+
+
+@dataclass
+class CostModel:
+    """Step seconds as theta . features, by exponentially forgotten least squares with a ridge prior; theta >= 0
+    except the fixed term (projected: a coefficient the fit drives negative is pinned to 0 and the rest refitted)."""
+
+    halflife: float
+    prior_weight: float
+    prior: tuple[float, ...] | None = None
+    a: list[list[float]] = field(init=False)  # sum w phi phi^T
+    b: list[float] = field(init=False)  # sum w phi y
+    seen: list[float] = field(init=False)  # per term: forgotten count of steps that had it nonzero
+    _theta: list[float] | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.a = [[0.0] * N_TERMS for _ in range(N_TERMS)]
+        self.b = [0.0] * N_TERMS
+        self.seen = [0.0] * N_TERMS
+
+    def observe(self, nodes: int, bs: int, seconds: float) -> None:
+        decay = 0.5 ** (1.0 / self.halflife)
+        phi = features(nodes, bs)
+        for i in range(N_TERMS):
+            self.b[i] = self.b[i] * decay + phi[i] * seconds
+            self.seen[i] = self.seen[i] * decay + (1.0 if phi[i] else 0.0)
+            for j in range(N_TERMS):
+                self.a[i][j] = self.a[i][j] * decay + phi[i] * phi[j]
+        if self.prior is None:  # the first plain or drafted step sets a rough prior (see _default_prior)
+            self.prior = _default_prior(nodes, bs, seconds)
+        self._theta = None
+
+    @property
+    def ready(self) -> bool:
+        return self.prior is not None
+
+    def theta(self) -> list[float]:
+        if self._theta is None:
+            self._theta = self._fit()
+        return self._theta
+
+    def predict(self, nodes: int, bs: int) -> float:
+        theta = self.theta()
+        return max(1e-9, sum(t * f for t, f in zip(theta, features(nodes, bs))))
+
+    def _fit(self) -> list[float]:
+        assert self.prior is not None
+        # ridge toward the prior, scaled per term so that the prior is worth prior_weight typical steps
+        scale = [max(self.a[i][i] / max(self.seen[i], 1e-9), 1e-12) for i in range(N_TERMS)]
+        free = list(range(N_TERMS))
+        pinned: set[int] = set()
+        while True:
+            m = [[self.a[i][j] for j in free] for i in free]
+            v = []
+            for r, i in enumerate(free):
+                ridge = self.prior_weight * (scale[i] if self.seen[i] else 1.0)
+                m[r][r] += ridge
+                v.append(self.b[i] + ridge * self.prior[i])
+            sol = _solve(m, v)
+            theta = [0.0] * N_TERMS
+            for r, i in enumerate(free):
+                theta[i] = sol[r]
+            negative = [i for i in free if i != 0 and theta[i] < 0]
+            if not negative:
+                return theta
+            pinned.update(negative)
+            free = [i for i in free if i not in pinned]
+
+
+def _default_prior(nodes: int, bs: int, seconds: float) -> tuple[float, ...]:
+    """A rough theta from one step: a plain step per request costs what this one did; every extra verify row a
+    request's step too (pessimistic, as a compute-bound verify); a drafter pass half a step."""
+    per = seconds / (bs * (1 + (nodes - 1) + (0.5 if nodes > 1 else 0.0)))
+    return (0.0, per, per, 0.0, 0.5 * per)
+
+
+def _solve(m: list[list[float]], v: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (<= 5 unknowns: no numerics library needed in core)."""
+    n = len(v)
+    m = [row[:] + [v[i]] for i, row in enumerate(m)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        m[c], m[p] = m[p], m[c]
+        if abs(m[c][c]) < 1e-300:
+            continue
+        for r in range(c + 1, n):
+            f = m[r][c] / m[c][c]
+            for k in range(c, n + 1):
+                m[r][k] -= f * m[c][k]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        s = m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))
+        x[r] = s / m[r][r] if abs(m[r][r]) >= 1e-300 else 0.0
+    return x
+
+
+@dataclass
+class Decision:
+    shape: SpecShape
+    reason: str  # "warmup" | "best" | "probe"
+    predicted_tps: float | None = None  # the chosen shape's predicted committed tokens / s (None in warm-up)
+
+
+class GoodputController:
+    """`choose(bs)` before a decode step, `observe(...)` after it (its accepted lengths and, when known, its wall
+    seconds). One controller per server process (per TP rank 0; the shape is broadcast with the accept decision)."""
+
+    def __init__(self, cfg: GoodputConfig) -> None:
+        self.cfg = cfg
+        self.lengths = cfg.chain_lengths()
+        self.longest = self.lengths[-1]
+        self.acceptance = AcceptanceModel(max(1, self.longest - 1), cfg.accept_halflife, cfg.prior_rate,
+                                          cfg.prior_strength)
+        self.cost = CostModel(cfg.cost_halflife, cfg.prior_weight, cfg.cost_prior)
+        middle = self.lengths[len(self.lengths) // 2]
+        self._warmup = [n for n in (self.longest, 1, middle) for _ in range(cfg.warmup_per_shape)]
+        if self.longest == 1:
+            self._warmup = []
+        self.credit = 0.0  # probe credit (seconds)
+        self.steps = 0
+        self.counts: dict[int, int] = {}  # decode steps per chain length
+        self.last: Decision | None = None
+        self._tokens_s = 0.0  # forgotten sums for the measured committed tokens/s
+        self._seconds_s = 0.0
+
+    # ---------------------------------------------------------------- the decision
+    def choose(self, bs: int) -> Decision:
+        assert bs >= 1
+        if self._warmup or not self.cost.ready:  # (no step time measured yet: keep drafting)
+            n = self._warmup.pop(0) if self._warmup else self.longest
+            return self._decide(n, "warmup", None)
+        best, best_g, _ = self.best(bs)
+        probe = self.probe_length(best, bs)
+        if probe > best and self.cfg.probe_fraction > 0:
+            extra = max(self.cost.predict(probe, bs) - self.cost.predict(best, bs), 0.0)
+            self.credit = min(self.credit, 1.5 * extra)  # no back-to-back probes after a long quiet spell
+            if self.credit >= extra:
+                self.credit -= extra
+                return self._decide(probe, "probe", self.goodput(probe, bs))
+        return self._decide(best, "best", best_g)
+
+    def probe_length(self, best: int, bs: int) -> int:
+        """The longest chain predicted to cost at most probe_cost_ratio x the best step (at least 2 rows): at high
+        batch sizes a compute-bound verify of the longest chain would be one very slow step for every user."""
+        limit = self.cfg.probe_cost_ratio * self.cost.predict(best, bs)
+        fits = [n for n in self.lengths if n >= 2 and self.cost.predict(n, bs) <= limit]
+        return max(fits) if fits else min(2, self.longest)
+
+    def best(self, bs: int) -> tuple[int, float, float]:
+        """(chain length, its predicted tokens/s, the plain step's) for a step over `bs` requests."""
+        plain = self.goodput(1, bs)
+        best, best_g = 1, plain * (1 + self.cfg.margin)
+        for n in self.lengths[1:]:
+            g = self.goodput(n, bs)
+            if g > best_g:
+                best, best_g = n, g
+        return best, (plain if best == 1 else best_g), plain
+
+    def goodput(self, nodes: int, bs: int) -> float:
+        return bs * expected_tokens(self.acceptance.rates(), nodes) / self.cost.predict(nodes, bs)
+
+    def _decide(self, n: int, reason: str, g: float | None) -> Decision:
+        self.last = Decision(SpecShape(n, 1), reason, g)
+        return self.last
+
+    # ---------------------------------------------------------------- measurements
+    def observe(self, nodes: int, accepted: Sequence[int], seconds: float | None) -> None:
+        """A finished step of a chain of `nodes` rows: accepted drafts per request; its wall seconds, or None when
+        the interval is not this step's alone (a prefill ran in it, the first step after idle)."""
+        bs = len(accepted)
+        if bs == 0:
+            return
+        self.steps += 1
+        self.counts[nodes] = self.counts.get(nodes, 0) + 1
+        self.acceptance.observe(nodes, accepted)
+        if seconds is None or seconds <= 0:
+            return
+        self.cost.observe(nodes, bs, seconds)
+        decay = 0.5 ** (1.0 / self.cfg.accept_halflife)
+        self._tokens_s = self._tokens_s * decay + bs + sum(accepted)
+        self._seconds_s = self._seconds_s * decay + seconds
+        if self.last is not None and self.last.reason == "probe":
+            return  # a probe is paid from the credit when chosen
+        self.credit += self.cfg.probe_fraction * seconds
+
+    @property
+    def measured_tps(self) -> float:
+        return self._tokens_s / self._seconds_s if self._seconds_s else 0.0
+
+    def summary(self, bs: int) -> dict:
+        """What the logs and metrics show: steps per chain length, acceptance by depth, the cost terms, predicted
+        tokens/s of each candidate at batch size bs, and the measured committed tokens/s."""
+        rates = self.acceptance.rates()
+        out = {"steps": dict(sorted(self.counts.items())), "accept_rate": [round(r, 3) for r in rates[:8]],
+               "measured_tps": round(self.measured_tps, 2)}
+        if self.cost.ready:
+            out["cost_ms"] = {k: round(1e3 * v, 3) for k, v in zip(TERMS, self.cost.theta())}
+            out["predicted_tps"] = {n: round(self.goodput(n, bs), 2) for n in self.lengths}
+            out["best"] = self.best(bs)[0]
+        return out
+
+
+def describe(summary: dict) -> str:
+    """One log line from `summary`."""
+    parts = [f"steps per chain length {summary['steps']}", f"acceptance by depth {summary['accept_rate']}",
+             f"measured {summary['measured_tps']} tok/s"]
+    if "predicted_tps" in summary:
+        best = summary["best"]
+        parts.append(f"best chain {best} ({summary['predicted_tps'][best]} tok/s predicted; plain "
+                     f"{summary['predicted_tps'][1]})")
+        parts.append("cost ms " + ", ".join(f"{k} {v}" for k, v in summary["cost_ms"].items()))
+    return "; ".join(parts)

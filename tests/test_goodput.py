@@ -1,0 +1,154 @@
+"""core/goodput.py: the controller's models, and its decisions in a simulated server with a fake clock.
+
+The simulated server has a known step cost T(n, bs) and per-depth acceptance; each step draws accepted drafts for
+every request (leading successes, depth d accepted with probability a_d) and advances a fake clock by T (with
+noise). The controller sees only what a worker sees: its choice, the accepted lengths and the step's seconds.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dflash_sglang.core.goodput import (AcceptanceModel, CostModel, GoodputConfig, GoodputController,
+                                        expected_tokens, features)
+
+# A CPU-like cost (seconds): verify rows cost in full (compute-bound), a drafter pass ~ 0.7 plain steps at bs 1.
+CPU_THETA = (0.002, 0.032, 0.004, 0.020, 0.004)
+
+
+def step_cost(theta, nodes: int, bs: int) -> float:
+    return sum(t * f for t, f in zip(theta, features(nodes, bs)))
+
+
+def draw_accepted(rng: random.Random, rates, nodes: int, bs: int) -> list[int]:
+    out = []
+    for _ in range(bs):
+        a = 0
+        while a < nodes - 1 and rng.random() < rates[a]:
+            a += 1
+        out.append(a)
+    return out
+
+
+def simulate(ctrl: GoodputController, rates_at, steps: int, bs: int, theta=CPU_THETA, noise: float = 0.05,
+             seed: int = 0) -> tuple[float, list[int], list[str]]:
+    """Run `steps` decode steps; rates_at(step) gives the acceptance by depth. Returns (committed tokens / s,
+    chosen chain lengths, reasons)."""
+    rng = random.Random(seed)
+    tokens, clock, chosen, reasons = 0, 0.0, [], []
+    for i in range(steps):
+        d = ctrl.choose(bs)
+        n = d.shape.nodes
+        accepted = draw_accepted(rng, rates_at(i), n, bs)
+        seconds = step_cost(theta, n, bs) * (1 + noise * (2 * rng.random() - 1))
+        ctrl.observe(n, accepted, seconds)
+        tokens += bs + sum(accepted)
+        clock += seconds
+        chosen.append(n)
+        reasons.append(d.reason)
+    return tokens / clock, chosen, reasons
+
+
+def oracle_tps(rates, bs: int, theta=CPU_THETA, lengths=(1, 2, 3, 4, 6, 8, 12, 16)) -> tuple[int, float]:
+    best = max(lengths, key=lambda n: bs * expected_tokens(rates, n) / step_cost(theta, n, bs))
+    return best, bs * expected_tokens(rates, best) / step_cost(theta, best, bs)
+
+
+def test_expected_tokens_is_the_chain_formula():
+    assert expected_tokens([0.5] * 15, 1) == 1.0
+    assert expected_tokens([0.5] * 15, 3) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens([1.0, 0.0, 1.0], 4) == 2.0
+
+
+def test_acceptance_counts_trials_only_where_every_earlier_draft_was_accepted():
+    m = AcceptanceModel(depth=4, halflife=1e9, prior_rate=0.5, prior_strength=0.0)
+    m.observe(5, [0, 2, 4])  # request 0: depth 1 tried, rejected; 1: depths 1,2 hit, 3 missed; 2: all four hit
+    assert m.trials == [3, 2, 2, 1]
+    assert m.hits == [2, 2, 1, 1]
+    assert m.rates() == pytest.approx([2 / 3, 1.0, 0.5, 1.0])
+    m.observe(2, [1])  # a chain of 2 only tests depth 1
+    assert m.trials == pytest.approx([4, 2, 2, 1])
+
+
+def test_acceptance_forgets_with_its_halflife():
+    m = AcceptanceModel(depth=1, halflife=1.0, prior_rate=0.5, prior_strength=0.0)
+    m.observe(2, [1])
+    m.observe(2, [0])  # the older observation now counts half
+    assert m.hits == [0.5] and m.trials == [1.5]
+
+
+def test_cost_model_recovers_a_linear_cost():
+    model = CostModel(halflife=1e9, prior_weight=1e-6)
+    for bs in (1, 3, 8, 16):
+        for n in (1, 2, 4, 8, 16):
+            model.observe(n, bs, step_cost(CPU_THETA, n, bs))
+    assert model.theta() == pytest.approx(CPU_THETA, rel=1e-3, abs=1e-5)
+
+
+def test_noisy_cost_fit_keeps_every_coefficient_but_the_fixed_one_nonnegative():
+    rng = random.Random(3)
+    model = CostModel(halflife=50, prior_weight=0.1)
+    theta = (0.010, 0.030, 0.0, 0.0, 0.0)  # extra rows and drafting free: noise pulls their fit both ways
+    for i in range(400):
+        n, bs = rng.choice((1, 2, 16)), rng.choice((1, 2))
+        model.observe(n, bs, step_cost(theta, n, bs) * (1 + 0.3 * (rng.random() - 0.5)))
+        assert all(t >= 0 for t in model.theta()[1:])
+    assert model.predict(16, 1) >= model.predict(2, 1) >= model.predict(1, 1) * 0.999
+
+
+def test_weak_drafter_turns_speculation_off_and_costs_at_most_the_probe_budget():
+    ctrl = GoodputController(GoodputConfig(max_nodes=16))
+    rates = [0.35] * 15
+    tps, chosen, reasons = simulate(ctrl, lambda i: rates, steps=1500, bs=1)
+    plain = 1 / step_cost(CPU_THETA, 1, 1)
+    assert oracle_tps(rates, 1)[0] == 1
+    assert chosen[-200:].count(1) >= 180  # plain steps, with the odd probe
+    assert 0 < reasons.count("probe") <= 0.05 * len(reasons)
+    assert tps >= 0.95 * plain  # never slower than not speculating (warm-up and probes included)
+
+
+@pytest.mark.parametrize("bs", [1, 4])
+def test_good_drafter_gets_long_chains_and_beats_plain(bs):
+    ctrl = GoodputController(GoodputConfig(max_nodes=16))
+    rates = [0.9] * 15
+    tps, chosen, _ = simulate(ctrl, lambda i: rates, steps=600, bs=bs)
+    best, oracle = oracle_tps(rates, bs)
+    assert best >= 6
+    assert min(chosen[-100:]) >= 4
+    assert tps >= 0.9 * oracle and tps > 1.3 * bs / step_cost(CPU_THETA, 1, bs)
+
+
+def test_compute_bound_batch_prefers_short_chains():
+    ctrl = GoodputController(GoodputConfig(max_nodes=16))
+    rates = [0.6] * 15
+    _, chosen, _ = simulate(ctrl, lambda i: rates, steps=600, bs=64)
+    best, _ = oracle_tps(rates, 64)
+    recent = chosen[-100:]
+    assert max(set(recent), key=recent.count) == best
+    # probes included: no step costs much more than the best one (a 16-row verify of 64 requests would)
+    assert max(step_cost(CPU_THETA, n, 64) for n in recent) <= 4.2 * step_cost(CPU_THETA, best, 64)
+
+
+def test_it_reacts_when_traffic_becomes_predictable_and_back():
+    ctrl = GoodputController(GoodputConfig(max_nodes=16))
+    weak, strong = [0.3] * 15, [0.92] * 15
+
+    def rates_at(i):
+        return strong if 1000 <= i < 2000 else weak
+
+    _, chosen, _ = simulate(ctrl, rates_at, steps=3000, bs=1)
+    assert chosen[800:1000].count(1) >= 180  # plain while drafts are bad
+    switch_on = next(i for i in range(1000, 2000) if all(n >= 6 for n in chosen[i:i + 20]))
+    assert switch_on < 1300  # found by probes within a few hundred steps
+    assert chosen[2300:2500].count(1) >= 180  # back to plain once drafts are bad again
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="max_nodes"):
+        GoodputConfig(max_nodes=0)
+    with pytest.raises(ValueError, match="cost_prior"):
+        GoodputConfig(max_nodes=4, cost_prior=(1.0,))
+    assert GoodputConfig(max_nodes=5).chain_lengths() == (1, 2, 3, 4, 5)
+    ctrl = GoodputController(GoodputConfig(max_nodes=1))
+    assert ctrl.choose(3).shape.nodes == 1
