@@ -16,12 +16,14 @@ per-request cost (a plain step), each extra verify row per request (compute-boun
 memory-bound ones little), and the drafter pass (fixed + per request).
 
 Exploration is bounded. Warm-up runs one step each of the longest chain, a plain step and a middle chain
-(`warmup_per_shape`) to seed both models. After that, whatever the best shape is, a probe credit of `probe_fraction` of the
-measured time accrues; when it covers a probe's predicted extra cost, one step runs a long chain (the longest whose
-predicted cost stays within `probe_cost_ratio` of the best step's: it measures acceptance at every depth it
-reaches) and the credit pays for it. So with speculation off the controller spends at most
-about `probe_fraction` of the time re-checking whether traffic became predictable, and turns speculation back on
-when it did.
+(`warmup_per_shape` of each; a shape's first timed step is left out of the cost fit) to seed both models. After
+that, whatever the best shape is, a probe credit of `probe_fraction` of the measured time accrues; when it covers a
+probe's predicted extra cost, one step runs a long chain (the longest whose predicted cost stays within
+`probe_cost_ratio` of the best step's: it measures acceptance at every depth it reaches) and the credit pays for it,
+provided that chain could still beat the best step at acceptance `probe_z` standard errors above its estimate (a
+large batch's probe measures many requests at once: once drafting is known not to pay there, probes wait until those
+counts fade). So with speculation off the controller spends at most about `probe_fraction` of the time re-checking
+whether traffic became predictable, and turns speculation back on when it did.
 
 Pure logic: no torch, no clock of its own (the caller passes measured seconds), deterministic, so tests drive it
 with a fake clock. The SGLang worker and the reference decoder both use it (docs/structure.md, "One decode step").
@@ -44,7 +46,7 @@ class GoodputConfig:
     probe_fraction: float = 0.03  # time share spent on probes of the longest chain while it is not chosen
     accept_halflife: float = 64.0  # decode steps after which an acceptance observation counts half
     cost_halflife: float = 256.0  # decode steps after which a step-time observation counts half
-    warmup_per_shape: int = 1  # warm-up steps of each of the longest chain, a plain step and a middle chain
+    warmup_per_shape: int = 2  # warm-up steps of each of the longest chain, a plain step and a middle chain
     prior_rate: float = 0.4  # acceptance prior at every depth ...
     prior_strength: float = 2.0  # ... worth this many observations
     cost_prior: tuple[float, ...] | None = None  # theta prior (seconds), e.g. from an offline profile; None: from
@@ -52,6 +54,9 @@ class GoodputConfig:
     prior_weight: float = 1.0  # the cost prior counts as this many steps of each kind
     margin: float = 0.02  # a longer chain must beat the plain step's goodput by this fraction (noise hysteresis)
     probe_cost_ratio: float = 4.0  # a probe is the longest chain predicted to cost at most this x the best step
+    probe_z: float = 2.0  # ... and runs only if, at acceptance this many standard errors above the estimate, it
+    # could beat the best step (a large batch's probe measures a lot: once that is known, probes stop until the
+    # counts fade)
 
     def __post_init__(self) -> None:
         if self.max_nodes < 1:
@@ -115,6 +120,11 @@ class AcceptanceModel:
         a0, s = self.prior_rate * self.prior_strength, self.prior_strength
         return [(h + a0) / (t + s) for h, t in zip(self.hits, self.trials)]
 
+    def optimistic_rates(self, z: float) -> list[float]:
+        """Each depth's rate plus z standard errors (of its forgotten count): what a probe could still find."""
+        s = self.prior_strength
+        return [min(1.0, m + z * (m * (1 - m) / (t + s)) ** 0.5) for m, t in zip(self.rates(), self.trials)]
+
 
 @dataclass
 class CostModel:
@@ -127,6 +137,8 @@ class CostModel:
     a: list[list[float]] = field(init=False)  # sum w phi phi^T
     b: list[float] = field(init=False)  # sum w phi y
     seen: list[float] = field(init=False)  # per term: forgotten count of steps that had it nonzero
+    measured: dict[tuple[int, int], tuple[float, float, float]] = field(default_factory=dict)  # (chain length,
+    # batch-size bucket) -> (mean seconds, mean bs, forgotten weight)
     _theta: list[float] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -136,6 +148,11 @@ class CostModel:
 
     def observe(self, nodes: int, bs: int, seconds: float) -> None:
         decay = 0.5 ** (1.0 / self.halflife)
+        for key, (m, b, w) in list(self.measured.items()):  # every shape's measurements fade alike
+            self.measured[key] = (m, b, w * decay)
+        m, b, w = self.measured.get((nodes, _bucket(bs)), (0.0, 0.0, 0.0))
+        w += 1.0
+        self.measured[(nodes, _bucket(bs))] = (m + (seconds - m) / w, b + (bs - b) / w, w)
         phi = features(nodes, bs)
         for i in range(N_TERMS):
             self.b[i] = self.b[i] * decay + phi[i] * seconds
@@ -155,9 +172,19 @@ class CostModel:
             self._theta = self._fit()
         return self._theta
 
-    def predict(self, nodes: int, bs: int) -> float:
+    def linear(self, nodes: int, bs: int) -> float:
         theta = self.theta()
         return max(1e-9, sum(t * f for t, f in zip(theta, features(nodes, bs))))
+
+    def predict(self, nodes: int, bs: int) -> float:
+        """A shape measured at a similar batch size (the same power-of-two bucket) costs what it measured (scaled by
+        the linear model to this bs); others what the linear model says. Real kernels are not linear in the rows: on
+        the AVX-512 EPYC a 3-row verify step took longer than a 6-row one."""
+        seen = self.measured.get((nodes, _bucket(bs)))
+        if seen is None or seen[2] < 0.5:
+            return self.linear(nodes, bs)
+        mean_s, mean_bs, _ = seen
+        return mean_s * self.linear(nodes, bs) / self.linear(nodes, max(1, round(mean_bs)))
 
     def _fit(self) -> list[float]:
         assert self.prior is not None
@@ -181,6 +208,10 @@ class CostModel:
                 return theta
             pinned.update(negative)
             free = [i for i in free if i not in pinned]
+
+
+def _bucket(bs: int) -> int:
+    return max(0, int(bs).bit_length() - 1)  # 1 | 2-3 | 4-7 | 8-15 | ...
 
 
 def _default_prior(nodes: int, bs: int, seconds: float) -> tuple[float, ...]:
@@ -235,6 +266,7 @@ class GoodputController:
         self.credit = 0.0  # probe credit (seconds)
         self.steps = 0
         self.counts: dict[int, int] = {}  # decode steps per chain length
+        self._timed: set[int] = set()  # chain lengths whose first timed step was seen (and left out of the fit)
         self.last: Decision | None = None
         self._tokens_s = 0.0  # forgotten sums for the measured committed tokens/s
         self._seconds_s = 0.0
@@ -247,13 +279,18 @@ class GoodputController:
             return self._decide(n, "warmup", None)
         best, best_g, _ = self.best(bs)
         probe = self.probe_length(best, bs)
-        if probe > best and self.cfg.probe_fraction > 0:
+        if probe > best and self.cfg.probe_fraction > 0 and self.could_beat(probe, bs, best_g):
             extra = max(self.cost.predict(probe, bs) - self.cost.predict(best, bs), 0.0)
             self.credit = min(self.credit, 1.5 * extra)  # no back-to-back probes after a long quiet spell
             if self.credit >= extra:
                 self.credit -= extra
                 return self._decide(probe, "probe", self.goodput(probe, bs))
         return self._decide(best, "best", best_g)
+
+    def could_beat(self, nodes: int, bs: int, goodput: float) -> bool:
+        """Whether a chain of `nodes` could beat `goodput` if acceptance were at its optimistic rates."""
+        rates = self.acceptance.optimistic_rates(self.cfg.probe_z)
+        return bs * expected_tokens(rates, nodes) / self.cost.predict(nodes, bs) > goodput
 
     def probe_length(self, best: int, bs: int) -> int:
         """The longest chain predicted to cost at most probe_cost_ratio x the best step (at least 2 rows): at high
@@ -290,6 +327,9 @@ class GoodputController:
         self.counts[nodes] = self.counts.get(nodes, 0) + 1
         self.acceptance.observe(nodes, accepted)
         if seconds is None or seconds <= 0:
+            return
+        if nodes not in self._timed:  # a shape's first step pays one-time costs (allocations, first calls): not its
+            self._timed.add(nodes)  # cost, and one such outlier would keep a good shape off for a long time
             return
         self.cost.observe(nodes, bs, seconds)
         decay = 0.5 ** (1.0 / self.cfg.accept_halflife)
