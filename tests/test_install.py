@@ -27,13 +27,19 @@ def _run(py: Path, code: str) -> str:
     return out.stdout.strip()
 
 
-def test_layered_venv_sees_the_parent_virtualenv_and_shadows_it(tmp_path: Path) -> None:
-    # The user's virtualenv: made from this interpreter; it sees torch and the project as this environment does,
-    # and has one package of its own, which the base interpreter lacks.
+def _user_venv(tmp_path: Path) -> Path:
+    """The user's virtualenv (its python): made from this interpreter, it sees torch and the project as this
+    environment does, and has one package of its own, which the base interpreter lacks."""
     parent = tmp_path / "user_venv"
     venv.EnvBuilder(system_site_packages=True, with_pip=False, symlinks=True).create(parent)
     parent_py = parent / "bin" / "python"
     (_purelib(parent_py) / "dflash_layer_probe.py").write_text("WHERE = 'parent virtualenv'\n")
+    return parent_py
+
+
+def test_layered_venv_sees_the_parent_virtualenv_and_shadows_it(tmp_path: Path) -> None:
+    parent_py = _user_venv(tmp_path)
+    parent = parent_py.parents[1]
 
     layered = tmp_path / "sglang_venv"
     made = subprocess.run([str(parent_py), str(REPO / ".ci" / "layered_venv.py"), str(layered)],
@@ -61,10 +67,7 @@ def test_layered_venv_sees_the_parent_virtualenv_and_shadows_it(tmp_path: Path) 
 
 def test_base_venv_flag_misses_the_parent_virtualenv(tmp_path: Path) -> None:
     """The failure mode this guards against, shown: --system-site-packages from inside a virtualenv skips it."""
-    parent = tmp_path / "user_venv"
-    venv.EnvBuilder(system_site_packages=True, with_pip=False, symlinks=True).create(parent)
-    parent_py = parent / "bin" / "python"
-    (_purelib(parent_py) / "dflash_layer_probe.py").write_text("WHERE = 'parent virtualenv'\n")
+    parent_py = _user_venv(tmp_path)
     naive = tmp_path / "naive"
     subprocess.run([str(parent_py), "-m", "venv", "--system-site-packages", "--without-pip", str(naive)], check=True)
     out = subprocess.run([str(naive / "bin" / "python"), "-c", "import dflash_layer_probe"], capture_output=True,
