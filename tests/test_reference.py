@@ -92,8 +92,9 @@ def test_controller_observes_each_step_with_its_wall_seconds(pair, monkeypatch):
     outs = dec.generate(mixed_prompts(8, lengths=(3, 9, 5)), 16, block_size=16, tree=SpecShape(8, 2),
                         policy=AdaptivePolicy.parse("inf:24x3"), controller=ctrl)
     steps = max(len(o.accept_lengths) for o in outs)
-    warmup = [16] * 3 + [1] * 3 + [6] * 3
-    assert len(seen) == steps >= 4 and [n for n, _, _ in seen][:9] == warmup[:steps]
+    per = GoodputConfig(max_nodes=16).warmup_per_shape
+    warmup = [16] * per + [1] * per + [6] * per
+    assert len(seen) == steps >= 4 and [n for n, _, _ in seen][:len(warmup)] == warmup[:steps]
     assert all(sec == 1.25 for _, _, sec in seen)
     assert all(0 <= a <= n - 1 for n, acc, _ in seen for a in acc)
     assert [len(acc) for _, acc, _ in seen] == [sum(len(o.accept_lengths) > k for o in outs) for k in range(steps)]
