@@ -157,7 +157,8 @@ class ShapeSchedule:
             self._last_log = now
             logger.info("DFLASH goodput: %s", describe(self.controller.summary(len(accepted))))
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("DFLASH goodput step: n=%d bs=%d accepted=%s seconds=%s", nodes, len(accepted), sum(accepted), seconds)
+            logger.debug("DFLASH goodput step: n=%d bs=%d accepted=%s seconds=%s", nodes, len(accepted),
+                         sum(accepted), seconds)
 
     def distribution(self) -> str:
         """'10x3: 12, 4x1: 40' (decode steps per shape, most used first)."""
