@@ -150,9 +150,11 @@ class DFlashWorker(BaseSpecWorker):
         self.masked_graphs = masked_verify_graphs(self.settings)  # tree verifies replay masked verify graphs
         # goodput mode: the last decode step (chain length, accepted drafts [bs] tensor, start time), observed at the
         # next step's start (its accepted lengths are ready by then, no sync of their own; the time between the two
-        # starts is what the step cost the server); None after a prefill or idle step (the interval was not its own)
+        # starts is what the step cost the server); its time is not used after a prefill or idle step in between (the
+        # interval was not its own: _interval_clean)
         self._last_step: tuple[int, Tensor, float] | None = None
         self._interval_clean = False
+        self._step_start = 0.0  # perf_counter at this decode step's shape choice
 
     @property
     def speculative_num_draft_tokens(self) -> int:
