@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from dflash_sglang.core.accept import (
-    SamplingParams, greedy_accept, rejection_accept, sample_from, target_probs,
+    SamplingParams, cap_commits, greedy_accept, rejection_accept, sample_from, target_probs,
 )
 
 
@@ -13,6 +13,16 @@ def test_greedy_accept_cases():
     assert r.accept_len.tolist() == [3, 1, 0, 3]
     assert r.bonus.tolist() == [8, 0, 4, 2]
     assert r.out_tokens.tolist() == [[5, 6, 7, 8], [5, 0, -1, -1], [4, -1, -1, -1], [9, 6, 7, 2]]
+
+
+def test_cap_commits_cuts_each_run_at_its_budget():
+    draft = torch.tensor([[5, 6, 7], [5, 6, 7], [1, 2, 3], [9, 6, 7]])
+    r = greedy_accept(draft, torch.tensor([[5, 6, 7, 8], [5, 0, 7, 8], [4, 2, 3, 1], [9, 6, 7, 2]]))
+    # budgets: below the run (cut), equal to it, above it, and 0 (a finished row's overshoot step: still 1 token)
+    c = cap_commits(r, torch.tensor([2, 2, 3, 0]))
+    assert c.accept_len.tolist() == [1, 1, 0, 0]
+    assert c.bonus.tolist() == [6, 0, 4, 9]
+    assert c.out_tokens.tolist() == [[5, 6, -1, -1], [5, 0, -1, -1], [4, -1, -1, -1], [9, -1, -1, -1]]
 
 
 def test_greedy_rows_of_rejection_sampling_equal_greedy():

@@ -562,6 +562,42 @@ def test_a_multi_token_commit_finishes_as_one_token_steps_do(plugin, monkeypatch
 
 
 @child_only
+def test_commits_stop_at_max_new_tokens_even_for_an_aborted_request(plugin, monkeypatch):
+    """SGLang trims a multi-token commit at max_new_tokens when the request ends by length, but an abort marked
+    before the step (`to_finish`) ends it first and keeps every committed token (found by scripts/stress.py: an
+    aborted stream answered 6 tokens for max 5). Our worker cuts each run at the request's limit itself."""
+    import torch
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from dflash_sglang.adapter.worker import DFlashWorker, _Accepted
+    from dflash_sglang.core.accept import greedy_accept
+
+    params = SamplingParams(max_new_tokens=5)
+    params.normalize(None)
+    aborted = Req("r", "", [1, 2, 3], params, eos_token_ids={2})
+    aborted.output_ids = [5, 6]
+    aborted.to_finish = object()  # what an abort request sets
+    aborted.output_ids += [7, 8, 9, 10]
+    aborted.update_finish_state(4)
+    assert aborted.finished() and aborted.finished_len is None  # upstream: 6 tokens kept for max 5
+
+    # two requests (prompt 3, max 5 / prompt 4, max 9) with 2 and 1 output tokens: KV lengths 4 and 4
+    reqs = [SimpleNamespace(origin_input_ids=[1] * p, sampling_params=SimpleNamespace(max_new_tokens=m))
+            for p, m in ((3, 5), (4, 9))]
+    batch = SimpleNamespace(reqs=reqs, seq_lens=torch.tensor([4, 4]), seq_lens_cpu=torch.tensor([4, 4]))
+    r = greedy_accept(torch.tensor([[7, 8, 9], [7, 8, 9]]), torch.tensor([[7, 8, 9, 10], [7, 8, 9, 10]]))
+    step = _Accepted(r.out_tokens, r.accept_len, r.bonus, None, None, None, False)
+    worker = object.__new__(DFlashWorker)
+    worker.context_len = 64
+    cut = worker._within_max_new_tokens(batch, step, 4)
+    assert cut.out_tokens.tolist() == [[7, 8, 9, -1], [7, 8, 9, 10]]  # 3 more tokens reach max 5; 9 is far
+    assert cut.accept_len.tolist() == [2, 3] and cut.bonus.tolist() == [9, 10]
+    assert worker._within_max_new_tokens(batch, step, 3) is step  # no request within 3 tokens: nothing done
+
+
+@child_only
 def test_hub_draft_id_resolves_to_its_snapshot(plugin, pair, monkeypatch, tmp_path):
     """--speculative-draft-model-path ORG/NAME is fetched (here: found offline in a hub cache laid out like
     huggingface_hub's, under --download-dir) and replaced by the local snapshot before the draft is read."""

@@ -135,8 +135,9 @@ def test_controller_verdict_says_what_it_chose_and_why():
     assert line.startswith("controller: drafting does not pay on this machine with this drafter: a plain step is "
                            "predicted "), line
     assert "so it ran plain steps (" in line and "steps per chain length {1: " in line, line
-    assert ctrl.reasons["warmup"] == 9 and ctrl.reasons["probe"] >= 1 and sum(ctrl.reasons.values()) == 200
-    assert f"; 9 warm-up steps (longest chain, plain, middle chain), {ctrl.reasons['probe']} probes of a " in line
+    warmup = 3 * ctrl.cfg.warmup_per_shape  # the longest chain, a plain step and a middle chain
+    assert ctrl.reasons["warmup"] == warmup and ctrl.reasons["probe"] >= 1 and sum(ctrl.reasons.values()) == 200
+    assert f"; {warmup} warm-up steps (longest chain, plain, middle chain), {ctrl.reasons['probe']} probes of a " in line
     assert ctrl.counts[1] > 150, ctrl.counts  # mostly plain steps
     good = GoodputController(GoodputConfig(max_nodes=16))
     for _ in range(100):  # every draft accepted, drafting nearly free

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -46,7 +46,7 @@ from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjus
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask
 
 from dflash_sglang import ops
-from dflash_sglang.core.accept import AcceptResult
+from dflash_sglang.core.accept import AcceptResult, cap_commits
 from dflash_sglang.core.adaptive import SpecShape
 from dflash_sglang.core.config import CheckpointError
 from dflash_sglang.core.speculate import accept, propose
@@ -304,9 +304,10 @@ class DFlashWorker(BaseSpecWorker):
         longest = int(batch.seq_lens_cpu.max()) if batch.seq_lens_cpu is not None else int(seq_lens.max())
         shape = shape.at_most(self.context_len - longest)
         step = self._step(batch, state.bonus_tokens, shape, grammar_barrier)
-        if self.schedule.controller is not None:
+        if self.schedule.controller is not None:  # the drafts' real acceptance, before any max_new_tokens cut
             self._last_step = (shape.nodes, step.accept_len, self._step_start)
             self._interval_clean = True
+        step = self._within_max_new_tokens(batch, step, shape.nodes)
 
         commit_lens = (step.accept_len + 1).to(torch.int32)
         new_seq_lens = seq_lens + commit_lens.to(seq_lens.dtype)
@@ -336,6 +337,22 @@ class DFlashWorker(BaseSpecWorker):
             speculative_num_draft_tokens=self.stride,
             new_seq_lens=new_seq_lens,
         )
+
+    def _within_max_new_tokens(self, batch: ScheduleBatch, step: _Accepted, n: int) -> _Accepted:
+        """The step with no request committing past its max_new_tokens. SGLang trims such a run when the request
+        ends by length, but not when an abort already marked it (`to_finish`): the aborted answer would carry tokens
+        past the limit. Host work only unless a request is within n tokens of its limit."""
+        seq_cpu = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens.cpu()
+        # committed KV length = prompt + output - 1 (the newest output token, the bonus, is not in the KV yet)
+        limits = [len(r.origin_input_ids) + r.sampling_params.max_new_tokens - 1
+                  if r.sampling_params.max_new_tokens is not None else self.context_len for r in batch.reqs]
+        left = torch.tensor(limits, dtype=torch.int64) - seq_cpu.to(torch.int64)
+        if int(left.min()) >= n:
+            return step
+        capped = cap_commits(AcceptResult(step.accept_len, step.out_tokens, step.bonus),
+                             left.to(step.accept_len.device, non_blocking=True))
+        return replace(step, out_tokens=capped.out_tokens, accept_len=capped.accept_len,
+                                   bonus=capped.bonus)
 
     def _choose_shape(self, bs: int) -> SpecShape:
         """This step's shape; in goodput mode the previous step is observed first (acceptance and wall time), and

@@ -154,3 +154,19 @@ def draw_uniforms(bs: int, n: int, generator: torch.Generator | None, device) ->
     """coins [bs, n] and resample_u [bs], from one generator so runs are reproducible by seed."""
     u = torch.rand(bs, n + 1, generator=generator, device=device)
     return u[:, :n], u[:, n]
+
+
+def cap_commits(result: AcceptResult, budget: Tensor) -> AcceptResult:
+    """The same step with request i committing at most budget[i] >= 1 tokens (what its max_new_tokens still
+    allows): a longer run is cut to its first budget[i] tokens, the last of them the new bonus, as if the target had
+    rejected the draft after them. Greedy or sampled, those tokens are a prefix of the uncut run, so the output stays
+    the target's; the request ends by length on them.
+
+    result: accept_len [bs], out_tokens [bs, W], bonus [bs]; budget [bs] int64.
+    """
+    commit = torch.minimum(result.accept_len + 1, budget.clamp_min(1))
+    accept_len = commit - 1
+    j = torch.arange(result.out_tokens.shape[1], device=budget.device)[None]
+    out = torch.where(j < commit[:, None], result.out_tokens, -1)
+    bonus = result.out_tokens.gather(1, accept_len[:, None]).squeeze(1)
+    return AcceptResult(accept_len, out, bonus)
