@@ -25,6 +25,7 @@ from .checkpoint import check_fit
 from .drafter import KV, DFlashDrafter
 from .features import target_layer_features
 from .goodput import GoodputController
+from .penalties import OutputPenalties, Penalties, apply_penalties
 from .speculate import DraftLogits, accept, kept_rows, propose
 from .token_map import restrict_head
 
@@ -108,6 +109,7 @@ class ReferenceDecoder:
         policy: AdaptivePolicy | None = None,
         times: StepTimes | None = None,
         controller: GoodputController | None = None,
+        penalties: Penalties | None = None,
     ) -> list[Generation]:
         """Speculative decoding. Per step the verify shape is, by precedence: the goodput controller's chain
         (`controller.choose(running batch size)`, capped to the block; n = 1 is a plain step with no drafter pass),
@@ -118,7 +120,8 @@ class ReferenceDecoder:
         running request, and its wall seconds from the start of its `choose` to the start of the next step's (its
         bookkeeping included, as a server's step; the last step's up to its own end). One controller may serve many
         calls (it keeps learning, as in a server). `times`, when given, accumulates where the decode steps' wall
-        time goes.
+        time goes. `penalties` (one row per prompt; its stop_ids should list the EOS ids) penalize every verify row
+        as plain decoding would at that point of the output (core/penalties.py).
         """
         block = block_size or self.cfg.block_size
         if block < 2:
@@ -136,7 +139,8 @@ class ReferenceDecoder:
         gen = torch.Generator(device=self._device).manual_seed(seed)
         params = SamplingParams.full(len(prompts), temperature, top_k, top_p, min_p, device=self._device)
         outs = [Generation([]) for _ in prompts]
-        batch, first = self._prefill(prompts, params, gen, capture=True)
+        pen = _Penalized.of(penalties, len(prompts), self.lm_head_weight.shape[0], self._device)
+        batch, first = self._prefill(prompts, params, gen, capture=True, pen=pen)
         self._emit(outs, batch.rid, first[:, None], torch.ones_like(first), max_new_tokens, eos_token_id)
         batch = self._drop_finished(batch, outs, max_new_tokens, eos_token_id)
         last = None  # the controller's previous step: (chain length, accepted drafts per request, start time)
@@ -148,7 +152,7 @@ class ReferenceDecoder:
                 shape = controller.choose(len(batch.rid)).shape.at_most(block)
             else:
                 shape = policy.choose(len(batch.rid)) if policy is not None else fixed
-            result = self._spec_step(batch, block, shape, params.select(batch.rid), gen, times)
+            result = self._spec_step(batch, block, shape, params.select(batch.rid), gen, times, pen)
             commit = result.accept_len + 1
             if controller is not None:
                 last = (shape.nodes, result.accept_len.tolist(), start)
@@ -171,13 +175,15 @@ class ReferenceDecoder:
         seed: int = 0,
         eos_token_id: int | list[int] | None = None,
         min_p: float = 0.0,
+        penalties: Penalties | None = None,
     ) -> list[list[int]]:
         """Non-speculative decoding with the same batching (the baseline for lossless checks)."""
         self._check_context(prompts, max_new_tokens, 1)
         gen = torch.Generator(device=self._device).manual_seed(seed)
         params = SamplingParams.full(len(prompts), temperature, top_k, top_p, min_p, device=self._device)
         outs = [Generation([]) for _ in prompts]
-        batch, tok = self._prefill(prompts, params, gen, capture=False)
+        pen = _Penalized.of(penalties, len(prompts), self.lm_head_weight.shape[0], self._device)
+        batch, tok = self._prefill(prompts, params, gen, capture=False, pen=pen)
         one = torch.ones_like(tok)
         while True:
             self._emit(outs, batch.rid, tok[:, None], one[: len(tok)], max_new_tokens, eos_token_id)
@@ -188,7 +194,12 @@ class ReferenceDecoder:
             batch.valid = torch.cat([batch.valid, batch.valid.new_ones(len(batch.rid), 1)], dim=1)
             batch.pos = torch.cat([batch.pos, batch.seq_len[:, None]], dim=1)
             batch.seq_len = batch.seq_len + 1
-            tok = self._sample(logits[:, -1], params.select(batch.rid), gen)
+            last = logits[:, -1:]
+            if pen is not None:
+                pen.penalize(last, batch.rid, batch.bonus[:, None], None)
+            tok = self._sample(last[:, 0], params.select(batch.rid), gen)
+            if pen is not None:
+                pen.commit(batch.rid, tok[:, None], torch.ones_like(tok))
             batch.bonus = tok
 
     def _check_context(self, prompts: list[list[int]], max_new_tokens: int, block: int) -> None:
@@ -210,7 +221,8 @@ class ReferenceDecoder:
     def _device(self) -> torch.device:
         return self.lm_head_weight.device
 
-    def _prefill(self, prompts: list[list[int]], params: SamplingParams, gen, capture: bool) -> tuple[_Batch, Tensor]:
+    def _prefill(self, prompts: list[list[int]], params: SamplingParams, gen, capture: bool,
+                 pen: _Penalized | None = None) -> tuple[_Batch, Tensor]:
         if not prompts:
             raise ValueError("no prompts")
         bs, width = len(prompts), max(len(p) for p in prompts)
@@ -234,14 +246,19 @@ class ReferenceDecoder:
         logits, feats = self._target_forward(batch, ids, pos, capture=capture, new_valid=valid)
         batch.valid, batch.pos = valid, pos
         batch.seq_len = valid.sum(1)
-        first = self._sample(logits[:, -1], params, gen)
+        last = logits[:, -1:]
+        if pen is not None:  # nothing output yet: only min_new_tokens can act
+            pen.penalize(last, batch.rid, ids[:, -1:], None)
+        first = self._sample(last[:, 0], params, gen)
+        if pen is not None:
+            pen.commit(batch.rid, first[:, None], torch.ones_like(first))
         batch.bonus = first
         if capture:
             batch.ctx_kv = self._context_kv(feats, pos)
         return batch, first
 
     def _spec_step(self, batch: _Batch, block: int, shape: SpecShape, params: SamplingParams, gen,
-                   times: StepTimes | None = None) -> AcceptResult:
+                   times: StepTimes | None = None, pen: _Penalized | None = None) -> AcceptResult:
         """One draft -> verify -> accept -> commit step for every running request."""
         t0 = time.perf_counter()
         scores = DraftLogits(self._draft(batch, block), self.token_map) if shape.nodes > 1 else None
@@ -252,7 +269,11 @@ class ReferenceDecoder:
         t2 = time.perf_counter()
         logits, feats = self._target_forward(batch, proposal.ids, positions, capture=True, tree_mask=tree_mask)
         t3 = time.perf_counter()
+        if pen is not None:
+            pen.penalize(logits, batch.rid, proposal.ids, proposal.tree.parent if proposal.tree is not None else None)
         result = accept(proposal, logits, None if bool(params.greedy.all()) else params, gen)
+        if pen is not None:
+            pen.commit(batch.rid, result.out_tokens, result.accept_len + 1)
         keep = kept_rows(proposal, result)
 
         new_kv = self._context_kv(feats, positions)
@@ -357,6 +378,35 @@ class ReferenceDecoder:
                 if _finished(out, max_new, eos_set):
                     break
                 out.append(t)
+
+
+@dataclass
+class _Penalized:
+    """The reference's penalty bookkeeping: settings and accumulated output state of every request (row = rid)."""
+
+    penalties: Penalties
+    state: OutputPenalties
+
+    @classmethod
+    def of(cls, penalties: Penalties | None, bs: int, vocab: int, device) -> _Penalized | None:
+        if penalties is None:
+            return None
+        if penalties.frequency.shape[0] != bs:
+            raise ValueError(f"penalties for {penalties.frequency.shape[0]} requests, {bs} prompts")
+        return cls(penalties, OutputPenalties.empty(bs, vocab, device))
+
+    def penalize(self, logits: Tensor, rid: Tensor, ids: Tensor, parent: Tensor | None) -> None:
+        """logits [bs, T, V] at verify rows ids [bs, T] (row 0: the newest output token, already in the state; T = 1:
+        a plain step) of the running requests rid [bs]."""
+        pen = self.penalties.select(rid)
+        apply_penalties(logits, self.state.select(rid).along_paths(pen, ids, parent), pen)
+
+    def commit(self, rid: Tensor, tokens: Tensor, counts: Tensor) -> None:
+        """The first counts[i] of tokens [bs, W] join request rid[i]'s output."""
+        sub = self.state.select(rid)
+        sub.extend(self.penalties.select(rid), tokens, counts)
+        self.state.frequency[rid], self.state.presence[rid] = sub.frequency, sub.presence
+        self.state.repetition[rid], self.state.length[rid] = sub.repetition, sub.length
 
 
 def _finished(tokens: list[int], max_new: int, eos) -> bool:
