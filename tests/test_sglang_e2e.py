@@ -59,7 +59,10 @@ EOS_IDS, STOP_TOKEN = (0, 2), 4
 SAMPLE_NEW, SAMPLE_PROMPT = 3, [1, 3, 2, 5]
 # (result key, requests, sampling settings): temperature only, temperature + top-p, temperature + top-k
 SAMPLED = [("t1", 1000, {"temperature": 1.0}), ("t07_p08", 600, {"temperature": 0.7, "top_p": 0.8}),
-           ("t08_k3", 600, {"temperature": 0.8, "top_k": 3})]
+           ("t08_k3", 600, {"temperature": 0.8, "top_k": 3}),
+           ("t1_pen", 1000, {"temperature": 1.0, "frequency_penalty": 0.8, "presence_penalty": 0.4,
+                             "repetition_penalty": 1.6})]
+PENALTIES = ("frequency_penalty", "presence_penalty", "repetition_penalty")
 N_MIXED_GREEDY = 8  # greedy requests riding in the first sampled batch
 SIM_ACC_LEN = 3  # an integer mean: match-expected then commits exactly this many tokens every step
 SHAREGPT_PROMPTS, SHAREGPT_NEW = 32, 32  # testbed jobs: ShareGPT eval prompts x new tokens (greedy)
@@ -109,6 +112,22 @@ CONTEXT = 512  # the tiny targets' max_position_embeddings: the Engines' context
 # SGLang serves at most CONTEXT - 1 tokens per request, prompts shorter than CONTEXT - 6; a request with M new tokens
 # after a prompt of CONTEXT - 1 - M tokens ends exactly at the limit
 LIMIT_MARGINS = (34, 27, 19, 13, 9, 7, 6)
+
+
+def penalty_requests() -> list[tuple[list[int], dict]]:
+    """(prompt, sampling params), greedy: each penalty alone and together, min_new_tokens (EOS and a stop token held
+    back), with logit bias and a regex in the same batch, beside requests without any (the greedy prompts)."""
+    kinds = [{"frequency_penalty": 0.7}, {"presence_penalty": 1.1}, {"repetition_penalty": 1.8},
+             {"frequency_penalty": 0.3, "presence_penalty": 0.5, "repetition_penalty": 1.3},
+             {"frequency_penalty": -0.4},  # negative: repeats encouraged
+             {"min_new_tokens": 14, "ignore_eos": False, "stop_token_ids": [STOP_TOKEN]},
+             {"min_new_tokens": 9, "ignore_eos": False, "repetition_penalty": 1.4},
+             {"presence_penalty": 0.8, "logit_bias": {"3": 1.5}},
+             {"frequency_penalty": 0.6, "regex": GRAMMAR_REGEX},
+             {}]
+    prompts = greedy_prompts()[:20]
+    return [(p, {"temperature": 0, "max_new_tokens": GREEDY_NEW, "ignore_eos": True, **kinds[i % len(kinds)]})
+            for i, p in enumerate(prompts)]
 
 
 def limit_requests() -> list[tuple[list[int], dict]]:
@@ -170,6 +189,9 @@ def _full_scenario(engine, job: dict, res: dict) -> None:
     res["stops"] = [{"ids": o["output_ids"], "text": o["text"], "meta": _meta(o)} for o in stops]
     prompts, params = zip(*limit_requests())
     res["limit"] = [o["output_ids"] for o in engine.generate(input_ids=list(prompts), sampling_params=list(params))]
+    prompts, params = zip(*penalty_requests())
+    res["penalties"] = [{"ids": o["output_ids"], "meta": _meta(o)}
+                        for o in engine.generate(input_ids=list(prompts), sampling_params=list(params))]
     time.sleep(1)  # idle: SGLang's scheduler checks that no KV slot leaked (and dies if one did)
     res["abort"] = engine.loop.run_until_complete(_abort_scenario(engine))
     res["logprob"] = _logprob_scenario(engine)
@@ -182,6 +204,7 @@ def _full_scenario(engine, job: dict, res: dict) -> None:
     res["parallel"] = {"greedy": [o["output_ids"] for o in greedy_n], "sampled": [o["output_ids"] for o in sampled_n]}
     res["timings"]["stops_abort_s"] = time.perf_counter() - t0
     if job["spec"]:
+        res["refusal"] = engine.loop.run_until_complete(_refusal_scenario(engine))
         t0 = time.perf_counter()
         for i, (key, n, settings) in enumerate(SAMPLED):
             params = [{**settings, "max_new_tokens": SAMPLE_NEW, "ignore_eos": True}] * n
@@ -194,6 +217,24 @@ def _full_scenario(engine, job: dict, res: dict) -> None:
             if i == 0:
                 res["greedy_in_sampled_batch"] = [o["output_ids"] for o in out[n:]]
         res["timings"]["sampled_s"] = time.perf_counter() - t0
+
+
+async def _refusal_scenario(engine) -> dict:
+    """A request our worker refuses (return_hidden_states), streamed and not: the error, and the chunks streamed
+    before it."""
+    out = {}
+    for stream in (True, False):
+        chunks, error = 0, None
+        try:
+            gen = await engine.async_generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 4},
+                                              return_hidden_states=True, stream=stream)
+            if stream:
+                async for _ in gen:
+                    chunks += 1
+        except ValueError as e:
+            error = str(e)
+        out["stream" if stream else "plain"] = {"chunks": chunks, "error": error}
+    return out
 
 
 LOGPROB_PROMPTS, LOGPROB_TOP, LOGPROB_IDS = 8, 3, [1, 5]
@@ -542,6 +583,31 @@ def test_server_metrics_report_acceptance(runs, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_penalties_and_min_new_tokens_match_plain_engine(runs, mode):
+    """Penalized greedy requests (every kind, min_new_tokens, with logit bias and a regex beside them, and requests
+    without any in the same batch) are token-identical to the plain Engine's."""
+    spec, plain = runs[mode]["penalties"], runs["plain"]["penalties"]
+    requests = penalty_requests()
+    assert [r["ids"] for r in spec] == [r["ids"] for r in plain]
+    assert [r["meta"]["finish_reason"] for r in spec] == [r["meta"]["finish_reason"] for r in plain]
+    unpenalized = {tuple(p): r["ids"] for p, r in zip(greedy_prompts(), runs["plain"]["greedy"])}
+    for (prompt, params), r in zip(requests, plain):
+        if any(k in params for k in PENALTIES):  # the penalty changed the output, so the check means something
+            assert r["ids"] != unpenalized[tuple(prompt)], params
+        if params.get("min_new_tokens"):
+            assert len(r["ids"]) >= params["min_new_tokens"]
+    assert sum(r["meta"]["spec_verify_ct"] for r in spec) < sum(len(r["ids"]) - 1 for r in spec)  # drafts accepted
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_refused_request_emits_nothing(runs, mode):
+    """A refused request fails before scheduling, streamed or not, with the same message and no token."""
+    ref = runs[mode]["refusal"]
+    assert ref["stream"] == {"chunks": 0, "error": ref["plain"]["error"]}, ref
+    assert "DFLASH (dflash-sglang) does not support return_hidden_states" in ref["plain"]["error"]
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_stops_inside_a_block_match_plain_engine(runs, mode):
     spec, plain = runs[mode]["stops"], runs["plain"]["stops"]
     for s, p, (prompt, params) in zip(spec, plain, stop_requests()):
@@ -675,6 +741,13 @@ def _exact_joint(target, prompt: list[int], n: int, settings: dict) -> dict[tupl
     ids = torch.tensor([prompt + list(s) for s in seqs])
     with torch.no_grad():
         logits = target(ids).logits[:, len(prompt) - 1 : len(prompt) - 1 + n].double()
+    if any(k in settings for k in PENALTIES):  # each position penalized by the continuation before it
+        from test_penalties import oracle_penalize
+
+        pen = (settings.get("frequency_penalty", 0.0), settings.get("presence_penalty", 0.0),
+               settings.get("repetition_penalty", 1.0), 0)
+        logits = torch.stack([torch.stack([oracle_penalize(logits[j, i].float(), list(seq[:i]), pen, ())
+                                           for i in range(n)]) for j, seq in enumerate(seqs)]).double()
     params = SamplingParams.full(len(seqs), settings["temperature"], settings.get("top_k", 0),
                                  settings.get("top_p", 1.0))
     probs = target_probs(logits, params).double()

@@ -728,10 +728,6 @@ def _req(**kw):
         (dict(origin_input_ids=[1, 16, 2]), r"input token id 16 is outside the target vocabulary \[0, 16\)"),
         (dict(origin_input_ids=[-1]), r"input token id -1 is outside"),
         (dict(origin_input_ids=[]), r"empty prompt \(no input tokens\)"),
-        (dict(params={"frequency_penalty": 0.5}), r"does not support frequency_penalty yet \(got 0.5\)"),
-        (dict(params={"presence_penalty": -0.2}), r"does not support presence_penalty yet"),
-        (dict(params={"repetition_penalty": 1.3}), r"does not support repetition_penalty yet"),
-        (dict(params={"min_new_tokens": 3}), r"does not support min_new_tokens yet \(got 3\)"),
         (dict(custom_logit_processor="serialized"), "custom logit processors"),
         (dict(return_hidden_states=True), "return_hidden_states"),
     ],
@@ -742,10 +738,43 @@ def test_requests_our_worker_would_serve_differently_are_refused(plugin, monkeyp
 
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
     assert dflash_utils.validate_dflash_request(_req(), enable_overlap=False) is None
-    # logprobs are served (SGLang 0.5.17 alone would refuse them for DFLASH)
+    # logprobs are served (SGLang 0.5.17 alone would refuse them for DFLASH), penalties and min_new_tokens too
     assert dflash_utils.validate_dflash_request(_req(return_logprob=True), enable_overlap=False) is None
+    served = {"frequency_penalty": 0.5, "presence_penalty": -0.2, "repetition_penalty": 1.3, "min_new_tokens": 3}
+    assert dflash_utils.validate_dflash_request(_req(params=served), enable_overlap=False) is None
     error = dflash_utils.validate_dflash_request(_req(**kw), enable_overlap=False)
     assert error is not None and error.startswith("DFLASH (dflash-sglang)") and re.search(match, error), error
+
+
+@child_only
+def test_refusals_happen_on_the_tokenizer_side(plugin, monkeypatch):
+    """The tokenizer manager's per-request validation raises our refusal (a 400 / one stream error event, before
+    scheduling), only where our DFLASH worker serves and only for generate requests."""
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    assert plugin.VALIDATE_INPUT == f"{TokenizerManager.__module__}.TokenizerManager._validate_one_request"
+    seen = []
+
+    def original(*args):
+        seen.append(args)
+
+    manager = SimpleNamespace(server_args=SimpleNamespace(speculative_algorithm="DFLASH"),
+                              model_config=SimpleNamespace(vocab_size=16))
+    ok = SimpleNamespace(sampling_params={"frequency_penalty": 0.3}, custom_logit_processor=None,
+                         return_hidden_states=False)
+    plugin._validate_input(original, manager, ok, [1, 2])
+    assert len(seen) == 1  # SGLang's own checks ran first
+    for obj, ids, match in ((SimpleNamespace(**{**vars(ok), "return_hidden_states": True}), [1], "return_hidden"),
+                            (SimpleNamespace(**{**vars(ok), "custom_logit_processor": "x"}), [1], "custom logit"),
+                            (ok, [1, 16], "outside the target vocabulary"), (ok, [], "empty prompt")):
+        with pytest.raises(ValueError, match=match):
+            plugin._validate_input(original, manager, obj, ids)
+    hidden = SimpleNamespace(**{**vars(ok), "return_hidden_states": True})
+    plugin._validate_input(original, SimpleNamespace(**{**vars(manager), "server_args": SimpleNamespace(
+        speculative_algorithm="EAGLE")}), hidden, [1])  # another algorithm: not ours to refuse
+    monkeypatch.setenv(plugin.IMPL_ENV, "builtin")
+    plugin._validate_input(original, manager, hidden, [1])  # the builtin serves: its own rules
 
 
 @child_only

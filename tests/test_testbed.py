@@ -137,7 +137,8 @@ def test_controller_verdict_says_what_it_chose_and_why():
     assert "so it ran plain steps (" in line and "steps per chain length {1: " in line, line
     warmup = 3 * ctrl.cfg.warmup_per_shape  # the longest chain, a plain step and a middle chain
     assert ctrl.reasons["warmup"] == warmup and ctrl.reasons["probe"] >= 1 and sum(ctrl.reasons.values()) == 200
-    assert f"; {warmup} warm-up steps (longest chain, plain, middle chain), {ctrl.reasons['probe']} probes of a " in line
+    probes = ctrl.reasons["probe"]
+    assert f"; {warmup} warm-up steps (longest chain, plain, middle chain), {probes} probes of a " in line
     assert ctrl.counts[1] > 150, ctrl.counts  # mostly plain steps
     good = GoodputController(GoodputConfig(max_nodes=16))
     for _ in range(100):  # every draft accepted, drafting nearly free

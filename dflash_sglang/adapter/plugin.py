@@ -15,7 +15,8 @@ validation, metrics) stays as it is, and wrap these with AROUND hooks:
   with another algorithm or the builtin are refused;
 - `speculative_hook._handle_dflash`: our resolution into `DFlashSettings` (the builtin one refuses CPU);
 - `SpeculativeAlgorithm.create_worker`: DFLASH -> `dflash_sglang.adapter.worker.DFlashWorker`;
-- `dflash_utils.validate_dflash_request`: also refuse what our worker cannot serve identically (adapter/requests.py);
+- `TokenizerManager._validate_one_request` and `dflash_utils.validate_dflash_request`: also refuse what our worker
+  cannot serve identically (adapter/requests.py), first on the tokenizer side (before scheduling);
 - `dflash_utils.resolve_dflash_verify_mask_policy`: with `--speculative-dflash-tree-cuda-graph` and trees, the
   target's verify CUDA graphs are captured with the custom-mask buffers (adapter/verify.py);
 - on CPU only, two helpers that the speculative path runs as Triton kernels (adapter/cpu.py): the KV-copy
@@ -41,6 +42,7 @@ CREATE_WORKER = "sglang.srt.speculative.spec_info.SpeculativeAlgorithm.create_wo
 HANDLE_ARGS = "sglang.srt.arg_groups.speculative_hook._handle_dflash"
 HANDLE_SPEC = "sglang.srt.arg_groups.speculative_hook.handle_speculative_decoding"
 VALIDATE_REQUEST = "sglang.srt.speculative.dflash_utils.validate_dflash_request"
+VALIDATE_INPUT = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 KV_COPY_WARMUP = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._init_kv_copy_and_warmup"
 ASSIGN_REQ_TO_TOKEN = "sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func"
 MASK_POLICY = "sglang.srt.speculative.dflash_utils.resolve_dflash_verify_mask_policy"
@@ -178,6 +180,18 @@ def _validate_request(original, req, enable_overlap):
     return error
 
 
+def _validate_input(original, manager, obj, input_ids):
+    original(manager, obj, input_ids)
+    if not _ours(manager.server_args) or not hasattr(obj, "sampling_params"):  # embedding requests: not ours
+        return
+    from .requests import input_refusal
+
+    vocab = getattr(getattr(manager, "model_config", None), "vocab_size", None)
+    error = input_refusal(obj, input_ids, vocab)
+    if error is not None:
+        raise ValueError(error)
+
+
 _registered = False
 
 
@@ -200,7 +214,8 @@ def register() -> None:
     for target, hook in (
         (ADD_CLI_ARGS, _add_cli_args), (FROM_CLI_ARGS, _from_cli_args),
         (CREATE_WORKER, _create_worker), (HANDLE_SPEC, _handle_speculative_decoding), (HANDLE_ARGS, _handle_dflash),
-        (VALIDATE_REQUEST, _validate_request), (MASK_POLICY, _verify_mask_policy), (ROW_HEADROOM, _row_headroom),
+        (VALIDATE_REQUEST, _validate_request), (VALIDATE_INPUT, _validate_input), (MASK_POLICY, _verify_mask_policy),
+        (ROW_HEADROOM, _row_headroom),
         (KV_COPY_WARMUP, kv_copy_warmup_hook), (ASSIGN_REQ_TO_TOKEN, assign_req_to_token_pool_hook),
         (GRAMMAR_BITMASK, allocate_token_bitmask_hook), (GRAMMAR_APPLY, apply_vocab_mask_hook),
         *version_hooks(),

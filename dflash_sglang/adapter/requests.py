@@ -1,45 +1,54 @@
 """Per-request checks of our DFLASH worker: what it cannot serve identically to plain decoding is refused.
 
-Called by the plugin's hook on SGLang's `validate_dflash_request` (the scheduler aborts a refused request with a
-400 and this message, and keeps serving the others). Each refusal is a feature our speculative step does not
-reproduce exactly yet, so serving the request would silently change its output:
+Checked twice, with the same rules and messages:
+- on the tokenizer side, before the request is scheduled (`TokenizerManager._validate_one_request`, hooked by the
+  plugin): SGLang answers a ValueError there as it answers any invalid request (a 400, or for a stream one error
+  event), so no model code runs for a refused request and nothing is emitted;
+- in the scheduler (`validate_dflash_request`), for requests that reach it another way: SGLang aborts those with a
+  400 after an abort prefill.
 
-- token ids outside the target vocabulary (the embedding would raise inside the scheduler and take every running
-  request down with it: upstream's plain path crashes the same way, we check since we validate anyway);
+Refused:
 - an empty prompt (`"text": ""` or `"input_ids": []`; prefilled alone it is a 0-token forward that raises in the
   target's attention and kills the scheduler, on the plain path too);
-- frequency / presence / repetition penalties (they must see the tokens drafted earlier in the same block);
-- min_new_tokens (EOS would have to be masked row by row inside a verify block);
-- custom logit processors (they may read the output so far, which the verify rows extend);
+- token ids outside the target vocabulary (the embedding would raise inside the scheduler and take every running
+  request down with it: upstream's plain path crashes the same way);
+- custom logit processors: SGLang calls a processor with the request itself (`__req__`), whose output it reads;
+  at a verify row the output would have to include the drafts before that row, which the processor interface has
+  no way to say (docs/sglang.md, "Request options");
 - return_hidden_states (the worker returns none).
+Frequency / presence / repetition penalties and min_new_tokens are served exactly (adapter/penalties.py).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 PREFIX = "DFLASH (dflash-sglang)"
-# sampling param -> its neutral value
-PENALTIES = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+
+
+def _refusal(ids: Sequence[int] | None, vocab: int | None, custom_logit_processor: Any,
+             return_hidden_states: Any) -> str | None:
+    if ids is not None and not len(ids):
+        return f"{PREFIX}: empty prompt (no input tokens)"
+    if ids is not None and vocab is not None and (max(ids) >= vocab or min(ids) < 0):
+        bad = next(t for t in ids if t >= vocab or t < 0)
+        return f"{PREFIX}: input token id {bad} is outside the target vocabulary [0, {vocab})"
+    if custom_logit_processor:
+        return (f"{PREFIX} does not support custom logit processors (a processor reads the request's output, which "
+                f"at a verify row would have to include the drafts before it)")
+    if return_hidden_states:
+        return f"{PREFIX} does not support return_hidden_states yet"
+    return None
 
 
 def refusal(req: Any) -> str | None:
-    """Why our worker cannot serve this SGLang Req identically to plain decoding, or None."""
-    vocab = getattr(req, "vocab_size", None)
-    ids = req.origin_input_ids
-    if not len(ids):
-        return f"{PREFIX}: empty prompt (no input tokens)"
-    if vocab is not None and len(ids) and (max(ids) >= vocab or min(ids) < 0):
-        bad = next(t for t in ids if t >= vocab or t < 0)
-        return f"{PREFIX}: input token id {bad} is outside the target vocabulary [0, {vocab})"
-    params = req.sampling_params
-    for name, neutral in PENALTIES.items():
-        value = getattr(params, name, neutral)
-        if value is not None and value != neutral:
-            return f"{PREFIX} does not support {name} yet (got {value})"
-    if (getattr(params, "min_new_tokens", 0) or 0) > 0:
-        return f"{PREFIX} does not support min_new_tokens yet (got {params.min_new_tokens})"
-    if getattr(req, "custom_logit_processor", None):
-        return f"{PREFIX} does not support custom logit processors yet"
-    if getattr(req, "return_hidden_states", False):
-        return f"{PREFIX} does not support return_hidden_states yet"
-    return None
+    """Why our worker cannot serve this SGLang scheduler Req identically to plain decoding, or None."""
+    return _refusal(req.origin_input_ids, getattr(req, "vocab_size", None),
+                    getattr(req, "custom_logit_processor", None), getattr(req, "return_hidden_states", False))
+
+
+def input_refusal(obj: Any, input_ids: Sequence[int] | None, vocab: int | None) -> str | None:
+    """The same for one tokenized request on the tokenizer side (a single GenerateReqInput and its token ids; None
+    where the prompt is given as embeddings)."""
+    return _refusal(input_ids, vocab, getattr(obj, "custom_logit_processor", None),
+                    getattr(obj, "return_hidden_states", False))

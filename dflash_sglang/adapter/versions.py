@@ -12,7 +12,9 @@ upstream symbol it adapts and what changed (0.5.17 -> 0.5.23):
 - the simulated-acceptance sampler: `spec_utils._sample_simulated_acc_len` -> `spec_utils.sample_simulated_acc_len`;
 - finishing a multi-token commit, `schedule_batch.Req.update_finish_state`: 0.5.17 checks max_new_tokens before stop
   strings and stop tokens, so a step that reaches the cap keeps the tokens after a stop it accepted earlier (plain
-  decoding, one token a step, stops there); 0.5.23 checks stops first. `finish_like_plain` hooks 0.5.17's.
+  decoding, one token a step, stops there); 0.5.23 checks stops first. `finish_like_plain` hooks 0.5.17's;
+- the tokens min_new_tokens holds back (`penaltylib.BatchedMinNewTokensPenalizer`): 0.5.23 adds the request's
+  `eos_token_ids` (the model's generation-config EOS) to the stop token ids and the tokenizer's EOS ids.
 
 What did not change (checked against both wheels): the plugin entry-point group and `HookRegistry`, the hooked
 symbols (adapter/plugin.py), `DFlashDraftInputV2` / `DFlashVerifyInput`, `get_context().server_args`, and the
@@ -109,6 +111,18 @@ def sample_simulated_acc_len(mean: float, method: str, block_size: int) -> int:
 
     sampler = spec_utils.sample_simulated_acc_len if _SEALED_RESOLUTION else spec_utils._sample_simulated_acc_len
     return sampler(mean, method, block_size)
+
+
+def min_new_tokens_stop_ids(req: Any) -> tuple[int, ...]:
+    """The token ids SGLang's min_new_tokens penalizer masks for this Req while its output is short, sorted."""
+    tokenizer = getattr(req, "tokenizer", None)
+    ids = set(req.sampling_params.stop_token_ids or ())
+    if _SEALED_RESOLUTION:
+        ids |= set(getattr(req, "eos_token_ids", None) or ())
+    if tokenizer is not None:
+        ids |= set(getattr(tokenizer, "additional_stop_token_ids", None) or ())
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(i for i in ids if i is not None))
 
 
 FINISH_STATE = "sglang.srt.managers.schedule_batch.Req.update_finish_state"

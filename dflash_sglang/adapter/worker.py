@@ -42,7 +42,6 @@ from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
-from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask
 
 from dflash_sglang import ops
@@ -57,6 +56,7 @@ from .args import TREE_ATTENTION_BACKENDS, UnsupportedFlagError
 from .draft_graphs import DraftGraphs, default_sizes, graph_mode
 from .logprobs import attach_logprobs
 from .model import EagerDraftPass, PagedDrafter, TargetHead
+from .penalties import RequestPenalties
 from .settings import settings_of
 from .tp import DraftVocab
 from .tree import compact_path_slots, fit_rows
@@ -148,6 +148,7 @@ class DFlashWorker(BaseSpecWorker):
         self.schedule = ShapeSchedule.from_settings(self.settings)
         self.simulation = self.settings.simulation  # SGLANG_SIMULATE_ACC_LEN: forced commit lengths (chain only)
         self.masked_graphs = masked_verify_graphs(self.settings)  # tree verifies replay masked verify graphs
+        self.penalties = RequestPenalties()  # frequency / presence / repetition / min_new_tokens, per request
         # goodput mode: the last decode step (chain length, accepted drafts [bs] tensor, start time), observed at the
         # next step's start (its accepted lengths are ready by then, no sync of their own; the time between the two
         # starts is what the step cost the server); its time is not used after a prefill or idle step in between (the
@@ -387,34 +388,39 @@ class DFlashWorker(BaseSpecWorker):
             self.target_worker, batch, inputs.input_ids, inputs.positions, inputs.out_cache_loc,
             tree_mask=tree.mask if tree is not None else None, masked_graphs=self.masked_graphs,
         )
-        logits = self._verify_logits(logits_output, batch, n, grammar, grammar_barrier)
+        penalized = self.penalties.rows(batch, bonus, logits_output.next_token_logits.shape[-1])
+        logits = logits_output.next_token_logits.view(bs, n, -1)  # [bs, n, V]: n verify rows per request
+        if penalized is not None:  # before the bias and the grammar mask, as plain decoding applies them
+            self.penalties.penalize(logits, penalized, proposal.ids, tree.parent if tree is not None else None)
+        self._bias_and_grammar(logits, batch, grammar, grammar_barrier)
         slots = inputs.out_cache_loc if tree is not None else None  # a tree's verify splits commit / free slots
         result = accept(proposal, logits, sampling_params(batch.sampling_info, bs), None, slots, ops.TREE_KERNELS)
         if self.simulation is not None and n > 1:  # the verify ran as usual (same cost); only its outcome is forced
             result = AcceptResult(*self.simulation.force(proposal.ids[:, 1:], logits.argmax(-1),
                                                          self.simulation.sample_commit_len(n)))
         result = self.vocab.same_on_every_rank(result)
+        if penalized is not None:
+            self.penalties.commit(penalized, result.out_tokens, result.accept_len + 1)
         return _Accepted(fit_rows(result.out_tokens, self.stride), result.accept_len, result.bonus, inputs.positions,
                          inputs.out_cache_loc, logits_output, graph, tree_result=result if tree is not None else None)
 
-    def _verify_logits(self, logits_output, batch: ScheduleBatch, n: int, grammar, grammar_barrier) -> Tensor:
-        """next_token_logits [bs*n, V] (n verify rows per request) -> [bs, n, V], adjusted in place as plain decoding
-        would sample from them: logit bias applied (the same at every verify row of a request; penalties and custom
-        processors are refused per request), then, for grammar-constrained requests, each row masked by the grammar
-        state its draft path reaches (`grammar`: the verify rows as a tree, SGLang's `GrammarTree`; rows past a
-        draft the grammar rejects stay unmasked: acceptance never reaches them). The scheduler advances each
-        request's grammar by the tokens the step commits."""
+    @staticmethod
+    def _bias_and_grammar(logits: Tensor, batch: ScheduleBatch, grammar, grammar_barrier) -> None:
+        """logits [bs, n, V] (penalized already) adjusted in place as plain decoding would sample from them: logit
+        bias (the same at every verify row of a request), then, for grammar-constrained requests, each row masked by
+        the grammar state its draft path reaches (`grammar`: the verify rows as a tree, SGLang's `GrammarTree`; rows
+        past a draft the grammar rejects stay unmasked: acceptance never reaches them). The scheduler advances each
+        request's grammar by the tokens the step commits. (Custom logit processors are refused per request.)"""
         sampling_info = batch.sampling_info
-        if sampling_info is not None:
-            apply_dflash_verify_logits_adjustments(
-                next_token_logits=logits_output.next_token_logits, sampling_info=sampling_info, draft_token_num=n,
-            )
+        bias = getattr(sampling_info, "logit_bias", None) if sampling_info is not None else None
+        if bias is not None:
+            logits.add_(bias[:, None, :].to(logits.dtype))
         if grammar is not None:
+            flat = logits.view(-1, logits.shape[-1])
             mask = build_grammar_vocab_mask(reqs=batch.reqs, tree=grammar, sampling_info=sampling_info,
-                                            device=logits_output.next_token_logits.device, barrier=grammar_barrier)
+                                            device=flat.device, barrier=grammar_barrier)
             if mask is not None:
-                mask.apply(logits_output.next_token_logits)
-        return logits_output.next_token_logits.view(batch.seq_lens.numel(), n, -1)
+                mask.apply(flat)
 
     def _draft_pass(self, batch: ScheduleBatch, bonus: Tensor, positions: int | None = None) -> Tensor:
         """One drafter pass over the block [bonus, MASK x (B-1)] at seq_len.. -> draft logits [bs, D, V] for
