@@ -28,7 +28,7 @@ def oracle_penalize(logits: torch.Tensor, output: list[int], setting, stops) -> 
     for t in output:  # one occurrence at a time, float32, as the penalizers accumulate them step by step
         freq[t] += torch.tensor(freq_p, dtype=torch.float32)
         pres[t], rep[t] = pres_p, rep_p
-    add = -(freq + pres)
+    add = torch.zeros(vocab) - freq - pres  # SGLang's overlap scheduler: the additive ones summed, added, then scaled
     if len(output) < min_new:
         add[list(stops)] = float("-inf")
     out = logits + add

@@ -778,6 +778,36 @@ def test_refusals_happen_on_the_tokenizer_side(plugin, monkeypatch):
 
 
 @child_only
+def test_builtin_dflash_verify_drops_the_repetition_penalty(plugin):
+    """A fact docs/sglang.md states: SGLang's builtin DFLASH verify (`apply_dflash_verify_logits_adjustments`, both
+    versions) builds the penalties by applying the penalizers to a zero tensor and adds that to every verify row, so
+    the multiplicative repetition penalty scales zeros and has no effect, where plain decoding divides the logit."""
+    from sglang.srt.sampling.penaltylib import BatchedPenalizerOrchestrator, BatchedRepetitionPenalizer
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+    from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
+
+    class Batch:  # the orchestrator keeps a weak reference to its batch
+        reqs = [SimpleNamespace(sampling_params=SimpleNamespace(repetition_penalty=1.6))]
+        device = "cpu"
+
+    batch = Batch()
+    orchestrator = BatchedPenalizerOrchestrator(8, batch, {BatchedRepetitionPenalizer})
+    orchestrator.cumulate_output_tokens(torch.tensor([3]))  # token 3 was output
+    info = object.__new__(SamplingBatchInfo)
+    for name, value in dict(temperatures=torch.ones(1, 1), penalizer_orchestrator=orchestrator, logit_bias=None,
+                            acc_additive_penalties=None, acc_scaling_penalties=None, grammar_mask=None,
+                            has_custom_logit_processor=False).items():
+        object.__setattr__(info, name, value)
+    row = [1.0, -1.0, 0.5, 2.0, 0.25, 0.0, 0.0, 0.0]
+    plain = torch.tensor([row])
+    info.apply_logits_bias(plain)  # plain decoding's sampling step
+    assert plain[0, 3] == 2.0 / 1.6
+    verify = torch.tensor([row] * 4)  # four verify rows of one request
+    apply_dflash_verify_logits_adjustments(next_token_logits=verify, sampling_info=info, draft_token_num=4)
+    assert torch.equal(verify, torch.tensor([row] * 4))  # untouched
+
+
+@child_only
 def test_every_setting_is_documented():
     """README's flag table and docs/sglang.md name every setting, and every retired variable with its flag."""
     from dflash_sglang.adapter.settings import RETIRED_ENV, SETTINGS

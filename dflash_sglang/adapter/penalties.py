@@ -89,8 +89,7 @@ class RequestPenalties:
         state.add(pen, bonus.to(torch.int64))
         return _Tracked(pen, state)
 
-    @staticmethod
-    def penalize(logits: Tensor, rows: PenalizedRows, ids: Tensor, parent: Tensor | None) -> None:
+    def penalize(self, logits: Tensor, rows: PenalizedRows, ids: Tensor, parent: Tensor | None) -> None:
         """logits [bs, n, V] in place at the penalized requests' verify rows: ids [bs, n] int64 (row 0 the root),
         parent [bs, n] (None: a chain). SGLang's own scaling op applies the repetition penalty (its arithmetic)."""
         from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties

@@ -9,8 +9,10 @@ from the request's output so far (the prompt does not count):
   `min_new_tokens`;
 - repetition (multiplicative): a token that occurred has its logit multiplied by `repetition_penalty` if negative,
   divided by it otherwise.
-The additive ones are summed first, `logits + (-(freq + presence) + mask)`, then the scaling is applied (SGLang
-accumulates both per batch before the forward and applies them in that order), then grammar and logit bias.
+The additive ones are summed first, `logits + (-(frequency + presence) + mask)`, then the scaling is applied: the
+arithmetic of SGLang's default (overlap) scheduler, which accumulates both per batch before the forward. (Its
+non-overlap path applies the penalizers one by one in the iteration order of a set of classes, which changes from
+one process to the next; docs/sglang.md, "Request options".) Then grammar and logit bias.
 
 A verify row is a point in the output that plain decoding would reach one token at a time: row j of a step sees
 the committed output plus the drafted tokens on its path (a chain: drafts 0..j-1; a tree: node j's ancestors). So
@@ -135,16 +137,16 @@ def scale_logits(logits: Tensor, scaling: Tensor) -> None:
 def apply_penalties(logits: Tensor, state: OutputPenalties, penalties: Penalties,
                     scale: Callable[[Tensor, Tensor], None] = scale_logits) -> None:
     """Penalize logits [bs, T, V] in place (T verify rows, or T = 1) from state [bs, T, V] (`along_paths`) as
-    plain decoding would. scale: the scaling op (SGLang's own `apply_scaling_penalties` in the worker, so its
-    compiled arithmetic is the one used)."""
+    SGLang's default (overlap) scheduler does: the additive penalties summed into one tensor, `-(frequency +
+    presence)` plus the min_new_tokens mask, added, then the repetition scaling. scale: the scaling op (SGLang's own
+    `apply_scaling_penalties` in the worker, so its compiled arithmetic is the one used)."""
     bs, t, vocab = logits.shape
-    additive = -(state.frequency + state.presence)
-    held = state.length < penalties.min_new_tokens[:, None]  # [bs, T]
+    additive = -(state.frequency + state.presence)  # bit-identical to SGLang's (0 - frequency) - presence
     if bool(penalties.min_new_tokens.gt(0).any()):
+        held = state.length < penalties.min_new_tokens[:, None]  # [bs, T]
         stops = torch.zeros(bs, vocab + 1, device=logits.device)
         idx = torch.where(penalties.stop_ids >= 0, penalties.stop_ids, vocab)
         stops.scatter_add_(1, idx, torch.full(idx.shape, float("-inf"), device=logits.device))
         additive = additive + torch.where(held[:, :, None], stops[:, None, :vocab], 0.0)
     logits.add_(additive)
-    flat = logits.view(bs * t, vocab)
-    scale(flat, state.repetition.reshape(bs * t, vocab))
+    scale(logits.view(bs * t, vocab), state.repetition.reshape(bs * t, vocab))
