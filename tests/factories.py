@@ -83,3 +83,22 @@ def save_tiny_pair(root: Path, arch: str = "llama", vocab: int = 96, seed: int =
     char_tokenizer(vocab).save_pretrained(target_dir)
     write_draft(draft_dir, tiny_drafter(draft_config_for(target), seed=seed))
     return target_dir, draft_dir
+
+
+def sampled_fit_pvalue(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], float]) -> float:
+    """Chi-square p-value of sampled continuations against their exact probabilities; asserts that nothing of
+    probability 0 was sampled. Rare continuations (expected count < 5) are pooled into one cell."""
+    import torch
+    from scipy.stats import chisquare
+
+    counts = {s: 0 for s in exact}
+    for s in samples:
+        counts[s] += 1
+    assert all(counts[s] == 0 for s, p in exact.items() if p == 0), "sampled a continuation of probability 0"
+    obs = torch.tensor([counts[s] for s in exact], dtype=torch.float64)
+    exp = torch.tensor([exact[s] for s in exact], dtype=torch.float64) * len(samples)
+    possible, rare = exp > 0, exp < 5
+    obs = torch.cat([obs[~rare], obs[rare & possible].sum()[None]])
+    exp = torch.cat([exp[~rare], exp[rare & possible].sum()[None]])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
