@@ -16,7 +16,7 @@ from factories import draft_config_for, mixed_prompts, sampled_fit_pvalue, tiny_
 # (frequency, presence, repetition, min_new_tokens) per request of a batch: every kind alone, all together, none
 SETTINGS = [(0.6, 0.0, 1.0, 0), (0.0, 0.9, 1.0, 0), (0.0, 0.0, 1.7, 0), (0.4, 0.3, 1.3, 6), (0.0, 0.0, 1.0, 0),
             (0.0, 0.0, 1.0, 9)]
-SHAPES = [dict(block=4), dict(block=16), dict(block=16, tree=SpecShape(12, 3)),
+SHAPES = [dict(block=16), dict(block=16, tree=SpecShape(12, 3)),
           dict(block=16, policy=AdaptivePolicy.parse("2:8x2,inf:5x1")), dict(block=16, goodput=True)]
 
 
