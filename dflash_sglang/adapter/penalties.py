@@ -28,7 +28,10 @@ def _settings(req: Any) -> tuple[float, float, float, int]:
 
 
 def penalized(req: Any) -> bool:
-    return _settings(req) != (0.0, 0.0, 1.0, 0)
+    """Whether the request has any penalty on (checked for every request every step: kept to attribute reads)."""
+    p = req.sampling_params
+    return bool(p.frequency_penalty or p.presence_penalty or p.min_new_tokens
+                or p.repetition_penalty not in (None, 1.0))
 
 
 @dataclass
