@@ -621,7 +621,8 @@ def test_penalties_and_min_new_tokens_match_plain_engine(runs, pair_dir, mode):
             # (0.5.17's min_new_tokens does not hold back the generation config's EOS, id 2 here, on which it still
             # ends a request: both Engines end such a request early there)
             assert len(r["ids"]) >= params["min_new_tokens"]
-    assert sum(r["meta"]["spec_verify_ct"] for r in spec) < sum(len(r["ids"]) - 1 for r in spec)  # drafts accepted
+    # drafts accepted (a request that ended at its first token, from the prefill, reports no verify count)
+    assert sum(r["meta"].get("spec_verify_ct", 0) for r in spec) < sum(len(r["ids"]) - 1 for r in spec)
 
 
 @pytest.mark.parametrize("mode", MODES)
