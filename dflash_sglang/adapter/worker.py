@@ -352,8 +352,7 @@ class DFlashWorker(BaseSpecWorker):
             return step
         capped = cap_commits(AcceptResult(step.accept_len, step.out_tokens, step.bonus),
                              left.to(step.accept_len.device, non_blocking=True))
-        return replace(step, out_tokens=capped.out_tokens, accept_len=capped.accept_len,
-                                   bonus=capped.bonus)
+        return replace(step, out_tokens=capped.out_tokens, accept_len=capped.accept_len, bonus=capped.bonus)
 
     def _choose_shape(self, bs: int) -> SpecShape:
         """This step's shape; in goodput mode the previous step is observed first (acceptance and wall time), and

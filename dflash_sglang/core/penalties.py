@@ -63,12 +63,6 @@ class Penalties:
         return cls(*(torch.cat([getattr(r, f) for r in rows]) for f in ("frequency", "presence", "repetition",
                                                                        "min_new_tokens")), torch.cat(stops))
 
-    @property
-    def active(self) -> Tensor:
-        """[bs] bool: requests with any penalty on (the others' logits are left untouched, at no cost)."""
-        return ((self.frequency != 0) | (self.presence != 0) | (self.repetition != 1)
-                | (self.min_new_tokens > 0))
-
     def select(self, rows: Tensor) -> Penalties:
         return Penalties(self.frequency[rows], self.presence[rows], self.repetition[rows], self.min_new_tokens[rows],
                          self.stop_ids[rows])
@@ -122,7 +116,7 @@ class OutputPenalties:
         for j in range(1, t):
             p = parent[:, j] if parent is not None else torch.full((bs,), j - 1, device=ids.device)
             row = OutputPenalties(out.frequency[rows, p], out.presence[rows, p], out.repetition[rows, p],
-                                  out.length[rows, p].clone())
+                                  out.length[rows, p])  # (advanced indexing: copies)
             row.add(penalties, ids[:, j])
             out.frequency[:, j], out.presence[:, j], out.repetition[:, j] = row.frequency, row.presence, row.repetition
             out.length[:, j] = row.length
