@@ -91,8 +91,16 @@ def greedy_prompts() -> list[list[int]]:
     return prompts
 
 
+STOP_OPTIONS = (  # the other stop / output options of SamplingParams, each with a stop that happens mid-block
+    {"ignore_eos": True, "stop_regex": [r"\$ ?%", "! +!"]},
+    {"ignore_eos": True, "stop": ["$ %", "! !"], "no_stop_trim": True},
+    {"stop_token_ids": [STOP_TOKEN], "skip_special_tokens": False, "spaces_between_special_tokens": False},
+)
+
+
 def stop_requests() -> list[tuple[list[int], dict]]:
-    """(prompt, sampling params): EOS, stop tokens, stop strings and max_new_tokens inside a block."""
+    """(prompt, sampling params): EOS, stop tokens, stop strings and max_new_tokens inside a block, then
+    STOP_OPTIONS."""
     rng = random.Random(1)
     reqs = []
     for i in range(36):
@@ -107,6 +115,10 @@ def stop_requests() -> list[tuple[list[int], dict]]:
         else:
             params = {"max_new_tokens": [1, 2, 3, 5, 7, 9, 11, 13, 15][i // 4], "ignore_eos": True}
         reqs.append((prompt, {"temperature": 0, **params}))
+    rng = random.Random(2)
+    for i in range(12):
+        prompt = [rng.randrange(1, VOCAB - 1) for _ in range(rng.choice([2, 4, 7, 19]))]
+        reqs.append((prompt, {"temperature": 0, "max_new_tokens": 40, **STOP_OPTIONS[i % len(STOP_OPTIONS)]}))
     return reqs
 
 
@@ -170,6 +182,7 @@ def run_child(job: dict) -> None:
         model_path=target, device=job.get("device", "cpu"), dtype=job.get("dtype", "float32"),
         attention_backend=job.get("attention_backend", "torch_native"), log_level="warning", random_seed=0,
         max_total_tokens=16384, chunked_prefill_size=job.get("chunk", CHUNK), **spec,
+        **({"enable_return_hidden_states": True} if job["full"] else {}),  # (the hidden-states scenario)
         **{"decode_log_interval": 1, **job.get("engine_kwargs", {})},  # every decode batch reaches the metrics
     )
     res: dict = {"timings": {"startup_s": time.perf_counter() - t0}}
@@ -205,6 +218,7 @@ def _full_scenario(engine, job: dict, res: dict) -> None:
     time.sleep(1)  # idle: SGLang's scheduler checks that no KV slot leaked (and dies if one did)
     res["abort"] = engine.loop.run_until_complete(_abort_scenario(engine))
     res["logprob"] = _logprob_scenario(engine)
+    res["hidden"] = _hidden_scenario(engine)
     res["grammar"] = _grammar_scenario(engine)
     # parallel sampling (n > 1): greedy copies must agree with plain's; sampled ones must differ among themselves
     greedy_n = engine.generate(input_ids=greedy_prompts()[:4], sampling_params={
@@ -270,6 +284,16 @@ def _logprob_scenario(engine) -> dict:
     return {"greedy": [fields(o) for o in greedy],
             "sampled": [{"ids": o["output_ids"], "out": [t[0] for t in o["meta_info"]["output_token_logprobs"]]}
                         for o in sampled]}
+
+
+HIDDEN_ASK = [True, "last", False, True, "last", True]  # per request, one batch with mixed prompt lengths
+
+
+def _hidden_scenario(engine) -> list[dict]:
+    """Greedy requests asking for hidden states (every token's, the last one's, none) in one batch."""
+    out = engine.generate(input_ids=greedy_prompts()[:len(HIDDEN_ASK)], return_hidden_states=HIDDEN_ASK,
+                          sampling_params={"temperature": 0, "max_new_tokens": GREEDY_NEW, "ignore_eos": True})
+    return [{"ids": o["output_ids"], "hidden": o["meta_info"].get("hidden_states")} for o in out]
 
 
 # over the tiny vocabulary's characters (ids 1..6; 0 and 2 end a request): the grammar forbids most of what the
@@ -646,6 +670,8 @@ def test_stops_inside_a_block_match_plain_engine(runs, mode):
     stops = [r.get("matched") for r in reasons if r["type"] == "stop"]
     assert any(m in EOS_IDS for m in stops) and STOP_TOKEN in stops, reasons
     assert any(isinstance(m, str) for m in stops), reasons
+    regex = [r["meta"]["finish_reason"] for r, (_, params) in zip(spec, stop_requests()) if "stop_regex" in params]
+    assert any(r["type"] == "stop" for r in regex), regex
     assert any(r["type"] == "length" and r["length"] < 40 for r in reasons), reasons
 
 
@@ -678,6 +704,40 @@ def test_greedy_logprobs_match_plain_engine(runs, mode):
         assert [v for row in s["token_ids"] for v, _ in row] == pytest.approx(
             [v for row in p["token_ids"] for v, _ in row], abs=LOGPROB_TOL)
         assert all(v == pytest.approx(row[0][0], abs=LOGPROB_TOL) for v, row in zip(s["out"], s["top"]))
+
+
+HIDDEN_TOL = 1e-4  # float32 hidden states of the same prefix through a verify row vs a 1-token decode
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hidden_states_match_plain_engine(runs, pair_dir, mode):
+    """return_hidden_states: the target's final hidden state of every prompt token (then one row per committed token,
+    from the verify row that predicted it) with True, the newest one with "last", none with False: what the plain
+    Engine returns, in its format and order."""
+    hidden_size = json.loads((pair_dir / "target" / "config.json").read_text())["hidden_size"]
+    spec, plain = runs[mode]["hidden"], runs["plain"]["hidden"]
+    assert len(spec) == len(plain) == len(HIDDEN_ASK)
+    for s, p, ask, prompt in zip(spec, plain, HIDDEN_ASK, greedy_prompts()):
+        assert s["ids"] == p["ids"]
+        if not ask:
+            assert s["hidden"] is None and p["hidden"] is None
+            continue
+        if ask == "last":  # the last committed token's: one row
+            assert len(p["hidden"]) == hidden_size and not isinstance(p["hidden"][0], list)
+        else:  # the prefilled prompt rows (the last predicted the first output token), then each later one's row
+            assert len(p["hidden"]) == GREEDY_NEW and 1 <= len(p["hidden"][0]) <= len(prompt)
+            assert all(len(row) == hidden_size for row in [*p["hidden"][0], *p["hidden"][1:]])
+            assert len(s["hidden"][0]) == len(p["hidden"][0])
+        assert _shape(s["hidden"]) == _shape(p["hidden"])
+        assert _flat(s["hidden"]) == pytest.approx(_flat(p["hidden"]), abs=HIDDEN_TOL, rel=HIDDEN_TOL)
+
+
+def _shape(x) -> list:
+    return [_shape(v) for v in x] if isinstance(x, list) else []
+
+
+def _flat(x) -> list[float]:
+    return [w for v in x for w in _flat(v)] if isinstance(x, list) else [x]
 
 
 @pytest.mark.parametrize("mode", MODES)

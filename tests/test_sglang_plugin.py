@@ -662,6 +662,7 @@ def test_missing_gpu_dependency_on_cuda(plugin, monkeypatch):
         ("enable_dp_attention", True, r"^--enable-dp-attention: DP attention is not supported yet"),
         ("pp_size", 2, r"^--pp-size 2: only 1"),
         ("speculative_use_block_verification", True, r"^--speculative-use-block-verification: block verification"),
+        ("enable_deterministic_inference", True, r"^--enable-deterministic-inference: seeded \(sampling_seed\)"),
     ],
 )
 @child_only
@@ -729,7 +730,6 @@ def _req(**kw):
         (dict(origin_input_ids=[-1]), r"input token id -1 is outside"),
         (dict(origin_input_ids=[]), r"empty prompt \(no input tokens\)"),
         (dict(custom_logit_processor="serialized"), "custom logit processors"),
-        (dict(return_hidden_states=True), "return_hidden_states"),
     ],
 )
 @child_only
@@ -738,8 +738,10 @@ def test_requests_our_worker_would_serve_differently_are_refused(plugin, monkeyp
 
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
     assert dflash_utils.validate_dflash_request(_req(), enable_overlap=False) is None
-    # logprobs are served (SGLang 0.5.17 alone would refuse them for DFLASH), penalties and min_new_tokens too
+    # logprobs are served (SGLang 0.5.17 alone would refuse them for DFLASH), hidden states, penalties and
+    # min_new_tokens too
     assert dflash_utils.validate_dflash_request(_req(return_logprob=True), enable_overlap=False) is None
+    assert dflash_utils.validate_dflash_request(_req(return_hidden_states=True), enable_overlap=False) is None
     served = {"frequency_penalty": 0.5, "presence_penalty": -0.2, "repetition_penalty": 1.3, "min_new_tokens": 3}
     assert dflash_utils.validate_dflash_request(_req(params=served), enable_overlap=False) is None
     error = dflash_utils.validate_dflash_request(_req(**kw), enable_overlap=False)
@@ -765,16 +767,16 @@ def test_refusals_happen_on_the_tokenizer_side(plugin, monkeypatch):
                          return_hidden_states=False)
     plugin._validate_input(original, manager, ok, [1, 2])
     assert len(seen) == 1  # SGLang's own checks ran first
-    for obj, ids, match in ((SimpleNamespace(**{**vars(ok), "return_hidden_states": True}), [1], "return_hidden"),
-                            (SimpleNamespace(**{**vars(ok), "custom_logit_processor": "x"}), [1], "custom logit"),
+    plugin._validate_input(original, manager, SimpleNamespace(**{**vars(ok), "return_hidden_states": True}), [1])
+    for obj, ids, match in ((SimpleNamespace(**{**vars(ok), "custom_logit_processor": "x"}), [1], "custom logit"),
                             (ok, [1, 16], "outside the target vocabulary"), (ok, [], "empty prompt")):
         with pytest.raises(ValueError, match=match):
             plugin._validate_input(original, manager, obj, ids)
-    hidden = SimpleNamespace(**{**vars(ok), "return_hidden_states": True})
+    custom = SimpleNamespace(**{**vars(ok), "custom_logit_processor": "x"})
     plugin._validate_input(original, SimpleNamespace(**{**vars(manager), "server_args": SimpleNamespace(
-        speculative_algorithm="EAGLE")}), hidden, [1])  # another algorithm: not ours to refuse
+        speculative_algorithm="EAGLE")}), custom, [1])  # another algorithm: not ours to refuse
     monkeypatch.setenv(plugin.IMPL_ENV, "builtin")
-    plugin._validate_input(original, manager, hidden, [1])  # the builtin serves: its own rules
+    plugin._validate_input(original, manager, custom, [1])  # the builtin serves: its own rules
 
 
 @child_only

@@ -91,6 +91,10 @@ def check_supported_flags(cfg) -> None:
          "PD disaggregation cannot transfer the draft KV pool yet"),
         ("--enable-hierarchical-cache", "enable_hierarchical_cache", (None, False),
          "the draft KV pool cannot be offloaded yet"),
+        # sampling_seed is read only in this mode; our rejection sampling draws its own randomness, and the verify is
+        # not batch-invariant, so a seeded request would not give the same answer twice.
+        ("--enable-deterministic-inference", "enable_deterministic_inference", (None, False),
+         "seeded (sampling_seed), batch-invariant decoding is not served yet"),
         ("--speculative-draft-kv-cache-dtype", "speculative_draft_kv_cache_dtype",
          (None, "auto", "bf16", "bfloat16"), "the draft KV pool is kept in the model dtype (fp8 draft KV not yet)"),
     )

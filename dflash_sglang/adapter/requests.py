@@ -15,8 +15,8 @@ Refused:
 - custom logit processors: SGLang calls a processor with the request itself (`__req__`), whose output it reads;
   at a verify row the output would have to include the drafts before that row, which the processor interface has
   no way to say (docs/sglang.md, "Request options");
-- return_hidden_states (the worker returns none).
-Frequency / presence / repetition penalties and min_new_tokens are served exactly (adapter/penalties.py).
+Frequency / presence / repetition penalties and min_new_tokens are served exactly (adapter/penalties.py), hidden
+states too (adapter/hidden.py).
 """
 from __future__ import annotations
 
@@ -26,8 +26,7 @@ from typing import Any
 PREFIX = "DFLASH (dflash-sglang)"
 
 
-def _refusal(ids: Sequence[int] | None, vocab: int | None, custom_logit_processor: Any,
-             return_hidden_states: Any) -> str | None:
+def _refusal(ids: Sequence[int] | None, vocab: int | None, custom_logit_processor: Any) -> str | None:
     if ids is not None and not len(ids):
         return f"{PREFIX}: empty prompt (no input tokens)"
     if ids is not None and vocab is not None and (max(ids) >= vocab or min(ids) < 0):
@@ -36,19 +35,16 @@ def _refusal(ids: Sequence[int] | None, vocab: int | None, custom_logit_processo
     if custom_logit_processor:
         return (f"{PREFIX} does not support custom logit processors (a processor reads the request's output, which "
                 f"at a verify row would have to include the drafts before it)")
-    if return_hidden_states:
-        return f"{PREFIX} does not support return_hidden_states yet"
     return None
 
 
 def refusal(req: Any) -> str | None:
     """Why our worker cannot serve this SGLang scheduler Req identically to plain decoding, or None."""
     return _refusal(req.origin_input_ids, getattr(req, "vocab_size", None),
-                    getattr(req, "custom_logit_processor", None), getattr(req, "return_hidden_states", False))
+                    getattr(req, "custom_logit_processor", None))
 
 
 def input_refusal(obj: Any, input_ids: Sequence[int] | None, vocab: int | None) -> str | None:
     """The same for one tokenized request on the tokenizer side (a single GenerateReqInput and its token ids; None
     where the prompt is given as embeddings)."""
-    return _refusal(input_ids, vocab, getattr(obj, "custom_logit_processor", None),
-                    getattr(obj, "return_hidden_states", False))
+    return _refusal(input_ids, vocab, getattr(obj, "custom_logit_processor", None))

@@ -50,7 +50,7 @@ def verify_mask(tree_mask: Tensor | None, bs: int, width: int, masked_graphs: bo
 
 def run_target_verify(
     target_worker: TpModelWorker, batch: ScheduleBatch, ids: Tensor, positions: Tensor, slots: Tensor,
-    tree_mask: Tensor | None = None, masked_graphs: bool = False,
+    tree_mask: Tensor | None = None, masked_graphs: bool = False, eager: bool = False,
 ) -> tuple[LogitsProcessorOutput, bool]:
     """TARGET_VERIFY forward of `ids` [bs, T] at `positions` [bs, T], writing target KV to `slots` [bs, T].
 
@@ -59,7 +59,7 @@ def run_target_verify(
     seq_len .. seq_len + T - 1 in row order. Mutates batch.input_ids / spec_info / forward_mode /
     out_cache_loc the way SGLang's own verify does; the scheduler's forward isolation restores them.
     Returns (logits output with next_token_logits [bs*T, V] and hidden_states [bs*T, n_features*H],
-    can_run_cuda_graph).
+    can_run_cuda_graph). eager: never replay a CUDA graph (forward hooks must run).
     """
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
@@ -88,8 +88,8 @@ def run_target_verify(
         batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
     # SGLang 0.5.17 captures the DFLASH verify CUDA graph without a custom mask, so a tree verify runs eagerly,
     # unless the graphs were captured with mask buffers (masked_verify_graphs).
-    eager = _without_verify_graph(runner) if tree_mask is not None and not masked_graphs else contextlib.nullcontext()
-    with eager:
+    eager = eager or (tree_mask is not None and not masked_graphs)
+    with _without_verify_graph(runner) if eager else contextlib.nullcontext():
         try:
             forward_batch, _ = verify_input.prepare_for_verify(batch, target_worker)
         finally:

@@ -14,7 +14,9 @@ upstream symbol it adapts and what changed (0.5.17 -> 0.5.23):
   strings and stop tokens, so a step that reaches the cap keeps the tokens after a stop it accepted earlier (plain
   decoding, one token a step, stops there); 0.5.23 checks stops first. `finish_like_plain` hooks 0.5.17's;
 - the tokens min_new_tokens holds back (`penaltylib.BatchedMinNewTokensPenalizer`): 0.5.23 adds the request's
-  `eos_token_ids` (the model's generation-config EOS) to the stop token ids and the tokenizer's EOS ids.
+  `eos_token_ids` (the model's generation-config EOS) to the stop token ids and the tokenizer's EOS ids;
+- the server's hidden-states mode, `forward_batch_info.get_server_return_hidden_states_mode`: from `server_args` ->
+  from the exec features (no argument).
 
 What did not change (checked against both wheels): the plugin entry-point group and `HookRegistry`, the hooked
 symbols (adapter/plugin.py), `DFlashDraftInputV2` / `DFlashVerifyInput`, `get_context().server_args`, and the
@@ -123,6 +125,17 @@ def min_new_tokens_stop_ids(req: Any) -> tuple[int, ...]:
         ids |= set(getattr(tokenizer, "additional_stop_token_ids", None) or ())
         ids.add(tokenizer.eos_token_id)
     return tuple(sorted(i for i in ids if i is not None))
+
+
+def prefill_hidden_full(batch: Any, server_args: Any) -> bool:
+    """Whether the scheduler reads a prefill's hidden states in FULL mode (every extend row; else one row per
+    request), as its `BatchResultProcessor._get_prefill_hidden_capture_mode` decides."""
+    from sglang.srt.model_executor.forward_batch_info import (get_required_capture_hidden_mode,
+                                                              get_server_return_hidden_states_mode)
+
+    server = (get_server_return_hidden_states_mode() if _SEALED_RESOLUTION
+              else get_server_return_hidden_states_mode(server_args))
+    return get_required_capture_hidden_mode(max(batch.return_hidden_states_mode, server), batch.spec_info).is_full()
 
 
 FINISH_STATE = "sglang.srt.managers.schedule_batch.Req.update_finish_state"

@@ -54,6 +54,7 @@ from dflash_sglang.core.token_map import read_token_map
 from .adaptive import ShapeSchedule
 from .args import TREE_ATTENTION_BACKENDS, UnsupportedFlagError
 from .draft_graphs import DraftGraphs, default_sizes, graph_mode
+from .hidden import FinalHiddenStates, decode_rows, prefill_rows
 from .logprobs import attach_logprobs
 from .model import EagerDraftPass, PagedDrafter, TargetHead
 from .penalties import RequestPenalties
@@ -61,6 +62,7 @@ from .settings import settings_of
 from .tp import DraftVocab
 from .tree import compact_path_slots, fit_rows
 from .verify import masked_verify_graphs, run_target_verify, sampling_params
+from .versions import prefill_hidden_full
 
 logger = logging.getLogger(__name__)
 _MIN_FREE_FOR_GRAPHS = 1 << 30  # bytes free after the target's setup below which the draft stays eager
@@ -115,6 +117,7 @@ class _Accepted:
     logits_output: object  # SGLang's LogitsProcessorOutput of the verify (hidden_states [bs*n, F])
     can_run_cuda_graph: bool
     tree_result: object = None  # TreeAcceptResult in tree mode: its commit/free slots reorder req_to_token
+    final_hidden: Tensor | None = None  # [bs*n, H]: the target's final hidden states, when a request asks for them
 
 
 def _extend_positions(batch: ScheduleBatch, device) -> Tensor:
@@ -149,6 +152,7 @@ class DFlashWorker(BaseSpecWorker):
         self.simulation = self.settings.simulation  # SGLANG_SIMULATE_ACC_LEN: forced commit lengths (chain only)
         self.masked_graphs = masked_verify_graphs(self.settings)  # tree verifies replay masked verify graphs
         self.penalties = RequestPenalties()  # frequency / presence / repetition / min_new_tokens, per request
+        self.final_hidden: FinalHiddenStates | None = None  # return_hidden_states (adapter/hidden.py), with the pool
         # goodput mode: the last decode step (chain length, accepted drafts [bs] tensor, start time), observed at the
         # next step's start (its accepted lengths are ready by then, no sync of their own; the time between the two
         # starts is what the step cost the server); its time is not used after a prefill or idle step in between (the
@@ -195,6 +199,7 @@ class DFlashWorker(BaseSpecWorker):
             # permuting req_to_token entries, which only a page size of 1 allows.
             raise UnsupportedFlagError(f"--page-size {target_pool.page_size}: tree verification "
                                        f"(--speculative-eagle-topk > 1) needs page size 1")
+        self.final_hidden = FinalHiddenStates(self.model_runner.model)  # (the target is loaded by now)
         kernels = ops.load_kernels(self.device)  # nvcc build (cached) now, not in the first decode step
         if kernels is not None:
             logger.info("DFLASH (dflash-sglang): CUDA ops %s", kernels)
@@ -268,7 +273,8 @@ class DFlashWorker(BaseSpecWorker):
         """Target prefill with feature capture; the prompt's draft K/V are written right away (a radix-cache
         hit of this prompt may be scheduled before this request decodes)."""
         self._interval_clean = False
-        out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
+        with self.final_hidden.capture(batch.return_hidden_states):
+            out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
         out.new_seq_lens = batch.seq_lens
         if on_publish is not None:
             on_publish(out.new_seq_lens)
@@ -276,7 +282,10 @@ class DFlashWorker(BaseSpecWorker):
         if hidden is None:
             raise RuntimeError("DFLASH: the target returned no captured features (is its architecture supported?)")
         self.drafter.commit(hidden, _extend_positions(batch, hidden.device), batch.out_cache_loc)
-        out.logits_output.hidden_states = None  # keep the scheduler from copying features to the host
+        # the features are the drafter's: the scheduler gets the final hidden states where a request asks for them
+        out.logits_output.hidden_states = (prefill_rows(self.final_hidden.take(), list(batch.extend_lens),
+                                                        prefill_hidden_full(batch, self.server_args))
+                                           if batch.return_hidden_states else None)
         out.next_draft_input = _draft_input(out.next_token_ids, batch.seq_lens)
         return out
 
@@ -318,16 +327,17 @@ class DFlashWorker(BaseSpecWorker):
         if step.tree_result is not None:
             compact_path_slots(self.req_to_token_pool.req_to_token, batch.req_pool_indices, seq_lens, step.tree_result)
         logits_output = step.logits_output
+        accept_nodes = step.tree_result.accept_nodes if step.tree_result is not None else None
         if batch.return_logprob:
             logits = logits_output.next_token_logits.view(seq_lens.numel(), step.positions.shape[1], -1)
-            accept_nodes = step.tree_result.accept_nodes if step.tree_result is not None else None
             attach_logprobs(batch, logits_output, logits, step.out_tokens, accept_nodes)
         # Every verify row's draft K/V goes to that row's own slot: rejected rows land past the new committed
         # length (reserved slots the next step rewrites), so none is filtered out (a boolean gather = a host sync).
         rows = (logits_output.hidden_states, step.positions.reshape(-1), step.slots.reshape(-1))
         if self.graphs is None or not self.graphs.commit(*rows, bs=seq_lens.numel(), nodes=step.positions.shape[1]):
             self.drafter.commit(*rows)
-        logits_output.hidden_states = None
+        logits_output.hidden_states = (None if step.final_hidden is None else
+                                       decode_rows(step.final_hidden, accept_nodes, seq_lens.numel(), self.stride))
 
         return GenerationBatchResult(
             logits_output=logits_output,
@@ -383,10 +393,12 @@ class DFlashWorker(BaseSpecWorker):
         if batch.has_grammar:  # (a host copy, before the verify)
             grammar = (GrammarTree.from_linear_chain(proposal.ids) if tree is None else
                        GrammarTree.from_device(tree.retrive_next_token, tree.retrive_next_sibling, tree.tokens))
-        logits_output, graph = run_target_verify(
-            self.target_worker, batch, inputs.input_ids, inputs.positions, inputs.out_cache_loc,
-            tree_mask=tree.mask if tree is not None else None, masked_graphs=self.masked_graphs,
-        )
+        hidden = batch.return_hidden_states  # (the hook must run: no CUDA graph replay then)
+        with self.final_hidden.capture(hidden):
+            logits_output, graph = run_target_verify(
+                self.target_worker, batch, inputs.input_ids, inputs.positions, inputs.out_cache_loc,
+                tree_mask=tree.mask if tree is not None else None, masked_graphs=self.masked_graphs, eager=hidden,
+            )
         penalized = self.penalties.rows(batch, bonus, logits_output.next_token_logits.shape[-1])
         logits = logits_output.next_token_logits.view(bs, n, -1)  # [bs, n, V]: n verify rows per request
         if penalized is not None:  # before the bias and the grammar mask, as plain decoding applies them
@@ -401,7 +413,8 @@ class DFlashWorker(BaseSpecWorker):
         if penalized is not None:
             self.penalties.commit(penalized, result.out_tokens, result.accept_len + 1)
         return _Accepted(fit_rows(result.out_tokens, self.stride), result.accept_len, result.bonus, inputs.positions,
-                         inputs.out_cache_loc, logits_output, graph, tree_result=result if tree is not None else None)
+                         inputs.out_cache_loc, logits_output, graph, tree_result=result if tree is not None else None,
+                         final_hidden=self.final_hidden.take() if hidden else None)
 
     @staticmethod
     def _bias_and_grammar(logits: Tensor, batch: ScheduleBatch, grammar, grammar_barrier) -> None:
