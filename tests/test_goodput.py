@@ -185,3 +185,36 @@ def test_a_measured_shape_keeps_its_own_cost_when_kernels_are_not_linear_in_the_
         chosen.append(n)
     oracle = max(expected_tokens(rates, n) / t for n, t in table.items())
     assert tokens / clock >= 0.85 * oracle and min(chosen[-100:]) >= 6, chosen[-100:]
+
+
+@pytest.mark.parametrize("bs", [1, 8, 64])
+def test_a_drop_in_acceptance_is_detected_and_drafting_stops_within_a_few_steps(bs):
+    """After a long predictable spell (long chains chosen) the drafts turn bad: the change detector restarts the
+    acceptance estimate, so plain steps return within tens of steps, not the 100-200 of the 64-step memory alone."""
+    strong, weak = [0.92] * 15, [0.15] * 15
+
+    def steps_to_plain(threshold: float) -> tuple[int, int]:
+        ctrl = GoodputController(GoodputConfig(max_nodes=16, change_threshold=threshold))
+        _, chosen, _ = simulate(ctrl, lambda i: strong if i < 1000 else weak, steps=1400, bs=bs)
+        assert min(chosen[900:1000]) >= 6  # long chains while drafts were good
+        off = next(i for i in range(1000, 1400) if all(n == 1 for n in chosen[i:i + 10]))
+        return off - 1000, ctrl.acceptance.changes
+
+    detected, changes = steps_to_plain(GoodputConfig(max_nodes=16).change_threshold)
+    slow, no_changes = steps_to_plain(0.0)
+    assert changes >= 1 and no_changes == 0
+    assert detected <= 20 and slow >= 5 * detected, (detected, slow)
+
+
+@pytest.mark.parametrize("rate", [0.3, 0.6, 0.8, 0.9])
+@pytest.mark.parametrize("bs", [1, 16])
+def test_steady_traffic_loses_nothing_to_the_change_detector(rate, bs):
+    """In 2000 steps of a fixed acceptance the detector restarts the estimate rarely (a run of misses at bs 1 looks
+    like a drop), and the committed tokens/s stay those of the controller without it."""
+    def run(threshold: float) -> tuple[float, int]:
+        ctrl = GoodputController(GoodputConfig(max_nodes=16, change_threshold=threshold))
+        tps, _, _ = simulate(ctrl, lambda i: [rate] * 15, steps=2000, bs=bs, seed=3)
+        return tps, ctrl.acceptance.changes
+
+    (tps, changes), (tps_without, _) = run(GoodputConfig(max_nodes=16).change_threshold), run(0.0)
+    assert changes <= 10 and tps >= 0.98 * tps_without, (changes, tps, tps_without)

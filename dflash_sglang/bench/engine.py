@@ -31,6 +31,7 @@ from typing import Any
 from .plotting import pyplot
 from .quiet import busy_share, cpu_model, training_paused
 from .server import cpu_env
+from .shape_trace import logging_config, parse_trace, plot_trace
 
 REPO = Path(__file__).resolve().parents[2]
 STATIC_TABLE = "1:64x4,4:32x2,8:16x2,32:16x1,64:8x1,inf:4x1"
@@ -123,7 +124,7 @@ def run_child(job_path: Path) -> None:
             new = WARMUP_NEW if step.get("warmup") else job["new_tokens"]
             t0 = time.perf_counter()
             outs = engine.generate(input_ids=step["ids"], sampling_params={
-                "temperature": 0, "max_new_tokens": new, "ignore_eos": True})
+                "temperature": 0, "max_new_tokens": new, "ignore_eos": True, **job.get("sampling", {})})
             wall, metas = time.perf_counter() - t0, [o["meta_info"] for o in outs]
             print(f"[{job['arm']}] {step.get('key', 'warmup')} c={step['c']} {wall:.2f}s", file=sys.stderr, flush=True)
             if not step.get("warmup"):
@@ -158,10 +159,12 @@ def summarize(plan: list[dict], results: dict[str, dict | None], baseline: str =
             rounds = [by_key[s["key"]] for s in steps]
             tokens, wall = sum(len(i) for r in rounds for i in r["ids"]), sum(r["wall_s"] for r in rounds)
             acc = [a for r in rounds for a in r["accept"] if a]
+            steps_per_round = [max(v or 0 for v in r["verify_ct"]) for r in rounds]  # (decode steps of the round)
             rows.append({"arm": arm, "group": g, "c": steps[0]["c"] if steps else None,
                          "phase": steps[0]["phase"] if steps else None, "rounds": len(rounds), "tokens": tokens,
                          "wall_s": _r(wall), "tok_s": _r(tokens / wall) if wall else None,
                          "accept_mean": _r(statistics.fmean(acc)) if acc else None,
+                         "ms_per_step": _r(1e3 * wall / sum(steps_per_round), 1) if all(steps_per_round) else None,
                          "mismatches": mismatches(res, results.get(baseline), [s["key"] for s in steps])})
     base = {r["group"]: r["tok_s"] for r in rows if r["arm"] == baseline}
     for r in rows:
@@ -176,6 +179,7 @@ def _r(x: float | None, nd: int = 3) -> float | None:
 def run_arm(name: str, kwargs: dict, plan: list[dict], args: argparse.Namespace, common: dict) -> dict | None:
     """One arm's child process (its own session, killed as a group on timeout / Ctrl-C); its result or None."""
     job = {"arm": name, "plan": plan, "new_tokens": args.new_tokens, "engine_kwargs": {**common, **kwargs},
+           "sampling": parse_kv(args.sampling),
            "result": str(args.out / f"{name}.result.json")}
     (args.out / f"{name}.job.json").write_text(json.dumps(job))
     Path(job["result"]).unlink(missing_ok=True)
@@ -227,6 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=REPO / "work_tmp" / "bench_engine")
     p.add_argument("--engine-kwarg", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="child environment")
+    p.add_argument("--sampling", action="append", default=[], metavar="KEY=VALUE",
+                   help="sampling params added to every request (e.g. frequency_penalty=0.5)")
+    p.add_argument("--trace", action="store_true",
+                   help="switch: log the goodput controller's every step and plot its choices (<arm>.trace.png); "
+                        "the logging costs a little, so do not quote a traced run's timings")
     p.add_argument("--child-timeout", type=float, default=3600.0)
     p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     return p
@@ -257,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
               "log_level": "warning", "random_seed": 0, "max_total_tokens": max(16384, need),
               "chunked_prefill_size": 512, "max_running_requests": max(concurrency), **parse_kv(args.engine_kwarg)}
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.trace:
+        args.env["SGLANG_LOGGING_CONFIG_PATH"] = str(logging_config(args.out / "trace_logging.json"))
     info: dict[str, dict] = {}
     results: dict[str, dict | None] = {}
     with training_paused() as job:
@@ -273,11 +284,13 @@ def main(argv: list[str] | None = None) -> int:
                                   for r in res.get("rounds", [])])
             print(f"[{name}] Engine startup {info[name]['startup_s']}s, child {info[name]['child_s']}s", flush=True)
     rows = summarize(plan, results)
-    cols = ["arm", "group", "c", "phase", "rounds", "tokens", "wall_s", "tok_s", "ratio", "accept_mean", "mismatches"]
-    print(f"\n{'arm':<12}{'group':>8}{'tok/s':>9}{'ratio':>7}{'accept':>8}{'mism':>6}")
+    cols = ["arm", "group", "c", "phase", "rounds", "tokens", "wall_s", "tok_s", "ratio", "accept_mean", "ms_per_step",
+            "mismatches"]
+    print(f"\n{'arm':<12}{'group':>8}{'tok/s':>9}{'ratio':>7}{'accept':>8}{'ms/step':>9}{'mism':>6}")
     for r in rows:
         print(f"{r['arm']:<12}{r['group']:>8}{r['tok_s'] or '-':>9}{r['ratio'] or '-':>7}"
-              f"{r['accept_mean'] or '-':>8}{'-' if r['mismatches'] is None else r['mismatches']:>6}")
+              f"{r['accept_mean'] or '-':>8}{r['ms_per_step'] or '-':>9}"
+              f"{'-' if r['mismatches'] is None else r['mismatches']:>6}")
     with open(args.out / "bench_engine.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols)
         w.writeheader()
@@ -290,8 +303,14 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"script": "bench_engine", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                "cpu_model": cpu_model(), "cpus": os.cpu_count(), "workload": args.workload,
                "new_tokens": args.new_tokens, "concurrency": concurrency, "engine_kwargs": common, "env": args.env,
+               "sampling": parse_kv(args.sampling),
                "arms": info, "rows": rows, "mismatches": total, "failed": failed, "out": str(args.out),
                "png": plot_switch(rows, args.out / "switch.png") if args.workload == "switch" else None}
+    if args.trace and args.workload == "switch":
+        phases = [phase for _, phase in switch_schedule(args.phases, args.phase_rounds)]
+        summary["traces"] = {name: plot_trace(parse_trace((args.out / f"{name}.log").read_text()), phases,
+                                              args.out / f"{name}.trace.png")
+                             for name, kwargs in arms.items() if kwargs is not None}
     (args.out / "bench_engine.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))
     return 1 if total or failed else 0

@@ -15,6 +15,14 @@ never make a longer chain look cheaper than a shorter one). The cost model's ter
 per-request cost (a plain step), each extra verify row per request (compute-bound verifies pay it in full,
 memory-bound ones little), and the drafter pass (fixed + per request).
 
+Acceptance is forgotten slowly (`accept_halflife` steps), which keeps the estimate steady, but a change of traffic
+(new prompts, a predictable request finishing) would then be followed tens to hundreds of steps late. A change
+detector catches it: CUSUMs (Page, 1954) of the log-likelihood ratio of each step's accepted drafts, for every
+depth's acceptance rate dropping by `change_factor` against staying at the estimate, and for its rejection rate
+dropping so (a rise); past `change_threshold` the estimate restarts from the last few steps' counts
+(`restart_halflife`), which are the new regime's. At one request a step tests one or two drafts, and a regime change
+is caught in about ten steps (the forgetting alone took about a hundred).
+
 Exploration is bounded. Warm-up runs one step each of the longest chain, a plain step and a middle chain
 (`warmup_per_shape` of each; a shape's first timed step is left out of the cost fit) to seed both models. After
 that, whatever the best shape is, a probe credit of `probe_fraction` of the measured time accrues; when it covers a
@@ -30,6 +38,7 @@ with a fake clock. The SGLang worker and the reference decoder both use it (docs
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -45,6 +54,10 @@ class GoodputConfig:
     candidates: tuple[int, ...] = ()  # chain lengths to choose among (1 = plain); () = 1, 2, 3, 4, 6, 8, 12, 16, ...
     probe_fraction: float = 0.03  # time share spent on probes of the longest chain while it is not chosen
     accept_halflife: float = 64.0  # decode steps after which an acceptance observation counts half
+    change_threshold: float = 12.0  # the change detector (CUSUMs of the log-likelihood ratio of each step's accepted
+    change_factor: float = 0.5  # drafts for a drop of the acceptance rates by this factor, and for a rise that cuts
+    # the rejection rates by it) restarts the estimate when one of them exceeds this (0 = never) ...
+    restart_halflife: float = 2.0  # ... from the last few steps' counts (decode steps after which one counts half)
     cost_halflife: float = 256.0  # decode steps after which a step-time observation counts half
     warmup_per_shape: int = 2  # warm-up steps of each of the longest chain, a plain step and a middle chain
     prior_rate: float = 0.4  # acceptance prior at every depth ...
@@ -95,26 +108,59 @@ class AcceptanceModel:
     halflife: float
     prior_rate: float
     prior_strength: float
+    change_threshold: float = 0.0  # 0: no change detection
+    change_factor: float = 0.5
+    restart_halflife: float = 2.0
     trials: list[float] = field(init=False)
     hits: list[float] = field(init=False)
+    latest: tuple[list[float], list[float]] = field(init=False)  # (trials, hits) with restart_halflife
+    cusum: tuple[float, float] = (0.0, 0.0)  # (evidence of a drop, of a rise) in standard errors
+    changes: int = field(init=False, default=0)  # restarts so far
 
     def __post_init__(self) -> None:
         self.trials = [0.0] * self.depth
         self.hits = [0.0] * self.depth
+        self.latest = ([0.0] * self.depth, [0.0] * self.depth)
 
     def observe(self, nodes: int, accepted: Iterable[int]) -> None:
         """One decode step of a chain of `nodes` rows (plain steps too: what is known fades with every step, so
         after a long spell of plain steps the few recent probes outweigh the stale regime); accepted: drafts
         accepted per request (0..nodes-1)."""
-        decay = 0.5 ** (1.0 / self.halflife)
-        self.trials = [t * decay for t in self.trials]
-        self.hits = [h * decay for h in self.hits]
+        step_trials, step_hits = [0.0] * self.depth, [0.0] * self.depth
         for a in accepted:
             assert 0 <= a <= nodes - 1, (a, nodes)
             for d in range(min(a + 1, nodes - 1)):  # depth d+1 was tried (all before it accepted) ...
-                self.trials[d] += 1.0
+                step_trials[d] += 1.0
                 if a > d:  # ... and accepted
-                    self.hits[d] += 1.0
+                    step_hits[d] += 1.0
+        detect = self.change_threshold > 0 and any(step_trials)
+        evidence = self._evidence(step_trials, step_hits) if detect else (0.0, 0.0)  # (before this step counts)
+        self.trials, self.hits = (_fade_add(self.trials, step_trials, self.halflife),
+                                  _fade_add(self.hits, step_hits, self.halflife))
+        self.latest = (_fade_add(self.latest[0], step_trials, self.restart_halflife),
+                       _fade_add(self.latest[1], step_hits, self.restart_halflife))
+        if not detect:
+            return
+        drop, rise = max(0.0, self.cusum[0] + evidence[0]), max(0.0, self.cusum[1] + evidence[1])
+        self.cusum = (drop, rise)
+        if max(drop, rise) > self.change_threshold:
+            # The traffic changed (new prompts, a predictable request finished): the long memory would keep choosing
+            # for the old regime for tens of steps, each paying for drafts the new one rejects (or leaving good
+            # drafts unused). Restart from the last few steps, which the detection took.
+            self.trials, self.hits = list(self.latest[0]), list(self.latest[1])
+            self.cusum = (0.0, 0.0)
+            self.changes += 1
+
+    def _evidence(self, trials: list[float], hits: list[float]) -> tuple[float, float]:
+        """Log-likelihood ratios of a step's trials for a drop (each depth's rate r -> r * f) and for a rise
+        (its miss rate 1 - r -> (1 - r) * f) against the estimate before the step, f = change_factor."""
+        f, drop, rise = self.change_factor, 0.0, 0.0
+        for t, h, r in zip(trials, hits, self.rates()):
+            if t:
+                r = min(max(r, 1e-3), 1 - 1e-3)
+                drop += h * math.log(f) + (t - h) * math.log((1 - r * f) / (1 - r))
+                rise += h * math.log((1 - (1 - r) * f) / r) + (t - h) * math.log(f)
+        return drop, rise
 
     def rates(self) -> list[float]:
         a0, s = self.prior_rate * self.prior_strength, self.prior_strength
@@ -210,6 +256,11 @@ class CostModel:
             free = [i for i in free if i not in pinned]
 
 
+def _fade_add(counts: list[float], new: list[float], halflife: float) -> list[float]:
+    decay = 0.5 ** (1.0 / halflife)
+    return [c * decay + x for c, x in zip(counts, new)]
+
+
 def _bucket(bs: int) -> int:
     return max(0, int(bs).bit_length() - 1)  # 1 | 2-3 | 4-7 | 8-15 | ...
 
@@ -257,7 +308,8 @@ class GoodputController:
         self.lengths = cfg.chain_lengths()
         self.longest = self.lengths[-1]
         self.acceptance = AcceptanceModel(max(1, self.longest - 1), cfg.accept_halflife, cfg.prior_rate,
-                                          cfg.prior_strength)
+                                          cfg.prior_strength, cfg.change_threshold, cfg.change_factor,
+                                          cfg.restart_halflife)
         self.cost = CostModel(cfg.cost_halflife, cfg.prior_weight, cfg.cost_prior)
         middle = self.lengths[len(self.lengths) // 2]
         self._warmup = [n for n in (self.longest, 1, middle) for _ in range(cfg.warmup_per_shape)]
@@ -348,7 +400,7 @@ class GoodputController:
         tokens/s of each candidate at batch size bs, and the measured committed tokens/s."""
         rates = self.acceptance.rates()
         out = {"steps": dict(sorted(self.counts.items())), "accept_rate": [round(r, 3) for r in rates[:8]],
-               "measured_tps": round(self.measured_tps, 2)}
+               "measured_tps": round(self.measured_tps, 2), "changes": self.acceptance.changes}
         if self.cost.ready:
             out["cost_ms"] = {k: round(1e3 * v, 3) for k, v in zip(TERMS, self.cost.theta())}
             out["predicted_tps"] = {n: round(self.goodput(n, bs), 2) for n in self.lengths}

@@ -1,0 +1,73 @@
+"""The goodput controller's choices over time, from a benchmark Engine's log: what `bench_engine --trace` plots.
+
+With `--trace` a DFLASH arm's child logs the controller's per-step debug line (`adapter/adaptive.py`: "DFLASH
+goodput step: n=<chain length> bs=<batch> accepted=<drafts, summed over the batch> seconds=<wall>") to the same log
+as the child's round lines ("[arm] s<k> c=<c> <wall>s", printed after each round), so each step belongs to the round
+whose line follows it. The plot: the chain length chosen at every decode step (1 = a plain step), with the tokens it
+committed, the rounds shaded by phase. Debug logging costs the traced arm a little, so traces come from their own run,
+not a timed one.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .plotting import pyplot
+
+_STEP = re.compile(r"DFLASH goodput step: n=(\d+) bs=(\d+) accepted=(\d+)")
+_ROUND = re.compile(r"^\[[^\]]+\] (?:s(\d+)|warmup) c=\d+ ")
+
+
+@dataclass(frozen=True)
+class TracedStep:
+    nodes: int  # the chain length chosen (1: a plain step)
+    committed: float  # tokens committed per request (1 + mean accepted drafts)
+    round: int  # the switch round it belongs to
+
+
+def logging_config(path: Path) -> Path:
+    """A dictConfig file for SGLANG_LOGGING_CONFIG_PATH: the controller's per-step lines on stderr."""
+    path.write_text('{"version": 1, "disable_existing_loggers": false, '
+                    '"handlers": {"stderr": {"class": "logging.StreamHandler"}}, '
+                    '"loggers": {"dflash_sglang.adapter.adaptive": {"level": "DEBUG", "handlers": ["stderr"], '
+                    '"propagate": false}}}')
+    return path
+
+
+def parse_trace(log_text: str) -> list[TracedStep]:
+    """The decode steps of a traced child log, each with its round (the warm-up's and any after the last round line
+    are dropped)."""
+    steps, pending = [], []
+    for line in log_text.splitlines():
+        if m := _STEP.search(line):
+            pending.append((int(m[1]), 1 + int(m[3]) / int(m[2])))
+        elif m := _ROUND.match(line):
+            if m[1] is not None:
+                steps += [TracedStep(n, c, int(m[1])) for n, c in pending]
+            pending = []
+    return steps
+
+
+def plot_trace(steps: list[TracedStep], phases: list[str], path: Path) -> str | None:
+    """phases[k]: the phase letter of round k ("A" / "B")."""
+    plt = pyplot()
+    if plt is None or not steps:
+        return None
+    fig, ax = plt.subplots(figsize=(10, 3.2))
+    x = range(len(steps))
+    start = 0
+    for k in sorted({s.round for s in steps}):
+        n = sum(1 for s in steps if s.round == k)
+        if k < len(phases):
+            ax.axvspan(start, start + n, color="tab:blue" if phases[k] == "A" else "tab:orange", alpha=0.12, lw=0)
+        start += n
+    ax.step(x, [s.nodes for s in steps], where="post", color="black", lw=0.8, label="chain length chosen")
+    ax.plot(x, [s.committed for s in steps], ".", color="tab:red", ms=3, label="tokens committed")
+    ax.set_xlabel("decode step (shaded by round: blue A, eval chat; orange B, predictable)")
+    ax.set_ylabel("rows / tokens")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)
