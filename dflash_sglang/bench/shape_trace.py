@@ -61,10 +61,11 @@ def plot_trace(steps: list[TracedStep], phases: list[str], path: Path) -> str | 
         n = sum(1 for s in steps if s.round == k)
         if k < len(phases):
             ax.axvspan(start, start + n, color="tab:blue" if phases[k] == "A" else "tab:orange", alpha=0.12, lw=0)
+        ax.axvline(start, color="grey", lw=0.4)  # a round (one request) starts
         start += n
     ax.step(x, [s.nodes for s in steps], where="post", color="black", lw=0.8, label="chain length chosen")
     ax.plot(x, [s.committed for s in steps], ".", color="tab:red", ms=3, label="tokens committed")
-    ax.set_xlabel("decode step (shaded by round: blue A, eval chat; orange B, predictable)")
+    ax.set_xlabel("decode step (a line per round; blue: A, eval chat; orange: B, predictable)")
     ax.set_ylabel("rows / tokens")
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()

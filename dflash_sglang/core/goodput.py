@@ -19,8 +19,8 @@ Acceptance is forgotten slowly (`accept_halflife` steps), which keeps the estima
 (new prompts, a predictable request finishing) would then be followed tens to hundreds of steps late. A change
 detector catches it: CUSUMs (Page, 1954) of the log-likelihood ratio of each step's accepted drafts, for every
 depth's acceptance rate dropping by `change_factor` against staying at the estimate, and for its rejection rate
-dropping so (a rise); past `change_threshold` the estimate restarts from the last few steps' counts
-(`restart_halflife`), which are the new regime's. At one request a step tests one or two drafts, and a regime change
+dropping so (a rise); past `change_threshold` the estimate restarts from the counts of the steps since that CUSUM
+last left zero (its estimate of when the change happened), so nothing of the old regime is kept. At one request a step tests one or two drafts, and a regime change
 is caught in about ten steps (the forgetting alone took about a hundred).
 
 Exploration is bounded. Warm-up runs one step each of the longest chain, a plain step and a middle chain
@@ -57,7 +57,7 @@ class GoodputConfig:
     change_threshold: float = 12.0  # the change detector (CUSUMs of the log-likelihood ratio of each step's accepted
     change_factor: float = 0.5  # drafts for a drop of the acceptance rates by this factor, and for a rise that cuts
     # the rejection rates by it) restarts the estimate when one of them exceeds this (0 = never) ...
-    restart_halflife: float = 2.0  # ... from the last few steps' counts (decode steps after which one counts half)
+    # ... from the steps since that sum last left zero
     cost_halflife: float = 256.0  # decode steps after which a step-time observation counts half
     warmup_per_shape: int = 2  # warm-up steps of each of the longest chain, a plain step and a middle chain
     prior_rate: float = 0.4  # acceptance prior at every depth ...
@@ -110,17 +110,17 @@ class AcceptanceModel:
     prior_strength: float
     change_threshold: float = 0.0  # 0: no change detection
     change_factor: float = 0.5
-    restart_halflife: float = 2.0
     trials: list[float] = field(init=False)
     hits: list[float] = field(init=False)
-    latest: tuple[list[float], list[float]] = field(init=False)  # (trials, hits) with restart_halflife
+    since: tuple[list[list[float]], list[list[float]]] = field(init=False)  # per CUSUM (drop, rise): (trials, hits)
+    # of the steps since it last left zero
     cusum: tuple[float, float] = (0.0, 0.0)  # (evidence of a drop, of a rise) in standard errors
     changes: int = field(init=False, default=0)  # restarts so far
 
     def __post_init__(self) -> None:
         self.trials = [0.0] * self.depth
         self.hits = [0.0] * self.depth
-        self.latest = ([0.0] * self.depth, [0.0] * self.depth)
+        self.since = ([[0.0] * self.depth, [0.0] * self.depth], [[0.0] * self.depth, [0.0] * self.depth])
 
     def observe(self, nodes: int, accepted: Iterable[int]) -> None:
         """One decode step of a chain of `nodes` rows (plain steps too: what is known fades with every step, so
@@ -137,18 +137,23 @@ class AcceptanceModel:
         evidence = self._evidence(step_trials, step_hits) if detect else (0.0, 0.0)  # (before this step counts)
         self.trials, self.hits = (_fade_add(self.trials, step_trials, self.halflife),
                                   _fade_add(self.hits, step_hits, self.halflife))
-        self.latest = (_fade_add(self.latest[0], step_trials, self.restart_halflife),
-                       _fade_add(self.latest[1], step_hits, self.restart_halflife))
         if not detect:
             return
-        drop, rise = max(0.0, self.cusum[0] + evidence[0]), max(0.0, self.cusum[1] + evidence[1])
-        self.cusum = (drop, rise)
-        if max(drop, rise) > self.change_threshold:
+        sums = [max(0.0, c + e) for c, e in zip(self.cusum, evidence)]
+        for i, total in enumerate(sums):  # the counts since each CUSUM left zero (none while it is at zero)
+            trials, hits = self.since[i]
+            keep = 1.0 if total > 0 else 0.0
+            self.since[i][0] = [keep * (t + x) for t, x in zip(trials, step_trials)]
+            self.since[i][1] = [keep * (h + x) for h, x in zip(hits, step_hits)]
+        self.cusum = (sums[0], sums[1])
+        alarm = max(range(2), key=lambda i: sums[i])
+        if sums[alarm] > self.change_threshold:
             # The traffic changed (new prompts, a predictable request finished): the long memory would keep choosing
             # for the old regime for tens of steps, each paying for drafts the new one rejects (or leaving good
-            # drafts unused). Restart from the last few steps, which the detection took.
-            self.trials, self.hits = list(self.latest[0]), list(self.latest[1])
+            # drafts unused). Restart from the steps since the change began.
+            self.trials, self.hits = list(self.since[alarm][0]), list(self.since[alarm][1])
             self.cusum = (0.0, 0.0)
+            self.since = ([[0.0] * self.depth, [0.0] * self.depth], [[0.0] * self.depth, [0.0] * self.depth])
             self.changes += 1
 
     def _evidence(self, trials: list[float], hits: list[float]) -> tuple[float, float]:
@@ -308,8 +313,7 @@ class GoodputController:
         self.lengths = cfg.chain_lengths()
         self.longest = self.lengths[-1]
         self.acceptance = AcceptanceModel(max(1, self.longest - 1), cfg.accept_halflife, cfg.prior_rate,
-                                          cfg.prior_strength, cfg.change_threshold, cfg.change_factor,
-                                          cfg.restart_halflife)
+                                          cfg.prior_strength, cfg.change_threshold, cfg.change_factor)
         self.cost = CostModel(cfg.cost_halflife, cfg.prior_weight, cfg.cost_prior)
         middle = self.lengths[len(self.lengths) // 2]
         self._warmup = [n for n in (self.longest, 1, middle) for _ in range(cfg.warmup_per_shape)]
