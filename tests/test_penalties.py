@@ -96,6 +96,29 @@ def test_verify_rows_hold_the_state_along_each_path():
     assert logits[0, 0, 3] == 0.75 and logits[0, 1, 2] == 0.25 and logits[0, 3, 4] == -7.0 and logits[0, 0, 2] == 2
 
 
+def test_a_row_constant_penalty_as_the_builtin_applies_it_changes_greedy_output(pair, monkeypatch):
+    """SGLang's builtin DFLASH verify adds the penalty computed before the block to every verify row
+    (`apply_dflash_verify_logits_adjustments`): a row deep in a block then ignores the drafts before it. Emulated here
+    (every row gets the root's state), a token drafted early and repeated later in the same block is accepted where
+    plain decoding would have penalized it: the greedy output differs from plain's; ours (per-row state) does not."""
+    target, drafter = pair
+    prompts = mixed_prompts(8, lengths=(3, 9, 1, 14, 6, 4))
+    settings = [(0.8, 0.4, 1.0, 0)] * len(prompts)  # additive penalties only (the builtin drops the repetition one)
+    pen = batch_penalties(settings, ())
+    expected = [oracle_greedy(target, p, 20, s, ()) for p, s in zip(prompts, settings)]
+    dec = ReferenceDecoder(target, drafter)
+    assert [o.tokens for o in dec.generate(prompts, 20, block_size=16, penalties=pen)] == expected
+
+    def root_state_everywhere(self, penalties, ids, parent):
+        t = ids.shape[1]
+        return OutputPenalties(*(x.unsqueeze(1).repeat(1, t, *([1] * (x.dim() - 1)))
+                                 for x in (self.frequency, self.presence, self.repetition, self.length)))
+
+    monkeypatch.setattr(OutputPenalties, "along_paths", root_state_everywhere)
+    approx = [o.tokens for o in ReferenceDecoder(target, drafter).generate(prompts, 20, block_size=16, penalties=pen)]
+    assert approx != expected
+
+
 def _exact_penalized_joint(target, prompt, n, vocab, setting, stops):
     """Exact probability of every n-token continuation at temperature 1 under the oracle's penalties."""
     probs = {}

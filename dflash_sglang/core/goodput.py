@@ -20,8 +20,9 @@ Acceptance is forgotten slowly (`accept_halflife` steps), which keeps the estima
 detector catches it: CUSUMs (Page, 1954) of the log-likelihood ratio of each step's accepted drafts, for every
 depth's acceptance rate dropping by `change_factor` against staying at the estimate, and for its rejection rate
 dropping so (a rise); past `change_threshold` the estimate restarts from the counts of the steps since that CUSUM
-last left zero (its estimate of when the change happened), so nothing of the old regime is kept. At one request a step tests one or two drafts, and a regime change
-is caught in about ten steps (the forgetting alone took about a hundred).
+last left zero (its estimate of when the change happened), so nothing of the old regime is kept. At one request a
+step tests one or two drafts, and a regime change is caught in about ten steps (the forgetting alone took about a
+hundred).
 
 Exploration is bounded. Warm-up runs one step each of the longest chain, a plain step and a middle chain
 (`warmup_per_shape` of each; a shape's first timed step is left out of the cost fit) to seed both models. After
