@@ -44,16 +44,18 @@ shards() { ls "$JOB_DIR/cache" 2>/dev/null | grep -c '^shard' || true; }
 
 loop() {
   export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+  # this checkout's code, whatever the installed package points at (an editable install of another checkout, e.g.)
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   local cap=(--max-passes "$MAX_PASSES")
   while :; do
     before=$(shards)
     echo "train_job: $(date -u +%FT%TZ) data growth, up to ${DATA_MIN} min ($before shards)"
-    dflash-sglang train "${ARGS[@]}" --prepare-only --data-time-budget-min "$DATA_MIN" || echo "train_job: data rc=$?"
+    python -m dflash_sglang train "${ARGS[@]}" --prepare-only --data-time-budget-min "$DATA_MIN" || echo "train_job: data rc=$?"
     # once the cache stops growing (every prompt regenerated), train on without the cap
     [ "$(shards)" -gt "$before" ] || cap=()
     echo "train_job: $(date -u +%FT%TZ) training on $(shards) shards, up to ${TRAIN_MIN} min ${cap[*]}"
     # --foreground: timeout stays in the job's process group (else it makes its own, which pause would miss)
-    rc=0; timeout --foreground --signal=TERM "${TRAIN_MIN}m" dflash-sglang train "${ARGS[@]}" --skip-prepare "${cap[@]}" \
+    rc=0; timeout --foreground --signal=TERM "${TRAIN_MIN}m" python -m dflash_sglang train "${ARGS[@]}" --skip-prepare "${cap[@]}" \
       || rc=$?
     python scripts/train_curve.py "$JOB_DIR" | tail -n 1 | python -c "import json,sys; p=json.load(sys.stdin)['points'];\
 print('train_job: %.2f training CPU-hours, held-out tau_est %s' % (p[-1]['cpu_h'], p[-1]['tau_est']) if p else '')" \

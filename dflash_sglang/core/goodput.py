@@ -55,7 +55,7 @@ class GoodputConfig:
     candidates: tuple[int, ...] = ()  # chain lengths to choose among (1 = plain); () = 1, 2, 3, 4, 6, 8, 12, 16, ...
     probe_fraction: float = 0.03  # time share spent on probes of the longest chain while it is not chosen
     accept_halflife: float = 64.0  # decode steps after which an acceptance observation counts half
-    change_threshold: float = 12.0  # the change detector (CUSUMs of the log-likelihood ratio of each step's accepted
+    change_threshold: float = 8.0  # the change detector (CUSUMs of the log-likelihood ratio of each step's accepted
     change_factor: float = 0.5  # drafts for a drop of the acceptance rates by this factor, and for a rise that cuts
     # the rejection rates by it) restarts the estimate when one of them exceeds this (0 = never) ...
     # ... from the steps since that sum last left zero
