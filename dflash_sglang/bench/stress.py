@@ -201,6 +201,7 @@ def run_mode(args, srv: Server, mode: str, levels: list[int], workloads: list[li
     except ServerError as e:
         row = Row(mode, 0, deaths=1)
         row.note(f"server did not start: {str(e).splitlines()[0]}")
+        print(f"[{mode}] {e}", file=sys.stderr, flush=True)  # with its log's tail (the report keeps one line)
         _progress(row)
         return [row]
     for c, cases, ref in zip(levels, workloads, refs):
@@ -225,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = run(args)
     except ServerError as e:  # the plain server did not start: nothing to compare with
         rows = [Row("plain", 0, deaths=1, failures=[f"server did not start: {str(e).splitlines()[0]}"])]
+        print(f"[plain] {e}", file=sys.stderr, flush=True)  # with its log's tail (the report keeps one line)
     finally:
         signal.signal(signal.SIGTERM, previous)
     print(table(rows), flush=True)
