@@ -10,7 +10,7 @@ forward pre-hook on the target's `LogitsProcessor`, armed only for a forward who
 that position (same prefix), so the committed token j of a request gets the row that predicted it: row j of a chain,
 the j-th node of a tree's accepted path (`logprobs.predicting_rows`). The scheduler reads decode rows per request in
 blocks of the result stride N (`hidden_states` [bs * N, H], rows i * N .. i * N + accepted - 1), as for its own
-speculative workers, and prefill rows as it laid them out for the capture mode (`versions.prefill_hidden_mode`).
+speculative workers, and prefill rows as it laid them out for the capture mode (`versions.prefill_hidden_full`).
 
 A CUDA graph replay would skip the hook: a verify with such a request runs eagerly (`run_target_verify(eager=...)`),
 and a forward whose hook did not fire raises instead of returning another layer's values.

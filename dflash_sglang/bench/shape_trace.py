@@ -9,6 +9,7 @@ not a timed one.
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +29,11 @@ class TracedStep:
 
 def logging_config(path: Path) -> Path:
     """A dictConfig file for SGLANG_LOGGING_CONFIG_PATH: the controller's per-step lines on stderr."""
-    path.write_text('{"version": 1, "disable_existing_loggers": false, '
-                    '"handlers": {"stderr": {"class": "logging.StreamHandler"}}, '
-                    '"loggers": {"dflash_sglang.adapter.adaptive": {"level": "DEBUG", "handlers": ["stderr"], '
-                    '"propagate": false}}}')
+    path.write_text(json.dumps({
+        "version": 1, "disable_existing_loggers": False,
+        "handlers": {"stderr": {"class": "logging.StreamHandler"}},
+        "loggers": {"dflash_sglang.adapter.adaptive": {"level": "DEBUG", "handlers": ["stderr"], "propagate": False}},
+    }))
     return path
 
 

@@ -55,10 +55,11 @@ class GoodputConfig:
     candidates: tuple[int, ...] = ()  # chain lengths to choose among (1 = plain); () = 1, 2, 3, 4, 6, 8, 12, 16, ...
     probe_fraction: float = 0.03  # time share spent on probes of the longest chain while it is not chosen
     accept_halflife: float = 64.0  # decode steps after which an acceptance observation counts half
-    change_threshold: float = 8.0  # the change detector (CUSUMs of the log-likelihood ratio of each step's accepted
-    change_factor: float = 0.5  # drafts for a drop of the acceptance rates by this factor, and for a rise that cuts
-    # the rejection rates by it) restarts the estimate when one of them exceeds this (0 = never) ...
-    # ... from the steps since that sum last left zero
+    # The change detector: CUSUMs of each step's acceptance log-likelihood ratio, for the rates dropping by
+    # change_factor and for the rejection rates dropping by it (a rise); past change_threshold (0 = never) the
+    # estimate restarts from the steps since that CUSUM last left zero.
+    change_threshold: float = 8.0
+    change_factor: float = 0.5
     cost_halflife: float = 256.0  # decode steps after which a step-time observation counts half
     warmup_per_shape: int = 2  # warm-up steps of each of the longest chain, a plain step and a middle chain
     prior_rate: float = 0.4  # acceptance prior at every depth ...
@@ -115,13 +116,13 @@ class AcceptanceModel:
     hits: list[float] = field(init=False)
     since: tuple[list[list[float]], list[list[float]]] = field(init=False)  # per CUSUM (drop, rise): (trials, hits)
     # of the steps since it last left zero
-    cusum: tuple[float, float] = (0.0, 0.0)  # (evidence of a drop, of a rise) in standard errors
+    cusum: tuple[float, float] = (0.0, 0.0)  # (evidence of a drop, of a rise): summed log-likelihood ratios
     changes: int = field(init=False, default=0)  # restarts so far
 
     def __post_init__(self) -> None:
         self.trials = [0.0] * self.depth
         self.hits = [0.0] * self.depth
-        self.since = ([[0.0] * self.depth, [0.0] * self.depth], [[0.0] * self.depth, [0.0] * self.depth])
+        self.since = self._no_counts()
 
     def observe(self, nodes: int, accepted: Iterable[int]) -> None:
         """One decode step of a chain of `nodes` rows (plain steps too: what is known fades with every step, so
@@ -154,8 +155,11 @@ class AcceptanceModel:
             # drafts unused). Restart from the steps since the change began.
             self.trials, self.hits = list(self.since[alarm][0]), list(self.since[alarm][1])
             self.cusum = (0.0, 0.0)
-            self.since = ([[0.0] * self.depth, [0.0] * self.depth], [[0.0] * self.depth, [0.0] * self.depth])
+            self.since = self._no_counts()
             self.changes += 1
+
+    def _no_counts(self) -> tuple[list[list[float]], list[list[float]]]:
+        return tuple([[0.0] * self.depth, [0.0] * self.depth] for _ in range(2))
 
     def _evidence(self, trials: list[float], hits: list[float]) -> tuple[float, float]:
         """Log-likelihood ratios of a step's trials for a drop (each depth's rate r -> r * f) and for a rise
