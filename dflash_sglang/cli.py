@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--block-size", type=int,
                    help="a fixed chain of B verify rows every step (no goodput controller); default: the checkpoint's "
-                        "block size, each step's chain length from the goodput controller (as the server's default)")
+                        "block size, each step's chain or tree from the goodput controller (as the server's default)")
     p.add_argument("--fixed", action="store_true",
                    help="a fixed chain of the block size every step instead of the goodput controller")
     p.add_argument("--tree-nodes", type=int, help="verify a draft tree of N nodes (root included) per step")
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per prompt (with the goodput controller: 'shapes', its batch's decode steps "
-                        "per chain length)")
+                        "per shape: '4' a chain of 4 rows, '8x4' a tree of 8 nodes over top-4)")
     p.set_defaults(run=run_generate)
 
     for name, (module, help_text) in EXTERNAL.items():
@@ -214,7 +214,7 @@ def run_generate(args: argparse.Namespace) -> int:
     import torch
 
     from dflash_sglang.core.adaptive import SpecShape
-    from dflash_sglang.core.goodput import GoodputConfig, GoodputController, describe
+    from dflash_sglang.core.goodput import DEFAULT_TREE_TOPK, GoodputConfig, GoodputController, describe
     from dflash_sglang.core.reference import ReferenceDecoder
 
     if args.max_new_tokens < 1:
@@ -240,7 +240,8 @@ def run_generate(args: argparse.Namespace) -> int:
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                     eos_token_id=tokenizer.eos_token_id)
     # one controller for the whole run, as in a server: it keeps learning over the batches
-    controller = (GoodputController(GoodputConfig(max_nodes=args.block_size or drafter.cfg.block_size))
+    block = args.block_size or drafter.cfg.block_size
+    controller = (GoodputController(GoodputConfig(max_nodes=block, max_depth=block - 1, max_topk=DEFAULT_TREE_TOPK))
                   if mode == "goodput" else None)
     shape = dict(
         tree=SpecShape(args.tree_nodes, args.tree_topk if args.tree_nodes >= 3 else 1) if mode == "tree" else None,
@@ -253,8 +254,7 @@ def run_generate(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         outs = dec.generate(chunk, args.max_new_tokens, block_size=args.block_size, **sampling, **shape)
         elapsed = time.perf_counter() - t0
-        shapes = (None if controller is None else
-                  {n: c - before.get(n, 0) for n, c in sorted(controller.counts.items()) if c > before.get(n, 0)})
+        shapes = None if controller is None else controller.steps_since(before)
         plain = dec.plain_generate(chunk, args.max_new_tokens, **sampling) if args.check_lossless else None
         for i, out in enumerate(outs):
             record = {
@@ -265,7 +265,8 @@ def run_generate(args: argparse.Namespace) -> int:
                 "mean_accept_length": round(out.mean_accept_length, 4),
                 "batch_seconds": round(elapsed, 3),
             }
-            if shapes is not None:  # this batch's decode steps per chain length (1: a plain step)
+            if shapes is not None:  # this batch's decode steps per shape ('4': a chain of 4 rows, 1 a plain step;
+                # '8x4': a tree of 8 nodes over top-4)
                 record["shapes"] = shapes
             if plain is not None:
                 mismatch = next((j for j, (a, b) in enumerate(zip(out.tokens, plain[i])) if a != b), None)

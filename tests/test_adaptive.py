@@ -166,3 +166,42 @@ def test_chain_verify_rows_are_a_depth_i_tree():
 def test_shape_at_most(shape, cap, want):
     """The worker's cut near the context limit: at most `cap` verify tokens; a tree cut below 3 nodes is a chain."""
     assert shape.at_most(cap) == want
+
+
+@requires_sglang
+def test_goodput_schedule_publishes_the_controllers_state_as_metrics():
+    """--enable-metrics: every decode step is counted under its shape's label, and the controller's choice,
+    predicted / measured tokens/s, acceptance by depth and cost terms are published beside SGLang's spec metrics."""
+    from prometheus_client import CollectorRegistry
+
+    from dflash_sglang.adapter.adaptive import ShapeSchedule
+    from dflash_sglang.adapter.metrics import GoodputMetrics
+    from dflash_sglang.core.goodput import GoodputConfig, GoodputController
+
+    registry = CollectorRegistry()
+    labels = {"model_name": "m"}
+    schedule = ShapeSchedule(8, controller=GoodputController(GoodputConfig(max_nodes=8, max_topk=4)),
+                             metrics=GoodputMetrics(labels, registry=registry, every_s=0.0))
+    shapes = []
+    for _ in range(40):
+        shape = schedule.choose(2)
+        shapes.append(shape)
+        drafts = min(shape.nodes - 1, 2)
+        schedule.observe(shape, [drafts, 0], 0.01 * (1 + shape.nodes / 8),
+                         [[1] * drafts + [2], [3]] if shape.nodes > 1 else None)
+
+    def value(name, **extra):
+        return registry.get_sample_value(f"sglang:dflash_{name}", {**labels, **extra})
+
+    counted = {s: shapes.count(s) for s in set(shapes)}
+    for shape, n in counted.items():
+        name = str(shape.nodes) if shape.is_chain else f"{shape.nodes}x{shape.topk}"
+        assert value("decode_steps_total", shape=name) == n
+    assert (value("shape_nodes"), value("shape_topk")) == (shapes[-1].nodes, shapes[-1].topk)
+    summary = schedule.controller.summary(2)
+    assert value("goodput_predicted_tokens_per_second") == summary["predicted_tps"][summary["best"]] > 0
+    assert value("goodput_plain_tokens_per_second") == summary["predicted_tps"]["1"]
+    assert value("goodput_measured_tokens_per_second") == summary["measured_tps"] > 0
+    assert value("goodput_accept_rate", depth="1") == summary["accept_rate"][0]
+    assert value("goodput_step_cost_seconds", term="per_request") == pytest.approx(
+        summary["cost_ms"]["per_request"] / 1e3)

@@ -140,15 +140,15 @@ def test_shape_trace_assigns_steps_to_the_round_that_follows_them(tmp_path):
     from dflash_sglang.bench.shape_trace import TracedStep, parse_trace, plot_trace
 
     log = "\n".join([
-        "DFLASH goodput step: n=16 bs=1 accepted=3 seconds=0.2",  # the warm-up's: dropped
+        "DFLASH goodput step: shape=16 bs=1 accepted=3 seconds=0.2",  # the warm-up's: dropped
         "[default] warmup c=1 1.50s",
-        "x DFLASH goodput step: n=1 bs=2 accepted=0 seconds=None",
+        "x DFLASH goodput step: shape=1 bs=2 accepted=0 seconds=None",
         "[default] s0 c=1 7.93s",
-        "DFLASH goodput step: n=8 bs=2 accepted=9 seconds=0.15",
+        "DFLASH goodput step: shape=8x4 bs=2 accepted=9 seconds=0.15",
         "[default] s1 c=1 4.20s",
-        "DFLASH goodput step: n=1 bs=1 accepted=0 seconds=0.08",  # after the last round: dropped
+        "DFLASH goodput step: shape=1 bs=1 accepted=0 seconds=0.08",  # after the last round: dropped
     ])
     steps = parse_trace(log)
-    assert steps == [TracedStep(1, 1.0, 0), TracedStep(8, 5.5, 1)]
+    assert steps == [TracedStep(1, 1.0, 0), TracedStep(8, 5.5, 1, topk=4)]
     pytest.importorskip("matplotlib")
     assert plot_trace(steps, ["A", "B"], tmp_path / "t.png") == str(tmp_path / "t.png")

@@ -309,3 +309,11 @@ def test_drafter_accuracy_of_the_shipped_drafter(pair):
     acc = out["acc"]
     assert out["script"] == "drafter_accuracy" and out["prompts"] == 4 and len(acc) == 16 and acc[0] == 0.0
     assert out["labels"] > 4 * 15 and acc[1] > 0.25 and acc[1] > acc[8] and out["tau_est"] > 1.2
+
+
+def test_bench_draft_block(pair):
+    """The drafter pass by block length: one row per (batch size, block), layer and head times measured."""
+    lines, res = _run("bench_draft_block.py", ["--block-sizes", "2,4", "--batch-sizes", "1,2", "--context", "16",
+                                               "--repeats", "2", "--threads", "1"])
+    assert [(r["bs"], r["block"]) for r in res["rows"]] == [(1, 2), (1, 4), (2, 2), (2, 4)]
+    assert all(r["layers_ms"] > 0 and r["head_ms"] > 0 for r in res["rows"]) and len(lines) == 5

@@ -1,4 +1,5 @@
 import json
+import re
 import shutil
 
 import pytest
@@ -75,7 +76,7 @@ def test_inspect_target_mismatch(pair, tmp_path, capsys):
     (["--fixed"], 8, False),  # a fixed chain of the checkpoint's block
     (["--block-size", "4", "--tree-nodes", "12", "--tree-topk", "3"], 4, False),
     (["--block-size", "4", "--adaptive", "--adaptive-table", "2:8x2,inf:4x1"], 4, False),
-    ([], 8, True),  # the default: the goodput controller over chains of 1 .. the checkpoint's block, as the server
+    ([], 8, True),  # the default: the goodput controller (chains of 1 .. the checkpoint's block, trees), as the server
     (["--adaptive", "--block-size", "4"], 4, True),  # the controller with a longest chain of 4, as the server's flag
 ], ids=str)
 def test_generate_json_lossless(pair, tmp_path, capsys, shape, block, controlled):
@@ -94,14 +95,16 @@ def test_generate_json_lossless(pair, tmp_path, capsys, shape, block, controlled
         assert max(r["accept_lengths"]) <= block
         assert set(r) >= {"text", "tokens", "accept_lengths", "mean_accept_length", "lossless"}
         assert ("shapes" in r) == controlled
-    if controlled:  # each batch's decode steps per chain length (1: a plain step), none longer than the block
+    if controlled:  # each batch's decode steps per shape ('4': a chain, 1 a plain step; '8x4': a tree of 8 nodes over
+        # top-4): no chain longer than the block, no tree larger than it
         for batch in (records[:2], records[2:]):
-            shapes = {int(n): c for n, c in batch[0]["shapes"].items()}
-            assert all(r["shapes"] == batch[0]["shapes"] for r in batch)
+            shapes = batch[0]["shapes"]
+            assert all(r["shapes"] == shapes for r in batch)
             assert sum(shapes.values()) == max(len(r["accept_lengths"]) for r in batch)
-            assert max(shapes) <= block and min(shapes.values()) >= 1
-        first = {int(n) for n in records[0]["shapes"]}
-        assert {1, block} <= first, first  # its warm-up: the longest chain and plain steps
+            assert all(re.fullmatch(r"\d+(x[24])?", s) and int(s.split("x")[0]) <= block for s in shapes), shapes
+            assert min(shapes.values()) >= 1
+        first = set(records[0]["shapes"])
+        assert {"1", str(block)} <= first, first  # its warm-up: the longest chain and plain steps
 
 
 def test_generate_text_ends_with_the_controller_state(pair, capsys):
@@ -110,7 +113,7 @@ def test_generate_text_ends_with_the_controller_state(pair, capsys):
                  "--no-chat-template", "--check-lossless"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert "lossless=True" in out[0]
-    assert out[-1].startswith("goodput controller: steps per chain length {"), out[-1]
+    assert out[-1].startswith("goodput controller: steps per shape {"), out[-1]
 
 
 @pytest.mark.parametrize(

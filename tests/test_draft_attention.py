@@ -36,9 +36,10 @@ def test_layout_indices():
     assert layout.kv_indices.dtype == torch.int32
 
 
-def _paged_vs_core(cfg, backend: str = "torch"):
+def _paged_vs_core(cfg, backend: str = "torch", block: int = BLOCK):
     """Commit random context features into a PagedDrafter's pool, draft a mixed-length batch through the paged
-    path, and draft the same batch with the core drafter on in-memory context. Returns both [bs, B, H]."""
+    path (a pass of `block` <= B rows), and draft the same batch with the core drafter on in-memory context. Returns
+    both [bs, block, H]."""
     from dflash_sglang.adapter.model import DraftKVPool, PagedDrafter
 
     torch.manual_seed(0)
@@ -51,8 +52,8 @@ def _paged_vs_core(cfg, backend: str = "torch"):
     feats = [torch.randn(n, cfg.n_features * hidden) for n in SEQ_LENS]
     for f, n, r in zip(feats, SEQ_LENS, POOL_IDX):
         paged.commit(f, torch.arange(n), r2t[r, :n].to(torch.int64))
-    embeds = torch.randn(len(SEQ_LENS), BLOCK, hidden)
-    positions = torch.tensor(SEQ_LENS)[:, None] + torch.arange(BLOCK)
+    embeds = torch.randn(len(SEQ_LENS), block, hidden)
+    positions = torch.tensor(SEQ_LENS)[:, None] + torch.arange(block)
     got = paged.draft(embeds, positions, r2t, torch.tensor(POOL_IDX), torch.tensor(SEQ_LENS))
     want = []
     with torch.no_grad():
@@ -70,6 +71,18 @@ def test_paged_pass_equals_core_drafter():
     # each request's block K/V go to its request-pool slot's scratch rows, the rows its layout segment ends with
     rows = paged.scratch_rows(torch.tensor(POOL_IDX))
     assert rows.tolist() == [200 + r * BLOCK + j for r in POOL_IDX for j in range(BLOCK)] and rows.dtype == torch.int64
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", [2, 3])
+def test_a_shorter_pass_equals_the_core_drafter_on_that_block(block):
+    """A short chain drafts [bonus, MASK x (b-1)] (core/speculate.py `draft_block`): the paged pass packs its b rows
+    per request in the scratch at stride b and matches the core drafter run on the same b-row block."""
+    cfg = draft_config_for(tiny_target("qwen3"), block_size=BLOCK)
+    paged, got, want = _paged_vs_core(cfg, block=block)
+    assert got.shape[1] == block
+    rows = paged.scratch_rows(torch.tensor(POOL_IDX), block)
+    assert rows.tolist() == [200 + r * block + j for r in POOL_IDX for j in range(block)]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

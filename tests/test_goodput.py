@@ -10,14 +10,16 @@ import random
 
 import pytest
 
-from dflash_sglang.core.goodput import (AcceptanceModel, CostModel, GoodputConfig, GoodputController,
-                                        expected_tokens, features)
+from dflash_sglang.core.acceptance import AcceptanceModel, expected_tokens
+from dflash_sglang.core.adaptive import SpecShape
+from dflash_sglang.core.goodput import CostModel, GoodputConfig, GoodputController, features
 
-# A CPU-like cost (seconds): verify rows cost in full (compute-bound), a drafter pass ~ 0.7 plain steps at bs 1.
-CPU_THETA = (0.002, 0.032, 0.004, 0.020, 0.004)
+# A CPU-like cost (seconds): verify rows cost in full (compute-bound), a drafter pass ~ 0.7 plain steps at bs 1, a
+# tree's own work (top-k, build, mask) a row and a half per request.
+CPU_THETA = (0.002, 0.032, 0.004, 0.020, 0.004, 0.006)
 
 
-def step_cost(theta, nodes: int, bs: int) -> float:
+def step_cost(theta, nodes, bs: int) -> float:
     return sum(t * f for t, f in zip(theta, features(nodes, bs)))
 
 
@@ -81,15 +83,15 @@ def test_acceptance_forgets_with_its_halflife():
 def test_cost_model_recovers_a_linear_cost():
     model = CostModel(halflife=1e9, prior_weight=1e-6)
     for bs in (1, 3, 8, 16):
-        for n in (1, 2, 4, 8, 16):
-            model.observe(n, bs, step_cost(CPU_THETA, n, bs))
+        for shape in (1, 2, 4, 8, 16, SpecShape(8, 4), SpecShape(16, 2)):
+            model.observe(shape, bs, step_cost(CPU_THETA, shape, bs))
     assert model.theta() == pytest.approx(CPU_THETA, rel=1e-3, abs=1e-5)
 
 
 def test_noisy_cost_fit_keeps_every_coefficient_but_the_fixed_one_nonnegative():
     rng = random.Random(3)
     model = CostModel(halflife=50, prior_weight=0.1)
-    theta = (0.010, 0.030, 0.0, 0.0, 0.0)  # extra rows and drafting free: noise pulls their fit both ways
+    theta = (0.010, 0.030, 0.0, 0.0, 0.0, 0.0)  # extra rows and drafting free: noise pulls their fit both ways
     for i in range(400):
         n, bs = rng.choice((1, 2, 16)), rng.choice((1, 2))
         model.observe(n, bs, step_cost(theta, n, bs) * (1 + 0.3 * (rng.random() - 0.5)))

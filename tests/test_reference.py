@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dflash_sglang.core.adaptive import AdaptivePolicy, SpecShape
-from dflash_sglang.core.goodput import GoodputConfig, GoodputController
+from dflash_sglang.core.goodput import Decision, GoodputConfig, GoodputController
 from dflash_sglang.core.reference import ReferenceDecoder, StepTimes
 from factories import draft_config_for, mixed_prompts, sampled_fit_pvalue, tiny_drafter, tiny_target
 
@@ -46,7 +46,8 @@ def test_greedy_is_token_identical(pair, spec):
     dec = ReferenceDecoder(target, drafter)
     block = spec["block"]
     times = StepTimes()
-    ctrl = GoodputController(GoodputConfig(max_nodes=spec["goodput"])) if "goodput" in spec else None
+    ctrl = (GoodputController(GoodputConfig(max_nodes=spec["goodput"], max_depth=block - 1, max_topk=4))
+            if "goodput" in spec else None)
     outs = dec.generate(prompts, max_new_tokens=24, block_size=block, tree=spec.get("tree"), policy=spec.get("policy"),
                         times=times, controller=ctrl)
     # one timed step per batched decode step (the longest-running request took part in each)
@@ -59,8 +60,8 @@ def test_greedy_is_token_identical(pair, spec):
     # the test only means something if both rejections and multi-token acceptances happened
     assert min(steps) == 1 and max(steps) >= min(3, block), steps
     assert dec.plain_generate(prompts, 24) == [o.tokens for o in outs]
-    if ctrl is not None:  # the controller chose the steps: several chain lengths, none past the block, all observed
-        assert len(ctrl.counts) >= 2 and max(ctrl.counts) <= block, ctrl.counts
+    if ctrl is not None:  # the controller chose the steps: several shapes, no chain past the block, all observed
+        assert len(ctrl.counts) >= 2 and max(s.nodes for s in ctrl.counts if s.is_chain) <= block, ctrl.counts
         assert ctrl.steps == sum(ctrl.counts.values()) == times.steps and ctrl.cost.ready
 
 
@@ -88,17 +89,25 @@ def test_controller_observes_each_step_with_its_wall_seconds(pair, monkeypatch):
     ctrl = GoodputController(GoodputConfig(max_nodes=16))
     seen = []
     observe = ctrl.observe
-    monkeypatch.setattr(ctrl, "observe", lambda n, acc, sec: (seen.append((n, list(acc), sec)), observe(n, acc, sec)))
+    monkeypatch.setattr(ctrl, "observe", lambda shape, acc, sec, ranks: (
+        seen.append((shape.nodes, list(acc), sec, ranks)), observe(shape, acc, sec, ranks)))
     outs = dec.generate(mixed_prompts(8, lengths=(3, 9, 5)), 16, block_size=16, tree=SpecShape(8, 2),
                         policy=AdaptivePolicy.parse("inf:24x3"), controller=ctrl)
     steps = max(len(o.accept_lengths) for o in outs)
     per = GoodputConfig(max_nodes=16).warmup_per_shape
     warmup = [16] * per + [1] * per + [6] * per
-    assert len(seen) == steps >= 4 and [n for n, _, _ in seen][:len(warmup)] == warmup[:steps]
-    assert all(sec == 1.25 for _, _, sec in seen)
-    assert all(0 <= a <= n - 1 for n, acc, _ in seen for a in acc)
-    assert [len(acc) for _, acc, _ in seen] == [sum(len(o.accept_lengths) > k for o in outs) for k in range(steps)]
-    assert sum(len(acc) + sum(acc) for _, acc, _ in seen) == sum(sum(o.accept_lengths) for o in outs)
+    assert len(seen) == steps >= 4 and [n for n, _, _, _ in seen][:len(warmup)] == warmup[:steps]
+    assert all(sec == 1.25 for _, _, sec, _ in seen)
+    assert all(0 <= a <= n - 1 for n, acc, _, _ in seen for a in acc)
+    assert [len(acc) for _, acc, _, _ in seen] == [sum(len(o.accept_lengths) > k for o in outs) for k in range(steps)]
+    assert sum(len(acc) + sum(acc) for _, acc, _, _ in seen) == sum(sum(o.accept_lengths) for o in outs)
+    # the drafter's ranks of the committed tokens: none for a plain step; for a chain (greedy) the accepted drafts
+    # were its best tokens, and the token the target put where a draft was rejected was not
+    for n, acc, _, ranks in seen:
+        assert (ranks is None) == (n == 1)
+        for a, path in zip(acc, ranks or []):
+            assert path[:a] == [1] * a and len(path) <= min(a + 1, n)
+            assert len(path) == a or path[a] > 1
 
 
 def test_eos_and_max_tokens_inside_a_block(pair):
@@ -128,14 +137,30 @@ def _exact_joint(target, prompt, n, vocab, min_p=0.0):
     return probs
 
 
+class ScriptedController:
+    """The controller interface `generate` drives (choose / observe), choosing a fixed cycle of shapes."""
+
+    def __init__(self, shapes: list[SpecShape]) -> None:
+        self.shapes, self.counts, self.cfg = shapes, {}, GoodputConfig(max_nodes=max(s.nodes for s in shapes))
+
+    def choose(self, bs: int) -> Decision:
+        shape = self.shapes[sum(self.counts.values()) % len(self.shapes)]
+        return Decision(shape, "best")
+
+    def observe(self, shape, accepted, seconds, ranks=None) -> None:
+        assert ranks is None or len(ranks) == len(accepted)
+        self.counts[shape] = self.counts.get(shape, 0) + 1
+
+
 # goodput: None, or how many of a goodput controller's warm-up decisions (chains of 4, 1, 3 rows, one step each)
-# are spent before the run: 0 -> a drafted step then a plain step; 1 -> a plain step then a chain of 3
+# are spent before the run: 0 -> a drafted step then a plain step; 1 -> a plain step then a chain of 3;
+# "scripted": a tree, a plain step and a chain in turn
 @pytest.mark.parametrize("arch,block,tree,token_map,min_p,goodput", [
     ("llama", 4, None, None, 0.0, None), ("qwen3", 3, None, None, 0.0, None),
     ("llama", 4, SpecShape(7, 3), None, 0.0, None),
     ("llama", 4, None, (0, 2, 3), 0.0, None), ("llama", 4, SpecShape(7, 3), (1, 2, 4), 0.0, None),
     ("llama", 4, None, None, 0.3, None), ("llama", 4, SpecShape(7, 3), None, 0.3, None),
-    ("llama", 4, None, None, 0.0, 0), ("llama", 4, None, None, 0.0, 1),
+    ("llama", 4, None, None, 0.0, 0), ("llama", 4, None, None, 0.0, 1), ("llama", 4, None, None, 0.0, "scripted"),
 ])
 def test_sampling_matches_target_distribution(arch, block, tree, token_map, min_p, goodput):
     """Sampled continuations follow the target's exact distribution, whatever the verify shape: chains, trees, a
@@ -154,14 +179,16 @@ def test_sampling_matches_target_distribution(arch, block, tree, token_map, min_
     # mixed lengths: padded companions in the same batch must not disturb the sampled rows
     prompts = [prompt] * n_samples + [[2] * 7, [4]]
     ctrl = None
-    if goodput is not None:
+    if goodput == "scripted":  # a tree, a plain step and a chain in turn, as the controller may mix them
+        ctrl = ScriptedController([SpecShape(7, 3), SpecShape(1, 1), SpecShape(3, 1)])
+    elif goodput is not None:
         ctrl = GoodputController(GoodputConfig(max_nodes=block, warmup_per_shape=1))
         for _ in range(goodput):
             ctrl.choose(1)
     outs = dec.generate(prompts, max_new_tokens=n_new, block_size=block, temperature=1.0, seed=11, tree=tree,
                         min_p=min_p, controller=ctrl)
     if ctrl is not None:  # a plain step and a drafted one both ran (most requests need two steps for 3 tokens)
-        assert 1 in ctrl.counts and len(ctrl.counts) == 2, ctrl.counts
+        assert SpecShape(1, 1) in ctrl.counts and len(ctrl.counts) >= 2, ctrl.counts
     outs = outs[:n_samples]
     steps = [a for o in outs for a in o.accept_lengths]
     assert max(steps) >= 2  # some drafts accepted, so acceptance is actually under test

@@ -886,17 +886,22 @@ def test_adaptive_shapes_cross_table_rows(runs, pair_dir):  # runs: the Engines 
     assert f"adaptive shapes {ADAPTIVE_TABLE}, token budget {ADAPTIVE_BUDGET}, at most {TREE_NODES} nodes" in log
 
 
-def test_goodput_controller_varies_the_chain_length(runs, pair_dir):  # runs: the Engines have run
-    """With no shape flag the controller picked each step's chain: its warm-up and later choices span plain steps and
-    drafted chains of several lengths (every output above is identical to plain), never more than the block."""
+def test_goodput_controller_varies_the_shape(runs, pair_dir):  # runs: the Engines have run
+    """With no shape flag the controller picked each step's shape: its warm-up and later choices span plain steps and
+    drafted chains of several lengths (every output above is identical to plain), never more than the block; trees
+    (torch_native, page size 1: servable here) are candidates, at most N nodes over top-2 or top-4."""
     import re
 
     log = (pair_dir / "goodput.log").read_text()
-    changes = re.findall(r"DFLASH goodput: batch size (\d+) -> chain (\d+) \((warmup|best|probe)\)", log)
-    lengths = {int(n) for _, n, _ in changes}
+    changes = re.findall(r"DFLASH goodput: batch size (\d+) -> (chain|tree) (\d+)(?:x(\d+))? "
+                         r"\((warmup|best|probe)\)", log)
+    lengths = {int(n) for _, kind, n, _, _ in changes if kind == "chain"}
     assert 1 in lengths and len(lengths - {1}) >= 2, changes[:20]
     assert max(lengths) <= BLOCK
-    assert "goodput controller over chains of 1/2/3/4/6/8 rows" in log
+    trees = {(int(n), int(k)) for _, kind, n, k, reason in changes if kind == "tree"}
+    assert all(3 <= n <= BLOCK and k in (2, 4) for n, k in trees), trees
+    assert "goodput controller over chains of 1/2/3/4/6/8 rows (1: a plain step) and trees of 4/6/8 nodes over " \
+           "top-2/4" in log
 
 
 @pytest.mark.parametrize("mode", STATIC_GRAPH_MODES)

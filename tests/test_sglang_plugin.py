@@ -166,7 +166,11 @@ def test_server_args_resolution(plugin, pair, monkeypatch):
 
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
     args = _server_args(pair)
-    assert _shape(args) == ("goodput", 6, 6, 1)  # no shape flag: the controller, up to the checkpoint's block
+    # no shape flag: the controller over chains up to the checkpoint's block and trees over top-2 / top-4
+    assert _shape(args) == ("goodput", 6, 6, 4)
+    with monkeypatch.context() as env:  # simulated acceptance forces chain outcomes: chains only
+        env.setenv("DFLASH_SIMULATE_ACC_RATE", "0.8")
+        assert _shape(_server_args(pair)) == ("goodput", 6, 6, 1)
     assert resolved_value(args, "disable_overlap_schedule")  # synchronous spec worker on CPU
     assert resolved_value(args, "max_running_requests") == 48 == settings_of(args).max_running_requests
     s = settings_of(args)
@@ -273,9 +277,12 @@ def test_adaptive_flags_resolution(plugin, pair, monkeypatch):
     assert _shape(adaptive(DEFAULT_TABLE)) == ("adaptive", 64, 6, 4)  # the static table's 1:64x4 row
     budget = settings_of(adaptive(DEFAULT_TABLE, speculative_dflash_adaptive_token_budget=100))
     assert budget.adaptive_token_budget == 100 and budget.policy().choose(48).nodes == 2
-    # no table: the goodput controller over chains up to the block (or the explicit flag)
-    assert _shape(adaptive()) == ("goodput", 6, 6, 1)
-    assert _shape(adaptive(speculative_num_draft_tokens=4)) == ("goodput", 4, 6, 1)
+    # no table: the goodput controller over chains up to the block (or the explicit flag) and trees of as many nodes
+    assert _shape(adaptive()) == ("goodput", 6, 6, 4)
+    assert _shape(adaptive(speculative_num_draft_tokens=4)) == ("goodput", 4, 6, 4)
+    assert _shape(adaptive(speculative_eagle_topk=1)) == ("goodput", 6, 6, 1)  # chains only
+    assert _shape(adaptive(speculative_eagle_topk=2)) == ("goodput", 6, 6, 2)
+    assert _shape(adaptive(page_size=4)) == ("goodput", 6, 6, 1)  # no trees on this server: chains only
     assert settings_of(adaptive(speculative_dflash_adaptive_token_budget=100)).adaptive_token_budget == 100
 
 
@@ -293,11 +300,14 @@ BUDGET = "--speculative-dflash-adaptive-token-budget"
         (dict(speculative_dflash_adaptive_table="4:10x17,inf:4x1"), rf"^{TABLE} .* top-k 17 is larger than"),
         (dict(speculative_dflash_adaptive_token_budget=-3), rf"^{BUDGET} -3: expected a positive"),
         (dict(speculative_dflash_adaptive_token_budget=40), rf"^{BUDGET} 40 is below --max-running"),
-        (dict(speculative_eagle_topk=2), r"^--speculative-eagle-topk 2: with --speculative-adaptive the top-k"),
+        (dict(speculative_eagle_topk=0), r"^--speculative-eagle-topk 0: with --speculative-adaptive it is the "
+                                         r"controller's largest tree top-k"),
+        (dict(speculative_eagle_topk=2, page_size=4),
+         r"^--page-size 4: tree verification \(--speculative-eagle-topk with --speculative-adaptive\) needs page"),
         (dict(page_size=4, speculative_dflash_adaptive_table="4:10x3,inf:4x1"),
          rf"^--page-size 4: tree verification \(tree rows in {TABLE}\)"),
         (dict(speculative_num_draft_tokens=9), r"^--speculative-num-draft-tokens 9: with --speculative-adaptive it is "
-                                               r"the longest chain, 2 .. the drafter block \(6\)"),
+                                               r"the most verify rows per request, 2 .. the drafter block \(6\)"),
         (dict(speculative_dflash_adaptive_table="1:300x4,inf:4x1"),
          rf"^{TABLE} '1:300x4,inf:4x1' \(300 nodes\): the tree kernels verify at most 256 nodes"),
         (dict(speculative_adaptive_config="/tmp/knobs.json"), r"^--speculative-adaptive-config /tmp/knobs.json: EAGLE"),
@@ -710,7 +720,8 @@ def test_worker_answers_the_draft_runner_members_itself(plugin, pair, monkeypatc
     worker = DFlashWorker(server_args=args, gpu_id=0, nccl_port=0, target_worker=target)
     assert worker.primary_draft_kv_pool is None and worker.preloaded_weights_bytes == 0
     assert worker.stride == 6
-    assert worker.schedule.describe() == "goodput controller over chains of 1/2/3/4/6 rows (1: a plain step)"
+    assert worker.schedule.describe() == ("goodput controller over chains of 1/2/3/4/6 rows (1: a plain step) and "
+                                          "trees of 4/6 nodes over top-2/4")
     assert DFlashWorker(server_args=args, gpu_id=0, nccl_port=0, target_worker=target, ps=object()).stride == 6
 
 

@@ -108,25 +108,26 @@ def test_demo_prints_per_prompt_speed_and_step_breakdown():
     for stats in (fixed, ctrl):
         assert "identical to plain: True" in stats and " tok/s; " in stats
         assert re.search(split, stats), stats
-    assert re.search(r"chains \(rows: steps\) \{\d+: \d+(, \d+: \d+)*\}", ctrl), ctrl
+    assert re.search(r"steps per shape \{'\d+(x\d+)?': \d+(, '\d+(x\d+)?': \d+)*\}", ctrl), ctrl
     table = {name: next(line for line in lines if line.startswith(name + " ")) for name in
              ("plain", "fixed block 16 (no controller)", "goodput controller")}
     assert re.search(r" [\d.]+ +1\.00x +-$", table["plain"]), table
     for name in ("fixed block 16 (no controller)", "goodput controller"):
         assert re.search(r" [\d.]+ +[\d.]+x +[\d.]+$", table[name]), table
     verdict = next(line for line in lines if line.startswith("controller: "))
-    assert "steps per chain length {" in verdict and "best chain " in verdict, verdict
+    assert "steps per shape {" in verdict and "best shape " in verdict, verdict
     assert re.search(r"\d+ warm-up steps \(longest chain, plain, middle chain\), \d+ probes", verdict), verdict
     assert re.match(r"=== (block 16, temperature 0.0: mean tau [\d.]+; speedup [\d.]+x with the goodput controller"
                     r"|mean tau [\d.]+; machine busy)", lines[-1]), lines[-1]
 
 
 def test_controller_verdict_says_what_it_chose_and_why():
+    from dflash_sglang.core.adaptive import SpecShape
     from dflash_sglang.core.goodput import GoodputConfig, GoodputController
     from dflash_sglang.testbed.demo import CountingController, controller_verdict
 
     ctrl = CountingController(GoodputConfig(max_nodes=16))
-    assert controller_verdict(ctrl.summary(1)).startswith("controller: steps per chain length {}")
+    assert controller_verdict(ctrl.summary(1)).startswith("controller: steps per shape {}")
     # a CPU-like cost: every verify row costs a plain step's work, a drafter pass most of one; drafts rarely accepted
     for i in range(200):
         n = ctrl.choose(1).shape.nodes
@@ -134,12 +135,12 @@ def test_controller_verdict_says_what_it_chose_and_why():
     line = controller_verdict(ctrl.summary(1), ctrl.reasons)
     assert line.startswith("controller: drafting does not pay on this machine with this drafter: a plain step is "
                            "predicted "), line
-    assert "so it ran plain steps (" in line and "steps per chain length {1: " in line, line
+    assert "so it ran plain steps (" in line and "steps per shape {'1': " in line, line
     warmup = 3 * ctrl.cfg.warmup_per_shape  # the longest chain, a plain step and a middle chain
     assert ctrl.reasons["warmup"] == warmup and ctrl.reasons["probe"] >= 1 and sum(ctrl.reasons.values()) == 200
     probes = ctrl.reasons["probe"]
     assert f"; {warmup} warm-up steps (longest chain, plain, middle chain), {probes} probes of a " in line
-    assert ctrl.counts[1] > 150, ctrl.counts  # mostly plain steps
+    assert ctrl.counts[SpecShape(1, 1)] > 150, ctrl.counts  # mostly plain steps
     good = GoodputController(GoodputConfig(max_nodes=16))
     for _ in range(100):  # every draft accepted, drafting nearly free
         n = good.choose(1).shape.nodes

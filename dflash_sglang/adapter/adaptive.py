@@ -15,7 +15,7 @@ each step verifies only its own shape's nodes, and result rows stay N wide (-1 p
 table at start-up (adapter/args.py), one line naming the flag.
 
 `ShapeSchedule` is what the worker asks each step; in fixed mode it returns the one shape of the flags, in goodput
-mode (the default, core/goodput.py) the controller's chain, which then learns from each step's `observe`.
+mode (the default, core/goodput.py) the controller's chain or tree, which then learns from each step's `observe`.
 """
 from __future__ import annotations
 
@@ -23,11 +23,12 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dflash_sglang.core.adaptive import AdaptivePolicy, SpecShape
-from dflash_sglang.core.goodput import GoodputController, describe
+from dflash_sglang.core.goodput import GoodputController, describe, label
 
+from .metrics import GoodputMetrics
 from .settings import DFlashSettings
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class ShapeSchedule:
     steps: Counter = field(default_factory=Counter)  # adaptive: decode steps per SpecShape
     current: SpecShape | None = None
     log_every_s: float = 60.0
+    metrics: GoodputMetrics | None = None  # goodput mode with --enable-metrics (adapter/metrics.py)
     _last_log: float = field(default=0.0, repr=False)
 
     def __post_init__(self) -> None:
@@ -117,7 +119,7 @@ class ShapeSchedule:
         """Verify rows per request of the table's shapes (the fixed shape's alone): what commit graphs are captured
         for. A token budget can shrink a step below its row's count; such a step commits eagerly."""
         if self.controller is not None:
-            return self.controller.lengths
+            return tuple(sorted({s.nodes for s in self.controller.shapes}))
         if self.policy is None:
             return (self.fixed.nodes,)
         return tuple(sorted({s.nodes for s in self.policy.row_shapes()}))
@@ -130,8 +132,8 @@ class ShapeSchedule:
             if self.token_budget is not None:
                 shape = shape.at_most(max(1, self.token_budget // batch_size))
             if shape != self.current and logger.isEnabledFor(logging.DEBUG):
-                logger.debug("DFLASH goodput: batch size %d -> chain %d (%s)", batch_size, shape.nodes,
-                             decision.reason)
+                logger.debug("DFLASH goodput: batch size %d -> %s %s (%s)", batch_size,
+                             "chain" if shape.is_chain else "tree", label(shape), decision.reason)
             self.current = shape
             return shape
         if self.policy is None:
@@ -146,19 +148,31 @@ class ShapeSchedule:
                              batch_size, _name(shape), self.distribution())
         return shape
 
-    def observe(self, nodes: int, accepted: Sequence[int], seconds: float | None) -> None:
-        """A finished decode step (goodput mode): its chain length, accepted drafts per request and wall seconds
-        (None when the interval held other work, e.g. a prefill)."""
+    def observe(self, shape: SpecShape, accepted: Sequence[int], seconds: float | None,
+                ranks: Sequence[Sequence[int]] | None = None) -> None:
+        """A finished decode step (goodput mode): its shape, accepted drafts per request, wall seconds (None when
+        the interval held other work, e.g. a prefill) and the drafter's ranks of the committed tokens (None: not
+        measured)."""
         if self.controller is None:
             return
-        self.controller.observe(nodes, accepted, seconds)
+        self.controller.observe(shape, accepted, seconds, ranks)
+        if self.metrics is not None:
+            self.metrics.step(shape, self.controller, len(accepted))
         now = time.monotonic()
         if now - self._last_log >= self.log_every_s and logger.isEnabledFor(logging.INFO):
             self._last_log = now
             logger.info("DFLASH goodput: %s", describe(self.controller.summary(len(accepted))))
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("DFLASH goodput step: n=%d bs=%d accepted=%s seconds=%s", nodes, len(accepted),
+            logger.debug("DFLASH goodput step: shape=%s bs=%d accepted=%s seconds=%s", label(shape), len(accepted),
                          sum(accepted), seconds)
+
+    def chains_only(self, why: str) -> None:
+        """Goodput mode on a server that cannot verify trees (page size, attention backend: known only once the
+        worker runs): the controller chooses among chains alone."""
+        if self.controller is None or not self.controller.trees:
+            return
+        self.controller = GoodputController(replace(self.controller.cfg, max_topk=1))
+        logger.info("DFLASH goodput: trees are not candidates (%s); chains only", why)
 
     def distribution(self) -> str:
         """'10x3: 12, 4x1: 40' (decode steps per shape, most used first)."""
@@ -168,8 +182,11 @@ class ShapeSchedule:
         """One phrase for the startup log line."""
         if self.controller is not None:
             budget = "" if self.token_budget is None else f", token budget {self.token_budget}"
+            trees = self.controller.trees
+            tree_part = (f" and trees of {'/'.join(sorted({str(s.nodes) for s in trees}, key=int))} nodes over top-"
+                         f"{'/'.join(sorted({str(s.topk) for s in trees}, key=int))}" if trees else "")
             return (f"goodput controller over chains of {'/'.join(map(str, self.controller.lengths))} rows (1: a plain "
-                    f"step){budget}")
+                    f"step){tree_part}{budget}")
         if self.policy is None:
             shape = self.fixed
             return f"chain of {shape.nodes}" if shape.is_chain else f"tree of {shape.nodes} nodes (top-{shape.topk})"

@@ -18,8 +18,10 @@ Shape per mode (N verify rows per request and step, B the drafter block, k the t
   N = `--speculative-num-draft-tokens` (default B) nodes, root included, best-first over the top-k of each of the
   B-1 draft positions.
 - goodput (no shape flag at all, or `--speculative-adaptive` without a table): B as for a tree; each step's chain
-  length 1..N from the goodput controller (core/goodput.py: measured acceptance and step cost); N = the explicit
-  `--speculative-num-draft-tokens` (at most B) or B.
+  (1..N rows) or tree (up to N nodes over top-2 / top-k) from the goodput controller (core/goodput.py: measured
+  acceptance and step cost); N = the explicit `--speculative-num-draft-tokens` (at most B) or B; k =
+  `--speculative-eagle-topk` (with `--speculative-adaptive`; 1: chains only) or DEFAULT_TREE_TOPK where the server can
+  verify trees (page size 1, a tree-capable attention backend), else 1.
 - adaptive (`--speculative-adaptive` with `--speculative-dflash-adaptive-table`): B as for a tree; each step's shape
   from the table by batch size; N = the largest shape it can pick (or the explicit `--speculative-num-draft-tokens`,
   which every row must fit), k = its largest top-k.
@@ -38,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflash_sglang.core.checkpoint import check_fit, check_weight_headers
 from dflash_sglang.core.config import CheckpointError, DraftConfig, recurrent_layers
+from dflash_sglang.core.goodput import DEFAULT_TREE_TOPK
 from dflash_sglang.core.token_map import TOKEN_MAP_FILE, load_token_map, read_token_map
 from dflash_sglang.core.tree import max_tree_nodes
 from dflash_sglang.ops import MAX_NODES, find_nvcc
@@ -250,18 +253,18 @@ def resolve_shape(server_args: ServerArgs, cfg: DraftConfig, flags: dict, max_ru
                                                                                simulation.serves("goodput")):
         block = draft_block_size(v, cfg)
         check_token_budget(budget, max_running)
-        return "goodput", block, block, 1, None
+        # (simulated acceptance forces chain outcomes: the controller then runs chains only)
+        topk = goodput_topk(server_args, cfg, block, None) if simulation is None else 1
+        return "goodput", block, block, topk, None
     if flags["speculative_adaptive"] and table is None:
-        if topk_flag is not None:
-            _refuse("--speculative-eagle-topk", topk_flag, "with --speculative-adaptive the top-k comes from "
-                    "--speculative-dflash-adaptive-table (the goodput controller picks chain lengths); drop the flag")
         block = draft_block_size(v, cfg)
         nodes = int(explicit) if explicit is not None else block
         if not 2 <= nodes <= block:
-            _refuse("--speculative-num-draft-tokens", nodes, f"with --speculative-adaptive it is the longest chain, "
-                    f"2 .. the drafter block ({block})")
+            _refuse("--speculative-num-draft-tokens", nodes, f"with --speculative-adaptive it is the most verify "
+                    f"rows per request, 2 .. the drafter block ({block})")
         check_token_budget(budget, max_running)
-        return "goodput", block, nodes, 1, None
+        topk = goodput_topk(server_args, cfg, nodes, topk_flag) if simulation is None else 1
+        return "goodput", block, nodes, topk, None
     if flags["speculative_adaptive"]:
         if topk_flag is not None:
             _refuse("--speculative-eagle-topk", topk_flag, "with --speculative-adaptive the top-k of each batch size "
@@ -347,22 +350,50 @@ def chain_block_size(v, cfg: DraftConfig) -> int:
     return block
 
 
+def goodput_topk(server_args: ServerArgs, cfg: DraftConfig, nodes: int, topk_flag) -> int:
+    """The goodput controller's largest tree top-k: --speculative-eagle-topk when given with --speculative-adaptive
+    (1: chains only; a larger one must be servable), else DEFAULT_TREE_TOPK where this server can verify trees
+    (page size 1, a tree-capable attention backend, as far as ServerArgs has resolved them; the worker drops trees
+    if what it finds differs), else 1."""
+    if topk_flag is not None:
+        topk = int(topk_flag)
+        if not 1 <= topk <= cfg.vocab_size:
+            _refuse("--speculative-eagle-topk", topk, f"with --speculative-adaptive it is the controller's largest "
+                    f"tree top-k, 1 (chains only) .. the draft vocabulary ({cfg.vocab_size})")
+        if topk > 1:
+            check_tree_serving(server_args, nodes, "--speculative-num-draft-tokens",
+                               "--speculative-eagle-topk with --speculative-adaptive")
+        return topk
+    if nodes < 3 or nodes > MAX_NODES or tree_serving_problems(server_args, "goodput trees"):
+        return 1
+    return min(DEFAULT_TREE_TOPK, cfg.vocab_size)
+
+
 def check_tree_serving(server_args: ServerArgs, nodes: int, nodes_source: str, tree_source: str) -> None:
     """What tree verification needs of the server: N within the kernels' limit, page size 1, a target attention
     backend that takes the tree mask. nodes_source / tree_source name where N / the tree shapes come from."""
     if nodes > MAX_NODES:
         raise UnsupportedFlagError(f"{nodes_source}: the tree kernels verify at most {MAX_NODES} nodes")
+    problems = tree_serving_problems(server_args, tree_source)
+    if problems:
+        _refuse(*problems[0])
+
+
+def tree_serving_problems(server_args: ServerArgs, tree_source: str) -> list[tuple[str, object, str]]:
+    """(flag, value, why) for each server setting that rules tree verification out (empty: trees can be served)."""
     v = view(server_args)  # what SGLang picked by itself so far (backend and page size for this GPU/model)
+    problems = []
     page_size = int(v.page_size or 1)
     if page_size != 1:
         # The accepted path is committed by permuting req_to_token entries, which only a page size of 1 allows.
-        _refuse("--page-size", page_size, f"tree verification ({tree_source}) needs page size 1"
-                + _picked(server_args, v, "page_size"))
+        problems.append(("--page-size", page_size, f"tree verification ({tree_source}) needs page size 1"
+                         + _picked(server_args, v, "page_size")))
     for flag in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
         backend = getattr(v, flag, None)
         if backend is not None and backend not in TREE_ATTENTION_BACKENDS:
-            _refuse(f"--{flag.replace('_', '-')}", backend, f"tree verification supports "
-                    f"{', '.join(TREE_ATTENTION_BACKENDS)} target attention" + _picked(server_args, v, flag))
+            problems.append((f"--{flag.replace('_', '-')}", backend, f"tree verification supports "
+                             f"{', '.join(TREE_ATTENTION_BACKENDS)} target attention" + _picked(server_args, v, flag)))
+    return problems
 
 
 def _picked(server_args: ServerArgs, v, field: str) -> str:

@@ -144,13 +144,13 @@ class DraftGraphs:
     # ------------------------------------------------------------------ draft pass
     @torch.inference_mode()
     def __call__(self, bonus: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor | None,
-                 req_pool_indices: Tensor, positions: int | None = None) -> Tensor | None:
+                 req_pool_indices: Tensor, block: int | None = None) -> Tensor | None:
         """The step's draft pass by replay (model.py's DraftPass, as EagerDraftPass) -> draft logits [bs, B-1, V], a
         view of the graph's output that the next replay overwrites; None when no captured size fits (the caller runs
         the pass eagerly).
 
         bonus [bs] int64, seq_lens [bs] (device), seq_lens_cpu [bs] its host mirror (None: a host sync),
-        req_pool_indices [bs]; positions: ignored (the captured head covers every block position).
+        req_pool_indices [bs]; block: ignored (one captured shape per batch size: the whole block).
         """
         bs = bonus.numel()
         size = self._size_for(bs)

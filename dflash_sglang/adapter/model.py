@@ -145,10 +145,13 @@ class PagedDrafter:
         ctx = self.drafter.fuse(target_hidden.to(self.dtype))[None]
         self.pool.write(self.drafter.context_kv(ctx, positions.to(torch.int64)[None]), slots.to(torch.int64))
 
-    def scratch_rows(self, req_pool_indices: Tensor) -> Tensor:
-        """[bs] request-pool slots -> [bs*B] int64 pool rows of their block scratch (where each pass writes the
-        block's own K/V)."""
-        rows = self.scratch_base + req_pool_indices.to(torch.int64)[:, None] * self.block + self._offsets
+    def scratch_rows(self, req_pool_indices: Tensor, block: int | None = None) -> Tensor:
+        """[bs] request-pool slots -> [bs*b] int64 pool rows of their block scratch (where each pass writes the
+        block's own K/V), b = `block` <= B (default B). A shorter pass packs its rows at stride b: scratch rows live
+        for one pass only, so any disjoint packing will do."""
+        b = self.block if block is None else block
+        assert 1 <= b <= self.block, (b, self.block)
+        rows = self.scratch_base + req_pool_indices.to(torch.int64)[:, None] * b + self._offsets[:b]
         return rows.reshape(-1)
 
     @torch.inference_mode()
@@ -165,10 +168,11 @@ class PagedDrafter:
         hidden = self._run_block(embeds, positions, self.scratch_rows(req_pool_indices), attention)
         return self.head_logits(hidden, head.lm_head_weight, out=out)
 
-    def embed_block(self, head: TargetHead, bonus: Tensor, seq_lens: Tensor) -> tuple[Tensor, Tensor]:
-        """[bonus, MASK x (B-1)] at seq_len.. -> embeddings [bs, B, H] (times the embedding scale), positions
-        [bs, B] int64."""
-        block = build_block_inputs(bonus, seq_lens, self.block, head.mask_token_id)
+    def embed_block(self, head: TargetHead, bonus: Tensor, seq_lens: Tensor,
+                    block: int | None = None) -> tuple[Tensor, Tensor]:
+        """[bonus, MASK x (b-1)] at seq_len.. -> embeddings [bs, b, H] (times the embedding scale), positions
+        [bs, b] int64; b = `block` <= B (default B)."""
+        block = build_block_inputs(bonus, seq_lens, self.block if block is None else block, head.mask_token_id)
         embeds = head.embed(block.input_ids)
         if head.embed_scale != 1.0:
             embeds = embeds * head.embed_scale
@@ -179,21 +183,22 @@ class PagedDrafter:
               seq_lens: Tensor, seq_lens_cpu: Tensor | None = None) -> Tensor:
         """One drafter pass per request, from block embeddings.
 
-        block_embeds     [bs, B, H]  target embeddings of [bonus, MASK...] (times input_embedding_scale)
-        positions        [bs, B] int64  absolute positions of the block rows (seq_len + j)
+        block_embeds     [bs, b, H]  target embeddings of [bonus, MASK...] (times input_embedding_scale), b <= B
+        positions        [bs, b] int64  absolute positions of the block rows (seq_len + j)
         req_to_token     SGLang's [pool_reqs, max_ctx] slot table; req_pool_indices [bs]
         seq_lens         [bs] committed tokens per request (the context is slots 0..seq_len-1)
         seq_lens_cpu     [bs] the same on the host when the scheduler has it (SGLang's exact mirror), else None
-        returns          [bs, B, H] final-normed drafter states
+        returns          [bs, b, H] final-normed drafter states
         """
-        assert block_embeds.shape[1] == self.block, "the block size the scratch rows were sized for"
+        b = block_embeds.shape[1]
+        assert b <= self.block, "at most the block size the scratch rows were sized for"
         if seq_lens_cpu is None:
             seq_lens_cpu = seq_lens.to("cpu", torch.int64)  # a host sync: the ragged sizes plan the pass
         if self.attention is None:
             return self._draft_dense(block_embeds, positions, req_to_token, req_pool_indices, seq_lens_cpu)
         # eager: the layout's length (the sum of the context lengths) is data dependent
-        self.attention.plan(build_layout(req_to_token, req_pool_indices, seq_lens_cpu, self.block, self.scratch_base))
-        return self._run_block(block_embeds, positions, self.scratch_rows(req_pool_indices), self.attention)
+        self.attention.plan(build_layout(req_to_token, req_pool_indices, seq_lens_cpu, b, self.scratch_base))
+        return self._run_block(block_embeds, positions, self.scratch_rows(req_pool_indices, b), self.attention)
 
     def _run_block(self, block_embeds: Tensor, positions: Tensor, block_rows: Tensor, attention) -> Tensor:
         """The layer stack over the paged pool: block_embeds [bs, B, H], positions [bs, B] int64, block_rows [bs*B]
@@ -243,13 +248,13 @@ class DraftPass(Protocol):
     captured size fits) take the same arguments.
 
     bonus [bs] int64, seq_lens [bs] (device), seq_lens_cpu [bs] its host mirror (None: a host sync),
-    req_pool_indices [bs] -> draft logits [bs, D, V] for block positions 1..D (V: this rank's draft rows), D = B-1, or
-    at least `positions` of them when given (a short chain reads only its first drafts: the head over the others is
-    skipped where the pass is eager).
+    req_pool_indices [bs] -> draft logits [bs, D, V] for block positions 1..D (V: this rank's draft rows), D = B-1,
+    or, with `block` = b < B, the pass over [bonus, MASK x (b-1)] and D = b-1 where the pass is eager (a short chain
+    drafts with a block of its own length, core/speculate.py `draft_block`; a graph replay keeps the whole block).
     """
 
     def __call__(self, bonus: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor | None,
-                 req_pool_indices: Tensor, positions: int | None = None) -> Tensor | None: ...
+                 req_pool_indices: Tensor, block: int | None = None) -> Tensor | None: ...
 
 
 @dataclass(frozen=True)
@@ -262,9 +267,7 @@ class EagerDraftPass:
 
     @torch.inference_mode()
     def __call__(self, bonus: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor | None,
-                 req_pool_indices: Tensor, positions: int | None = None) -> Tensor:
-        embeds, block_pos = self.drafter.embed_block(self.head, bonus, seq_lens)
+                 req_pool_indices: Tensor, block: int | None = None) -> Tensor:
+        embeds, block_pos = self.drafter.embed_block(self.head, bonus, seq_lens, block)
         hidden = self.drafter.draft(embeds, block_pos, self.req_to_token, req_pool_indices, seq_lens, seq_lens_cpu)
-        if positions is not None:  # the block pass is whole (drafts depend on every block row); the head is not
-            hidden = hidden[:, : positions + 1]
         return self.drafter.head_logits(hidden, self.head.lm_head_weight)

@@ -55,9 +55,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("speculative_dflash_block_size", "--speculative-dflash-block-size", int, None,
             "the drafter block [bonus, MASK x (B-1)] (default: the checkpoint's block_size)"),
     Setting("speculative_eagle_topk", "--speculative-eagle-topk", int, 1,
-            "candidates per draft position: 1 = chain, k > 1 = tree verification (pins the shape)"),
+            "candidates per draft position: 1 = chain, k > 1 = tree verification (pins the shape; with "
+            "--speculative-adaptive: the goodput controller's largest tree top-k, 1 = chains only)"),
     Setting("speculative_adaptive", "--speculative-adaptive", bool, False,
-            "each decode step's chain length from measured acceptance and step cost (the goodput controller, also "
+            "each decode step's chain or tree from measured acceptance and step cost (the goodput controller, also "
             "the default without shape flags), or from the batch size with --speculative-dflash-adaptive-table"),
     Setting("speculative_dflash_adaptive_table", "--speculative-dflash-adaptive-table", str, None,
             "a static adaptive table instead of the goodput controller: comma-separated MAX_BS:NODESxTOPK rows "
@@ -101,7 +102,7 @@ class DFlashSettings:
     """What our worker serves with, resolved and checked once (adapter/args.py) in the process that builds
     ServerArgs. Modes: chain (N = B verify rows, k = 1), tree (N best-first nodes from the top-k of each draft
     position), adaptive (each step's shape from `policy()` by batch size; N and k its maxima), goodput (each step's
-    chain length, 1..N, from the goodput controller, core/goodput.py)."""
+    chain, 1..N rows, or tree, up to N nodes over top-k, from the goodput controller, core/goodput.py)."""
 
     draft_dir: str
     draft: DraftConfig  # the checkpoint's config, checked against the target
@@ -131,9 +132,10 @@ class DFlashSettings:
         return self.topk > 1
 
     def controller_config(self) -> GoodputConfig:
-        """Goodput mode's controller: chains of 1..N rows (1 = a plain step, no drafter pass)."""
+        """Goodput mode's controller: chains of 1..N rows (1 = a plain step, no drafter pass) and, with k > 1, trees
+        of up to N nodes over top-2..k."""
         assert self.mode == "goodput"
-        return GoodputConfig(max_nodes=self.nodes)
+        return GoodputConfig(max_nodes=self.nodes, max_depth=self.block_size - 1, max_topk=self.topk)
 
     def policy(self) -> AdaptivePolicy:
         """Adaptive mode's per-step shapes (the table capped to this drafter block)."""

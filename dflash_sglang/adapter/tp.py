@@ -20,7 +20,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from dflash_sglang.core.vocab_parallel import VocabShard, local_candidates, merge_candidates
+from dflash_sglang.core.vocab_parallel import VocabShard, local_candidates, local_ranks, merge_candidates
 
 
 class DraftVocab:
@@ -73,13 +73,13 @@ class DraftVocab:
         """[...] on each rank -> [R, ...] in rank order."""
         return self.group.all_gather(t.contiguous()[None], dim=0)
 
-    def same_int_on_every_rank(self, value: int, device) -> int:
-        """TP rank 0's value of a host integer (e.g. the goodput controller's chain length), on every rank."""
+    def same_ints_on_every_rank(self, values: tuple[int, ...], device) -> tuple[int, ...]:
+        """TP rank 0's values of host integers (e.g. the goodput controller's shape), on every rank."""
         if self.world_size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.int64, device=device)
+            return values
+        t = torch.tensor(values, dtype=torch.int64, device=device)
         self.group.broadcast(t, src=0)
-        return int(t.item())
+        return tuple(int(v) for v in t.tolist())
 
     def same_on_every_rank(self, result):
         """The accept result (a dataclass of tensors) as TP rank 0 decided it, on every rank."""
@@ -107,3 +107,10 @@ class RankScores:
 
     def topk(self, k: int) -> tuple[Tensor, Tensor]:
         return self.vocab.topk(self.logits, k)
+
+    def ranks(self, tokens: Tensor) -> Tensor | None:
+        # Under TP a rank would need every shard's count (two more collectives per step): not measured there, and the
+        # controller prices trees from its prior, calibrated by the tree steps it runs.
+        if self.vocab.world_size > 1:
+            return None
+        return local_ranks(self.logits[:, : tokens.shape[1]], self.vocab.shard, tokens)

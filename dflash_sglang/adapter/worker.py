@@ -48,7 +48,7 @@ from dflash_sglang import ops
 from dflash_sglang.core.accept import AcceptResult, cap_commits
 from dflash_sglang.core.adaptive import SpecShape
 from dflash_sglang.core.config import CheckpointError
-from dflash_sglang.core.speculate import accept, propose
+from dflash_sglang.core.speculate import accept, committed_ranks, draft_block, propose, rank_paths
 from dflash_sglang.core.token_map import read_token_map
 
 from .adaptive import ShapeSchedule
@@ -56,6 +56,7 @@ from .args import TREE_ATTENTION_BACKENDS, UnsupportedFlagError
 from .draft_graphs import DraftGraphs, default_sizes, graph_mode
 from .hidden import FinalHiddenStates, decode_rows, prefill_rows
 from .logprobs import attach_logprobs
+from .metrics import GoodputMetrics
 from .model import EagerDraftPass, PagedDrafter, TargetHead
 from .penalties import RequestPenalties
 from .settings import settings_of
@@ -118,6 +119,7 @@ class _Accepted:
     can_run_cuda_graph: bool
     tree_result: object = None  # TreeAcceptResult in tree mode: its commit/free slots reorder req_to_token
     final_hidden: Tensor | None = None  # [bs*n, H]: the target's final hidden states, when a request asks for them
+    ranks: Tensor | None = None  # [bs, m] int64: the drafter's ranks of the committed tokens (goodput mode)
 
 
 def _extend_positions(batch: ScheduleBatch, device) -> Tensor:
@@ -149,15 +151,19 @@ class DFlashWorker(BaseSpecWorker):
         self.graphs: DraftGraphs | None = None  # set by init_cuda_graphs (None: the draft work runs eagerly)
         self._check_captured_layers()
         self.schedule = ShapeSchedule.from_settings(self.settings)
+        if (self.schedule.controller is not None and getattr(server_args, "enable_metrics", False)
+                and getattr(target_worker, "tp_rank", 0) == 0):  # (rank 0 decides every rank's shape)
+            model = getattr(server_args, "served_model_name", None) or getattr(server_args, "model_path", "")
+            self.schedule.metrics = GoodputMetrics({"model_name": str(model)})
         self.simulation = self.settings.simulation  # SGLANG_SIMULATE_ACC_LEN: forced commit lengths (chain only)
         self.masked_graphs = masked_verify_graphs(self.settings)  # tree verifies replay masked verify graphs
         self.penalties = RequestPenalties()  # frequency / presence / repetition / min_new_tokens, per request
         self.final_hidden: FinalHiddenStates | None = None  # return_hidden_states (adapter/hidden.py), with the pool
-        # goodput mode: the last decode step (chain length, accepted drafts [bs] tensor, start time), observed at the
-        # next step's start (its accepted lengths are ready by then, no sync of their own; the time between the two
-        # starts is what the step cost the server); its time is not used after a prefill or idle step in between (the
-        # interval was not its own: _interval_clean)
-        self._last_step: tuple[int, Tensor, float] | None = None
+        # goodput mode: the last decode step (shape, accepted drafts [bs], the drafter's ranks of the committed tokens
+        # [bs, m] or None, start time), observed at the next step's start (its tensors are ready by then, no sync of
+        # their own; the time between the two starts is what the step cost the server); its time is not used after a
+        # prefill or idle step in between (the interval was not its own: _interval_clean)
+        self._last_step: tuple[SpecShape, Tensor, Tensor | None, float] | None = None
         self._interval_clean = False
         self._step_start = 0.0  # perf_counter at this decode step's shape choice
 
@@ -197,8 +203,10 @@ class DFlashWorker(BaseSpecWorker):
         if self.settings.has_tree_rows and int(target_pool.page_size) != 1:
             # ServerArgs may resolve the page size after our checks; the accepted path is committed by
             # permuting req_to_token entries, which only a page size of 1 allows.
-            raise UnsupportedFlagError(f"--page-size {target_pool.page_size}: tree verification "
-                                       f"(--speculative-eagle-topk > 1) needs page size 1")
+            if self.schedule.controller is None:
+                raise UnsupportedFlagError(f"--page-size {target_pool.page_size}: tree verification "
+                                           f"(--speculative-eagle-topk > 1) needs page size 1")
+            self.schedule.chains_only(f"page size {target_pool.page_size}")
         self.final_hidden = FinalHiddenStates(self.model_runner.model)  # (the target is loaded by now)
         kernels = ops.load_kernels(self.device)  # nvcc build (cached) now, not in the first decode step
         if kernels is not None:
@@ -226,11 +234,13 @@ class DFlashWorker(BaseSpecWorker):
         # The drafter's attention needs no SGLang backend state. The target's backend exists by now: a tree
         # needs one that takes its mask (ServerArgs may pick the backend after our flag checks).
         backend = type(self.model_runner.attn_backend).__name__
-        if self.settings.has_tree_rows and backend not in _TREE_BACKEND_CLASSES:
-            raise UnsupportedFlagError(
-                f"--attention-backend: tree verification supports {', '.join(TREE_ATTENTION_BACKENDS)} target "
-                f"attention, the target runs {backend}"
-            )
+        if not self.settings.has_tree_rows or backend in _TREE_BACKEND_CLASSES:
+            return
+        if self.schedule.controller is not None:  # goodput mode: trees are only candidates
+            self.schedule.chains_only(f"the target attention backend {backend} takes no tree mask")
+            return
+        raise UnsupportedFlagError(f"--attention-backend: tree verification supports "
+                                   f"{', '.join(TREE_ATTENTION_BACKENDS)} target attention, the target runs {backend}")
 
     def init_cuda_graphs(self) -> None:
         # Called after the target captured its graphs: ours take the target's batch sizes (adapter/draft_graphs.py).
@@ -315,7 +325,7 @@ class DFlashWorker(BaseSpecWorker):
         shape = shape.at_most(self.context_len - longest)
         step = self._step(batch, state.bonus_tokens, shape, grammar_barrier)
         if self.schedule.controller is not None:  # the drafts' real acceptance, before any max_new_tokens cut
-            self._last_step = (shape.nodes, step.accept_len, self._step_start)
+            self._last_step = (shape, step.accept_len, step.ranks, self._step_start)
             self._interval_clean = True
         step = self._within_max_new_tokens(batch, step, shape.nodes)
 
@@ -369,13 +379,14 @@ class DFlashWorker(BaseSpecWorker):
         TP rank 0's choice is every rank's (each rank times its own steps)."""
         self._step_start = time.perf_counter()
         if self.schedule.controller is not None and self._last_step is not None:
-            nodes, accepted, start = self._last_step
+            shape, accepted, ranks, start = self._last_step
             seconds = self._step_start - start if self._interval_clean else None
-            self.schedule.observe(nodes, accepted.tolist(), seconds)
+            self.schedule.observe(shape, accepted.tolist(), seconds,
+                                  None if ranks is None else rank_paths(ranks.tolist()))
             self._last_step = None
         shape = self.schedule.choose(bs)
         if self.schedule.controller is not None and self.vocab.world_size > 1:
-            shape = SpecShape(self.vocab.same_int_on_every_rank(shape.nodes, self.device), 1)
+            shape = SpecShape(*self.vocab.same_ints_on_every_rank((shape.nodes, shape.topk), self.device))
         return shape
 
     def _step(self, batch: ScheduleBatch, bonus: Tensor, shape: SpecShape, grammar_barrier) -> _Accepted:
@@ -383,8 +394,8 @@ class DFlashWorker(BaseSpecWorker):
         (a chain: [bonus, n-1 greedy drafts]; n = 1: a plain decoding step, no drafter pass; a tree: the best-first
         tree of n nodes), verify them in one TARGET_VERIFY forward (a tree with its ancestor mask), accept."""
         seq_lens, bs, n = batch.seq_lens, batch.seq_lens.numel(), shape.nodes
-        positions = n - 1 if shape.is_chain else None  # a chain reads its first n-1 drafts only
-        scores = self.vocab.scores(self._draft_pass(batch, bonus, positions)) if n > 1 else None
+        scores = (self.vocab.scores(self._draft_pass(batch, bonus, draft_block(shape, self.block_size)))
+                  if n > 1 else None)
         proposal = propose(bonus, scores, shape, ops.TREE_KERNELS)
         tree = proposal.tree
         inputs = ops.build_tree_inputs(proposal.ids, proposal.depth, seq_lens, self.req_to_token_pool.req_to_token,
@@ -410,11 +421,14 @@ class DFlashWorker(BaseSpecWorker):
             result = AcceptResult(*self.simulation.force(proposal.ids[:, 1:], logits.argmax(-1),
                                                          self.simulation.sample_commit_len(n)))
         result = self.vocab.same_on_every_rank(result)
+        ranks = None  # the goodput controller prices trees from them (not for forced outcomes)
+        if self.schedule.controller is not None and scores is not None and self.simulation is None:
+            ranks = committed_ranks(scores, result, n, scores.logits.shape[1])
         if penalized is not None:
             self.penalties.commit(penalized, result.out_tokens, result.accept_len + 1)
         return _Accepted(fit_rows(result.out_tokens, self.stride), result.accept_len, result.bonus, inputs.positions,
                          inputs.out_cache_loc, logits_output, graph, tree_result=result if tree is not None else None,
-                         final_hidden=self.final_hidden.take() if hidden else None)
+                         final_hidden=self.final_hidden.take() if hidden else None, ranks=ranks)
 
     @staticmethod
     def _bias_and_grammar(logits: Tensor, batch: ScheduleBatch, grammar, grammar_barrier) -> None:
@@ -434,11 +448,11 @@ class DFlashWorker(BaseSpecWorker):
             if mask is not None:
                 mask.apply(flat)
 
-    def _draft_pass(self, batch: ScheduleBatch, bonus: Tensor, positions: int | None = None) -> Tensor:
-        """One drafter pass over the block [bonus, MASK x (B-1)] at seq_len.. -> draft logits [bs, D, V] for
-        block positions 1..D (D = B-1, or >= `positions`). The pass writes no target KV (only the draft pool's
-        per-request scratch rows), so the block needs no KV slots (B may exceed N)."""
+    def _draft_pass(self, batch: ScheduleBatch, bonus: Tensor, block: int) -> Tensor:
+        """One drafter pass over the block [bonus, MASK x (b-1)] at seq_len.. (b = `block` <= B) -> draft logits
+        [bs, D, V] for block positions 1..D (D = b-1; B-1 where a graph replays the whole block). The pass writes no
+        target KV (only the draft pool's per-request scratch rows), so the block needs no KV slots (B may exceed N)."""
         # batch.seq_lens_cpu: the scheduler's host mirror (it resolves it on its own stream), so no sync here
-        args = (bonus, batch.seq_lens, batch.seq_lens_cpu, batch.req_pool_indices, positions)
+        args = (bonus, batch.seq_lens, batch.seq_lens_cpu, batch.req_pool_indices, block)
         logits = self.graphs(*args) if self.graphs is not None else None
         return logits if logits is not None else self.eager_pass(*args)

@@ -40,6 +40,7 @@ ARMS: dict[str, dict[str, Any] | None] = {  # None: no speculation; a dict: DFLA
     "static": {"speculative_adaptive": True, "speculative_dflash_adaptive_table": STATIC_TABLE},
     "floor": {"speculative_adaptive": True, "speculative_dflash_adaptive_table": "inf:1x1"},
     "adaptive": {"speculative_adaptive": True},
+    "chains": {"speculative_adaptive": True, "speculative_eagle_topk": 1},  # the controller without trees
 }
 PREDICTABLE = (
     "Count from 1 to 300, separated by commas.", "Repeat the word 'apple' 200 times.",

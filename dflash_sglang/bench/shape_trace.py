@@ -1,11 +1,11 @@
 """The goodput controller's choices over time, from a benchmark Engine's log: what `bench_engine --trace` plots.
 
-With `--trace` a DFLASH arm's child logs the controller's per-step debug line (`adapter/adaptive.py`: "DFLASH
-goodput step: n=<chain length> bs=<batch> accepted=<drafts, summed over the batch> seconds=<wall>") to the same log
-as the child's round lines ("[arm] s<k> c=<c> <wall>s", printed after each round), so each step belongs to the round
-whose line follows it. The plot: the chain length chosen at every decode step (1 = a plain step), with the tokens it
-committed, the rounds shaded by phase. Debug logging costs the traced arm a little, so traces come from their own run,
-not a timed one.
+With `--trace` a DFLASH arm's child logs the controller's per-step debug line (`adapter/adaptive.py`: "DFLASH goodput
+step: shape=<rows, or NODESxTOPK for a tree> bs=<batch> accepted=<drafts, summed over the batch> seconds=<wall>") to the
+same log as the child's round lines ("[arm] s<k> c=<c> <wall>s", printed after each round), so each step belongs to the
+round whose line follows it. The plot: the verify rows chosen at every decode step (1 = a plain step; trees marked),
+with the tokens it committed, the rounds shaded by phase. Debug logging costs the traced arm a little, so traces come
+from their own run, not a timed one.
 """
 from __future__ import annotations
 
@@ -16,15 +16,16 @@ from pathlib import Path
 
 from .plotting import pyplot
 
-_STEP = re.compile(r"DFLASH goodput step: n=(\d+) bs=(\d+) accepted=(\d+)")
+_STEP = re.compile(r"DFLASH goodput step: shape=(\d+)(?:x(\d+))? bs=(\d+) accepted=(\d+)")
 _ROUND = re.compile(r"^\[[^\]]+\] (?:s(\d+)|warmup) c=\d+ ")
 
 
 @dataclass(frozen=True)
 class TracedStep:
-    nodes: int  # the chain length chosen (1: a plain step)
+    nodes: int  # the verify rows chosen per request (1: a plain step)
     committed: float  # tokens committed per request (1 + mean accepted drafts)
     round: int  # the switch round it belongs to
+    topk: int = 1  # > 1: a tree over this top-k
 
 
 def logging_config(path: Path) -> Path:
@@ -43,10 +44,10 @@ def parse_trace(log_text: str) -> list[TracedStep]:
     steps, pending = [], []
     for line in log_text.splitlines():
         if m := _STEP.search(line):
-            pending.append((int(m[1]), 1 + int(m[3]) / int(m[2])))
+            pending.append((int(m[1]), 1 + int(m[4]) / int(m[3]), int(m[2] or 1)))
         elif m := _ROUND.match(line):
             if m[1] is not None:
-                steps += [TracedStep(n, c, int(m[1])) for n, c in pending]
+                steps += [TracedStep(n, c, int(m[1]), k) for n, c, k in pending]
             pending = []
     return steps
 
@@ -65,7 +66,10 @@ def plot_trace(steps: list[TracedStep], phases: list[str], path: Path) -> str | 
             ax.axvspan(start, start + n, color="tab:blue" if phases[k] == "A" else "tab:orange", alpha=0.12, lw=0)
         ax.axvline(start, color="grey", lw=0.4)  # a round (one request) starts
         start += n
-    ax.step(x, [s.nodes for s in steps], where="post", color="black", lw=0.8, label="chain length chosen")
+    ax.step(x, [s.nodes for s in steps], where="post", color="black", lw=0.8, label="verify rows chosen")
+    trees = [i for i, s in enumerate(steps) if s.topk > 1]
+    if trees:
+        ax.plot(trees, [steps[i].nodes for i in trees], "^", color="tab:green", ms=3, label="a tree")
     ax.plot(x, [s.committed for s in steps], ".", color="tab:red", ms=3, label="tokens committed")
     ax.set_xlabel("decode step (a line per round; blue: A, eval chat; orange: B, predictable)")
     ax.set_ylabel("rows / tokens")

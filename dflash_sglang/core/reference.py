@@ -26,7 +26,7 @@ from .drafter import KV, DFlashDrafter
 from .features import target_layer_features
 from .goodput import GoodputController
 from .penalties import OutputPenalties, Penalties, apply_penalties
-from .speculate import DraftLogits, accept, kept_rows, propose
+from .speculate import DraftLogits, accept, committed_ranks, draft_block, kept_rows, propose, rank_paths
 from .token_map import restrict_head
 
 
@@ -111,13 +111,16 @@ class ReferenceDecoder:
         controller: GoodputController | None = None,
         penalties: Penalties | None = None,
     ) -> list[Generation]:
-        """Speculative decoding. Per step the verify shape is, by precedence: the goodput controller's chain
-        (`controller.choose(running batch size)`, capped to the block; n = 1 is a plain step with no drafter pass),
-        else `policy.choose(running batch size)`, else `tree` (nodes x top-k from one drafter pass), else a chain of
-        the block size. Every shape is lossless: greedy output is token-identical to `plain_generate`.
+        """Speculative decoding. Per step the verify shape is, by precedence: the goodput controller's chain or tree
+        (`controller.choose(running batch size)`, a chain capped to the block; n = 1 is a plain step with no drafter
+        pass), else `policy.choose(running batch size)`, else `tree` (nodes x top-k from one drafter pass), else a
+        chain of the block size. A chain shorter than the block drafts with a block of its own length
+        (core/speculate.py `draft_block`). Every shape is lossless: greedy output is token-identical to
+        `plain_generate`.
 
-        The controller, when given, observes every step after it ran: its chain length, the drafts accepted per
-        running request, and its wall seconds from the start of its `choose` to the start of the next step's (its
+        The controller, when given, observes every step after it ran: its shape, the drafts accepted per running
+        request, the drafter's ranks of the committed tokens (core/speculate.py `committed_ranks`), and its wall
+        seconds from the start of its `choose` to the start of the next step's (its
         bookkeeping included, as a server's step; the last step's up to its own end). One controller may serve many
         calls (it keeps learning, as in a server). `times`, when given, accumulates where the decode steps' wall
         time goes. `penalties` (one row per prompt; its stop_ids should list the EOS ids) penalize every verify row
@@ -143,25 +146,27 @@ class ReferenceDecoder:
         batch, first = self._prefill(prompts, params, gen, capture=True, pen=pen)
         self._emit(outs, batch.rid, first[:, None], torch.ones_like(first), max_new_tokens, eos_token_id)
         batch = self._drop_finished(batch, outs, max_new_tokens, eos_token_id)
-        last = None  # the controller's previous step: (chain length, accepted drafts per request, start time)
+        last = None  # the controller's previous step: (shape, accepted drafts per request, ranks, start time)
         while batch is not None:
             start = time.perf_counter()
             if last is not None:  # the previous step ends where this one starts (as the SGLang worker times it)
-                controller.observe(last[0], last[1], start - last[2])
+                controller.observe(last[0], last[1], start - last[3], last[2])
             if controller is not None:
-                shape = controller.choose(len(batch.rid)).shape.at_most(block)
+                shape = controller.choose(len(batch.rid)).shape
+                shape = shape.at_most(block) if shape.is_chain else shape
             else:
                 shape = policy.choose(len(batch.rid)) if policy is not None else fixed
-            result = self._spec_step(batch, block, shape, params.select(batch.rid), gen, times, pen)
+            result, ranks = self._spec_step(batch, block, shape, params.select(batch.rid), gen, times, pen,
+                                            ranks=controller is not None)
             commit = result.accept_len + 1
             if controller is not None:
-                last = (shape.nodes, result.accept_len.tolist(), start)
+                last = (shape, result.accept_len.tolist(), None if ranks is None else rank_paths(ranks.tolist()), start)
             for r, n in zip(batch.rid.tolist(), commit.tolist()):
                 outs[r].accept_lengths.append(n)
             self._emit(outs, batch.rid, result.out_tokens, commit, max_new_tokens, eos_token_id)
             batch = self._drop_finished(batch, outs, max_new_tokens, eos_token_id)
         if last is not None:
-            controller.observe(last[0], last[1], time.perf_counter() - last[2])
+            controller.observe(last[0], last[1], time.perf_counter() - last[3], last[2])
         return outs
 
     @torch.no_grad()
@@ -258,10 +263,13 @@ class ReferenceDecoder:
         return batch, first
 
     def _spec_step(self, batch: _Batch, block: int, shape: SpecShape, params: SamplingParams, gen,
-                   times: StepTimes | None = None, pen: _Penalized | None = None) -> AcceptResult:
-        """One draft -> verify -> accept -> commit step for every running request."""
+                   times: StepTimes | None = None, pen: _Penalized | None = None,
+                   ranks: bool = False) -> tuple[AcceptResult, Tensor | None]:
+        """One draft -> verify -> accept -> commit step for every running request; with `ranks`, also the drafter's
+        ranks of the committed tokens (core/speculate.py `committed_ranks`; None on a plain step)."""
         t0 = time.perf_counter()
-        scores = DraftLogits(self._draft(batch, block), self.token_map) if shape.nodes > 1 else None
+        drafted = draft_block(shape, block)  # (a short chain drafts with a block of its own length)
+        scores = DraftLogits(self._draft(batch, drafted), self.token_map) if shape.nodes > 1 else None
         t1 = time.perf_counter()
         proposal = propose(batch.bonus, scores, shape)
         positions = batch.seq_len[:, None] + proposal.depth
@@ -291,7 +299,8 @@ class ReferenceDecoder:
             times.verify += t3 - t2
             times.other += (t2 - t1) + (time.perf_counter() - t3)
             times.steps += 1
-        return result
+        measured = committed_ranks(scores, result, shape.nodes, drafted - 1) if ranks and scores is not None else None
+        return result, measured
 
     def _draft(self, batch: _Batch, block: int) -> Tensor:
         """The drafter pass: draft logits [bs, block-1, V] (or [bs, block-1, K] over the token map's ids)."""

@@ -24,6 +24,7 @@ from .adaptive import SpecShape
 from .token_map import to_target_ids
 from .tree import DraftTree, build_tree
 from .tree_verify import verify_tree_greedy, verify_tree_sampling
+from .vocab_parallel import VocabShard, local_ranks
 
 
 class DraftScores(Protocol):
@@ -35,6 +36,11 @@ class DraftScores(Protocol):
 
     def topk(self, k: int) -> tuple[Tensor, Tensor]:
         """(tokens [bs, D, k] int64, log-probs [bs, D, k] float32): the inputs of build_tree."""
+        ...
+
+    def ranks(self, tokens: Tensor) -> Tensor | None:
+        """tokens [bs, m] int64 target ids at positions 1..m -> [bs, m] int64: the drafter's rank of each (1: its
+        best; vocab_parallel.NOT_RANKED: a token it cannot propose), or None where it is not measured."""
         ...
 
 
@@ -51,6 +57,11 @@ class DraftLogits:
 
     def topk(self, k: int) -> tuple[Tensor, Tensor]:
         return draft_topk(self.logits, k, self.token_map)
+
+    def ranks(self, tokens: Tensor) -> Tensor:
+        rows = self.logits.shape[-1]
+        shard = VocabShard(0, rows, None if self.token_map is None else self.token_map.to(tokens.device))
+        return local_ranks(self.logits[:, : tokens.shape[1]], shard, tokens)
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,15 @@ class Proposal:
             return self.tree.mask
         bs, t = self.ids.shape
         return torch.ones(t, t, dtype=torch.bool, device=self.ids.device).tril().expand(bs, t, t)
+
+
+def draft_block(shape: SpecShape, block: int) -> int:
+    """The drafter block a step of `shape` runs, with the drafter's block B = `block`: a chain of n < B rows drafts
+    [bonus, MASK x (n-1)], its n-1 drafts and no more (the pass's work grows with its rows: on the 2-core CPU a 4-row
+    pass over 16 requests took half the time of a 16-row one, for ~1% lower acceptance of those drafts; docs/
+    benchmarks.md); a tree, whose nodes may sit at any depth, the whole block. Lossless either way: the verify
+    accepts only what the target would have produced."""
+    return min(shape.nodes, block) if shape.is_chain and shape.nodes > 1 else block
 
 
 def propose(bonus: Tensor, scores: DraftScores | None, shape: SpecShape,
@@ -145,3 +165,22 @@ def kept_rows(proposal: Proposal, result: AcceptResult) -> Tensor:
     if proposal.tree is None:
         return rows[None] <= result.accept_len[:, None]
     return (result.accept_nodes[:, :, None] == rows[None, None, :]).any(1)
+
+
+def committed_ranks(scores: DraftScores, result: AcceptResult, nodes: int, positions: int) -> Tensor | None:
+    """The drafter's rank of each token a step committed, for the goodput controller's tree pricing (core/goodput.py):
+    [bs, m] int64 at depths 1..m, m = min(nodes, positions) (positions: the draft positions the scores cover), 0 past
+    a request's commit (accept_len + 1 tokens: the accepted drafts, then the bonus); None where not measured."""
+    m = min(nodes, positions)
+    if m < 1:
+        return None
+    ranks = scores.ranks(result.out_tokens[:, :m].clamp_min(0))
+    if ranks is None:
+        return None
+    depth = torch.arange(m, device=ranks.device)
+    return torch.where(depth[None] <= result.accept_len[:, None].to(ranks.device), ranks, torch.zeros_like(ranks))
+
+
+def rank_paths(ranks: list[list[int]]) -> list[list[int]]:
+    """committed_ranks' rows on the host -> each request's ranks at depths 1, 2, ... (the zeros past it dropped)."""
+    return [[r for r in row if r > 0] for row in ranks]

@@ -55,3 +55,26 @@ def merge_candidates(values: Tensor, ids: Tensor, lse: Tensor, k: int) -> tuple[
         top_values, best = flat_values.topk(k, dim=-1)
     total = torch.logsumexp(lse, dim=0) if r > 1 else lse[0]
     return flat_ids.gather(-1, best), top_values - total[..., None]
+
+
+NOT_RANKED = 2**31 - 1  # the rank of a token the drafter cannot propose (outside its rows or token map)
+
+
+def local_ranks(logits: Tensor, shard: VocabShard, tokens: Tensor) -> Tensor:
+    """logits [bs, m, V_local] over the shard's rows, tokens [bs, m] int64 target ids -> [bs, m] int64: the
+    drafter's rank of each token at its position (1 + the rows whose logit beats the token's; ties do not), or
+    NOT_RANKED where the token has no row here. One process's whole vocabulary is the shard VocabShard(0, V)."""
+    valid = logits[..., : shard.size].float()
+    tokens = tokens.to(torch.int64)
+    if shard.ids is None:
+        rows = tokens - shard.start
+        present = (rows >= 0) & (rows < shard.size)
+    else:
+        order = torch.argsort(shard.ids)
+        ids = shard.ids[order]
+        at = torch.searchsorted(ids, tokens).clamp_max(max(shard.size - 1, 0))
+        present = ids[at] == tokens
+        rows = order[at]
+    value = valid.gather(-1, rows.clamp(0, max(shard.size - 1, 0))[..., None])
+    ranks = (valid > value).sum(-1) + 1
+    return torch.where(present, ranks, torch.full_like(ranks, NOT_RANKED))

@@ -1,15 +1,15 @@
 """`dflash-sglang demo`: speculative decoding on the SmolLM2 testbed, on CPU, with the core reference decoder.
 
-Sets up the target (converting the packaged GGUF on first use), loads the shipped drafter, and decodes a few
-held-out ShareGPT prompts one at a time three ways: plainly, with a fixed chain of the drafter's block every step
-(no controller), and with the goodput controller (core/goodput.py, the server's default: each step's chain length,
-1 = a plain step, from measured acceptance and step cost). One controller serves the warm-up and every prompt, as in a
-server, so it learns over the run. Prints per prompt the text, tokens/s of each way, tau, the controller's chain
-lengths and where a step's time goes (drafter pass / target verify / the rest); then a table of the three (tokens/s,
-ratio to plain, tau), what the controller chose and why, and the headline: the controller's speedup over plain (the
-product's speed; a fixed chain slower than plain is only a row of the table). Greedy outputs must equal plain output
-token for token. Other processes' CPU use during the timed runs is measured (/proc/stat): when it is large, the
-ratio is printed as not meaningful instead of as a result.
+Sets up the target (converting the packaged GGUF on first use), loads the shipped drafter, and decodes a few held-out
+ShareGPT prompts one at a time three ways: plainly, with a fixed chain of the drafter's block every step (no
+controller), and with the goodput controller (core/goodput.py, the server's default: each step's chain or tree, a
+chain of 1 = a plain step, from measured acceptance and step cost). One controller serves the warm-up and every
+prompt, as in a server, so it learns over the run. Prints per prompt the text, tokens/s of each way, tau, the
+controller's shapes and where a step's time goes (drafter pass / target verify / the rest); then a table of the three
+(tokens/s, ratio to plain, tau), what the controller chose and why, and the headline: the controller's speedup over
+plain (the product's speed; a fixed chain slower than plain is only a row of the table). Greedy outputs must equal
+plain output token for token. Other processes' CPU use during the timed runs is measured (/proc/stat): when it is
+large, the ratio is printed as not meaningful instead of as a result.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..core.goodput import Decision, GoodputConfig, GoodputController, describe
+from ..core.goodput import DEFAULT_TREE_TOPK, Decision, GoodputConfig, GoodputController, describe
 
 BUSY_SHARE = 0.15  # other processes' share of the machine's CPU above which timings are not reported as results
 
@@ -95,22 +95,28 @@ def controller_verdict(summary: dict, reasons: Counter | None = None) -> str:
     steps = summary["steps"]
     total = sum(steps.values())
     pred = summary.get("predicted_tps")
-    drafted = {n: g for n, g in (pred or {}).items() if n > 1}
+    drafted = {s: g for s, g in (pred or {}).items() if s != "1"}
     if not pred or not drafted or not total:
         return f"controller: {describe(summary)}"
     best = summary["best"]
     top = max(drafted, key=drafted.get)
-    plain_share = steps.get(1, 0) / total
+    plain_share = steps.get("1", 0) / total
     how = "" if reasons is None else (f"; {reasons['warmup']} warm-up steps (longest chain, plain, middle chain), "
                                       f"{reasons['probe']} probes of a longer chain")
-    if best == 1:
-        why = (f"drafting does not pay on this machine with this drafter: a plain step is predicted {pred[1]} tok/s, "
-               f"the best drafted chain ({top} rows) {drafted[top]} tok/s, so it ran plain steps ({plain_share:.0%} "
-               f"of its {total} steps{how})")
+    if best == "1":
+        why = (f"drafting does not pay on this machine with this drafter: a plain step is predicted {pred['1']} "
+               f"tok/s, the best drafted shape (a {spoken(top)}) {drafted[top]} tok/s, so it ran plain steps "
+               f"({plain_share:.0%} of its {total} steps{how})")
     else:
-        why = (f"drafting pays: a chain of {best} rows is predicted {pred[best]} tok/s vs plain {pred[1]} tok/s, so "
+        why = (f"drafting pays: a {spoken(best)} is predicted {pred[best]} tok/s vs plain {pred['1']} tok/s, so "
                f"{1 - plain_share:.0%} of its {total} steps drafted{how}")
     return f"controller: {why} ({describe(summary)})"
+
+
+def spoken(shape: str) -> str:
+    """'4' -> 'chain of 4 rows', '8x4' -> 'tree of 8 nodes over top-4' (core/goodput.py `label`)."""
+    nodes, _, topk = shape.partition("x")
+    return f"tree of {nodes} nodes over top-{topk}" if topk else f"chain of {nodes} rows"
 
 
 def _step_split(times) -> str:
@@ -135,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
     target, tok = load_target(args.target)
     decoder = ReferenceDecoder(target, load_drafter(args.draft, dtype=torch.float32))
     block = args.block_size or decoder.cfg.block_size
-    controller = CountingController(GoodputConfig(max_nodes=block))  # one for the whole run, as in a server
+    # one for the whole run, as in a server
+    controller = CountingController(GoodputConfig(max_nodes=block, max_depth=block - 1, max_topk=DEFAULT_TREE_TOPK))
     eos = tok.eos_token_id
     kw = dict(temperature=args.temperature, eos_token_id=eos)
     prompts = eval_prompts(tok, args.num_prompts)
@@ -165,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
             (gen,) = decoder.generate(ids, args.max_new_tokens, block_size=block, times=ctrl_times,
                                       controller=controller, **kw)
             dt_c = time.perf_counter() - t
-        chosen = {n: c - before.get(n, 0) for n, c in sorted(controller.counts.items()) if c > before.get(n, 0)}
+        chosen = controller.steps_since(before)
         for way, out in (("plain", plain), ("fixed", fixed.tokens), ("controller", gen.tokens)):
             tokens[way] += len(out)
         taus["fixed"].append(fixed.mean_accept_length)
@@ -182,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{fixed_name}: tau {fixed.mean_accept_length:.2f} over {len(fixed.accept_lengths)} steps, "
               f"{len(fixed.tokens) / dt_f:.1f} tok/s; {_step_split(fixed_times)}" + same(fixed))
         print(f"[goodput controller: tau {gen.mean_accept_length:.2f} over {len(gen.accept_lengths)} steps, "
-              f"{len(gen.tokens) / dt_c:.1f} tok/s; chains (rows: steps) {chosen}; {_step_split(ctrl_times)}"
+              f"{len(gen.tokens) / dt_c:.1f} tok/s; steps per shape {chosen}; {_step_split(ctrl_times)}"
               + same(gen))
     tps = {w: tokens[w] / meters[w].wall for w in ways}
     tau = {w: sum(v) / len(v) for w, v in taus.items()}
