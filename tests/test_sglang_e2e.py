@@ -160,6 +160,15 @@ def limit_requests() -> list[tuple[list[int], dict]]:
              {"temperature": 0, "max_new_tokens": m, "ignore_eos": True}) for m in LIMIT_MARGINS]
 
 
+def _dflash_metrics() -> list[str]:
+    """Our goodput controller's Prometheus samples, as SGLang's multiprocess collection exports them."""
+    from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    return [line for line in generate_latest(registry).decode().splitlines() if line.startswith("sglang:dflash_")]
+
+
 def run_child(job: dict) -> None:
     """Child process body: one Engine, the scenario, results as JSON. job: name, root, out, spec, block (the
     --speculative-num-draft-tokens value), topk, full, device, dtype, attention_backend."""
@@ -200,6 +209,8 @@ def run_child(job: dict) -> None:
             _full_scenario(engine, job, res)
         if job.get("json"):
             res["json"] = _json_scenario(engine)
+        if job.get("engine_kwargs", {}).get("enable_metrics"):
+            res["dflash_metrics"] = _dflash_metrics()
     finally:
         engine.shutdown()
     Path(job["out"]).write_text(json.dumps(res))
@@ -562,7 +573,8 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
     jobs = [
         dict(name="chain", root=str(pair_dir), spec=True, full=True, block=BLOCK),  # pinned: a chain of the block
         # no shape flag: the goodput controller picks each step's chain length (plain steps included)
-        dict(name="goodput", root=str(pair_dir), spec=True, full=True, env=debug_env(pair_dir)),
+        dict(name="goodput", root=str(pair_dir), spec=True, full=True, env=debug_env(pair_dir),
+             engine_kwargs={"enable_metrics": True}),  # (and the controller's metrics beside SGLang's)
         dict(name="tree", root=str(pair_dir), spec=True, full=True, block=TREE_NODES, topk=TREE_TOPK,
              env=debug_env(pair_dir), engine_kwargs=dict(STATIC_GRAPHS)),
         dict(name="adaptive", root=str(pair_dir), spec=True, full=True, env=debug_env(pair_dir),
@@ -902,6 +914,34 @@ def test_goodput_controller_varies_the_shape(runs, pair_dir):  # runs: the Engin
     assert all(3 <= n <= BLOCK and k in (2, 4) for n, k in trees), trees
     assert "goodput controller over chains of 1/2/3/4/6/8 rows (1: a plain step) and trees of 4/6/8 nodes over " \
            "top-2/4" in log
+
+
+def test_goodput_metrics_beside_sglangs(runs):
+    """--enable-metrics: the goodput Engine exported the controller's state through SGLang's multiprocess Prometheus
+    collection (adapter/metrics.py): steps per shape, the last shape, predicted / measured tokens/s, acceptance by
+    depth and the cost terms."""
+    import re
+
+    samples = {}
+    for line in runs["goodput"]["dflash_metrics"]:
+        name, value = line.rsplit(" ", 1)
+        samples[name] = float(value)
+    steps = {re.search(r'shape="([^"]+)"', k)[1]: v for k, v in samples.items()
+             if k.startswith("sglang:dflash_decode_steps_total")}
+    assert steps.get("1", 0) >= 1 and len(steps) >= 3 and all(v >= 1 for v in steps.values()), steps
+    assert all(re.fullmatch(r"\d+(x[24])?", s) for s in steps), steps
+
+    def one(metric: str) -> float:
+        (value,) = [v for k, v in samples.items() if k.startswith(f"sglang:dflash_{metric}{{")]
+        return value
+
+    assert 1 <= one("shape_nodes") <= BLOCK and one("shape_topk") in (1, 2, 4)
+    assert one("goodput_predicted_tokens_per_second") > 0 and one("goodput_measured_tokens_per_second") > 0
+    rates = [v for k, v in samples.items() if k.startswith("sglang:dflash_goodput_accept_rate")]
+    costs = {re.search(r'term="([^"]+)"', k)[1]: v for k, v in samples.items()
+             if k.startswith("sglang:dflash_goodput_step_cost_seconds")}
+    assert len(rates) >= 1 and all(0 <= r <= 1 for r in rates) and len(costs) == 6
+    assert all(v >= 0 for term, v in costs.items() if term != "step"), costs  # (only the fixed term may go negative)
 
 
 @pytest.mark.parametrize("mode", STATIC_GRAPH_MODES)
