@@ -253,9 +253,7 @@ def resolve_shape(server_args: ServerArgs, cfg: DraftConfig, flags: dict, max_ru
                                                                                simulation.serves("goodput")):
         block = draft_block_size(v, cfg)
         check_token_budget(budget, max_running)
-        # (simulated acceptance forces chain outcomes: the controller then runs chains only)
-        topk = goodput_topk(server_args, cfg, block, None) if simulation is None else 1
-        return "goodput", block, block, topk, None
+        return "goodput", block, block, goodput_topk(server_args, cfg, block, None, simulation), None
     if flags["speculative_adaptive"] and table is None:
         block = draft_block_size(v, cfg)
         nodes = int(explicit) if explicit is not None else block
@@ -263,8 +261,7 @@ def resolve_shape(server_args: ServerArgs, cfg: DraftConfig, flags: dict, max_ru
             _refuse("--speculative-num-draft-tokens", nodes, f"with --speculative-adaptive it is the most verify "
                     f"rows per request, 2 .. the drafter block ({block})")
         check_token_budget(budget, max_running)
-        topk = goodput_topk(server_args, cfg, nodes, topk_flag) if simulation is None else 1
-        return "goodput", block, nodes, topk, None
+        return "goodput", block, nodes, goodput_topk(server_args, cfg, nodes, topk_flag, simulation), None
     if flags["speculative_adaptive"]:
         if topk_flag is not None:
             _refuse("--speculative-eagle-topk", topk_flag, "with --speculative-adaptive the top-k of each batch size "
@@ -350,11 +347,14 @@ def chain_block_size(v, cfg: DraftConfig) -> int:
     return block
 
 
-def goodput_topk(server_args: ServerArgs, cfg: DraftConfig, nodes: int, topk_flag) -> int:
-    """The goodput controller's largest tree top-k: --speculative-eagle-topk when given with --speculative-adaptive
-    (1: chains only; a larger one must be servable), else DEFAULT_TREE_TOPK where this server can verify trees
-    (page size 1, a tree-capable attention backend, as far as ServerArgs has resolved them; the worker drops trees
-    if what it finds differs), else 1."""
+def goodput_topk(server_args: ServerArgs, cfg: DraftConfig, nodes: int, topk_flag,
+                 simulation: SimulatedAcceptance | None) -> int:
+    """The goodput controller's largest tree top-k: 1 under simulated acceptance (it forces chain outcomes), else
+    --speculative-eagle-topk when given with --speculative-adaptive (1: chains only; a larger one must be servable),
+    else DEFAULT_TREE_TOPK where this server can verify trees (page size 1, a tree-capable attention backend, as far
+    as ServerArgs has resolved them; the worker drops trees if what it finds differs), else 1."""
+    if simulation is not None:
+        return 1
     if topk_flag is not None:
         topk = int(topk_flag)
         if not 1 <= topk <= cfg.vocab_size:

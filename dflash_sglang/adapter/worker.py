@@ -421,8 +421,9 @@ class DFlashWorker(BaseSpecWorker):
             result = AcceptResult(*self.simulation.force(proposal.ids[:, 1:], logits.argmax(-1),
                                                          self.simulation.sample_commit_len(n)))
         result = self.vocab.same_on_every_rank(result)
-        ranks = None  # the goodput controller prices trees from them (not for forced outcomes)
-        if self.schedule.controller is not None and scores is not None and self.simulation is None:
+        ranks = None  # the goodput controller prices trees from them (not for forced outcomes; none without trees)
+        controller = self.schedule.controller
+        if controller is not None and controller.uses_ranks and scores is not None and self.simulation is None:
             ranks = committed_ranks(scores, result, n, scores.logits.shape[1])
         if penalized is not None:
             self.penalties.commit(penalized, result.out_tokens, result.accept_len + 1)

@@ -338,6 +338,11 @@ class GoodputController:
             self._tree_e = {k: tree_tokens(probs, most, k) for k in self.calibration}
         return self._tree_e
 
+    @property
+    def uses_ranks(self) -> bool:
+        """Whether `observe` reads the drafter's ranks of the committed tokens (they price trees: none without)."""
+        return bool(self.trees)
+
     def _decide(self, shape: SpecShape, reason: str, g: float | None) -> Decision:
         self.last = Decision(shape, reason, g)
         return self.last
@@ -355,13 +360,13 @@ class GoodputController:
             return
         self.steps += 1
         self.counts[shape] = self.counts.get(shape, 0) + 1
-        if not shape.is_chain:  # calibrate against the prediction the step was chosen with
-            self.calibration[shape.topk].observe(accepted, self._tree_expected()[shape.topk][shape.nodes - 1] - 1)
         if shape.is_chain:
             self.acceptance.observe(shape.nodes, accepted)
-        else:  # a tree's accepted length is not a chain's: its rank-1 trials are
+        else:  # calibrate against the prediction the step was chosen with; a tree's accepted length is not a chain's,
+            # its rank-1 trials are
+            self.calibration[shape.topk].observe(accepted, self._tree_expected()[shape.topk][shape.nodes - 1] - 1)
             self.acceptance.observe_counts(*rank_counts(self.cfg.depth, ranks or ()))
-        if ranks is not None and self.trees:
+        if ranks is not None and self.uses_ranks:
             self.ranks.observe(ranks)
         self._tree_e = None
         if seconds is None or seconds <= 0:
