@@ -10,7 +10,14 @@ from dflash_sglang.core.config import DraftConfig, build_target_layer_ids
 from dflash_sglang.core.drafter import DFlashDrafter
 
 
+# Hybrid targets: Gated DeltaNet (linear-attention) layers between full-attention ones, as Qwen3.5 / Qwen3-Next have.
+HYBRID_ARCHS = ("qwen3_5", "qwen3_next")
+ARCHS = ("llama", "qwen3") + HYBRID_ARCHS
+
+
 def tiny_target(arch: str = "llama", vocab: int = 96, hidden: int = 32, layers: int = 6, seed: int = 0):
+    """A tiny random HF target: `arch` one of ARCHS (hybrid ones alternate linear and full attention layers)."""
+    import transformers
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
@@ -22,6 +29,15 @@ def tiny_target(arch: str = "llama", vocab: int = 96, hidden: int = 32, layers: 
         model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0))
     elif arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=hidden // 4, rope_theta=10000.0))
+    elif arch in HYBRID_ARCHS:
+        linear = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                      linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"] * (layers // 2))
+        if arch == "qwen3_5":
+            config, cls = transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM
+        else:  # no experts: a dense MLP in every layer
+            config, cls = transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM
+            linear.update(num_experts=0, mlp_only_layers=[])
+        model = cls(config(**common, **linear, head_dim=hidden // 4))
     else:
         raise ValueError(arch)
     # Larger-than-default weights give peaked, tie-free distributions, so greedy comparisons are meaningful.

@@ -17,10 +17,11 @@ CONFIG_FILE = "config.json"
 ZLAB_ARCHITECTURES = ("DFlashDraftModel",)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # The z-lab DFlash fields: in a `dflash_config` object (older drafts) or at the top level (newer ones).
-ZLAB_FIELDS = ("mask_token_id", "target_layer_ids", "block_size", "input_embedding_scale")
-# DFlash2 drafts scale / softcap logits, project features differently and add selector and convolution layers:
-# loaded as v1 they would draft garbage, so these keys (and any key naming selector or conv layers) are refused.
-DFLASH2_FIELDS = ("output_multiplier", "final_logit_softcapping", "projector_type")
+# final_logit_softcapping: Gemma 4 drafts soft-cap their logits as their target does (tanh(l / cap) * cap).
+ZLAB_FIELDS = ("mask_token_id", "target_layer_ids", "block_size", "input_embedding_scale", "final_logit_softcapping")
+# DFlash2 drafts scale logits, project features differently and add selector and convolution layers: loaded as v1
+# they would draft garbage, so these keys (and any key naming selector or conv layers) are refused.
+DFLASH2_FIELDS = ("output_multiplier", "projector_type")
 DFLASH2_KEY_PARTS = ("selector", "conv")
 DFLASH2_HINT = (
     "is a DFlash2 feature that dflash-sglang does not serve (use SGLang's builtin DFLASH: DFLASH_SGLANG_IMPL=builtin)"
@@ -66,6 +67,8 @@ class DraftConfig:
     # None: sliding layers causal, full layers bidirectional (z-lab rule); True/False forces all layers.
     is_causal: bool | None = None
     input_embedding_scale: float = 1.0
+    # Draft logits become tanh(l / cap) * cap (Gemma 4 drafts); None: raw logits.
+    final_logit_softcapping: float | None = None
     # "zlab" (dflash_config object), "zlab-flat" (DFlash fields at the top level) or "speculators".
     source_format: str = "zlab"
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -145,6 +148,8 @@ class DraftConfig:
         dc = out["dflash_config"]
         if self.input_embedding_scale != 1.0:
             dc["input_embedding_scale"] = self.input_embedding_scale
+        if self.final_logit_softcapping is not None:
+            dc["final_logit_softcapping"] = self.final_logit_softcapping
         return out
 
     def field_name(self, key: str) -> str:
@@ -338,6 +343,11 @@ def _from_zlab(d: dict, source: str) -> DraftConfig:
         )
     obj, prefix = place["input_embedding_scale"]
     kw["input_embedding_scale"] = _opt(obj, "input_embedding_scale", float, source, 1.0, prefix)
+    obj, prefix = place["final_logit_softcapping"]
+    cap = _opt(obj, "final_logit_softcapping", float, source, None, prefix)
+    if cap is not None and cap <= 0:  # (0 means off in Gemma-derived configs, as null does)
+        cap = None
+    kw["final_logit_softcapping"] = cap
     kw["source_format"] = "zlab" if dc is not None else "zlab-flat"
     return _finish(kw, source, names)
 

@@ -257,11 +257,15 @@ class DFlashDrafter(nn.Module):
         return out
 
     def logits(self, hidden: Tensor, lm_head_weight: Tensor, out: Tensor | None = None) -> Tensor:
-        """hidden [..., H] -> draft logits [..., V] through the target's lm_head weight [V, H].
+        """hidden [..., H] -> draft logits [..., V] through the target's lm_head weight [V, H], soft-capped where the
+        draft says so (final_logit_softcapping, Gemma 4 drafts: their tree scores and sampled drafts depend on it).
 
         out: a preallocated [..., V] buffer to write in place (inference only: the CUDA-graph runner shares one
         across its batch sizes); None allocates, out of place (training differentiates through this).
         """
+        cap = self.cfg.final_logit_softcapping
         if out is not None:
-            return torch.matmul(hidden, lm_head_weight.t(), out=out)
-        return F.linear(hidden, lm_head_weight)
+            torch.matmul(hidden, lm_head_weight.t(), out=out)
+            return out if cap is None else out.div_(cap).tanh_().mul_(cap)
+        logits = F.linear(hidden, lm_head_weight)
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -22,10 +22,12 @@ from .accept import AcceptResult, SamplingParams, sample_from, target_probs
 from .adaptive import AdaptivePolicy, SpecShape
 from .block import build_block_inputs
 from .checkpoint import check_fit
+from .config import recurrent_layers
 from .drafter import KV, DFlashDrafter
 from .features import target_layer_features
 from .goodput import GoodputController
 from .penalties import OutputPenalties, Penalties, apply_penalties
+from .recurrent import NodeStates, has_attention, last_kept, select_rows
 from .speculate import DraftLogits, accept, committed_ranks, draft_block, kept_rows, propose, rank_paths
 from .token_map import restrict_head
 
@@ -91,6 +93,9 @@ class ReferenceDecoder:
         # its K rows of the head, taken once; the verify still uses the whole head, so decoding stays lossless.
         self.token_map = drafter.token_map
         self.draft_head = restrict_head(self.lm_head_weight, self.token_map)
+        # Hybrid targets (linear-attention layers) verify one node at a time from its parent's recurrent state
+        # (core/recurrent.py); attention-only targets verify the whole proposal in one forward.
+        self.recurrent = recurrent_layers(target.config) is not None
 
     # ------------------------------------------------------------------ public
     @torch.no_grad()
@@ -273,9 +278,8 @@ class ReferenceDecoder:
         t1 = time.perf_counter()
         proposal = propose(batch.bonus, scores, shape)
         positions = batch.seq_len[:, None] + proposal.depth
-        tree_mask = proposal.attention_mask() if proposal.tree is not None else None
         t2 = time.perf_counter()
-        logits, feats = self._target_forward(batch, proposal.ids, positions, capture=True, tree_mask=tree_mask)
+        logits, feats, states = self._verify(batch, proposal, positions)
         t3 = time.perf_counter()
         if pen is not None:
             pen.penalize(logits, batch.rid, proposal.ids, proposal.tree.parent if proposal.tree is not None else None)
@@ -283,6 +287,8 @@ class ReferenceDecoder:
         if pen is not None:
             pen.commit(batch.rid, result.out_tokens, result.accept_len + 1)
         keep = kept_rows(proposal, result)
+        if states is not None:
+            states.commit(last_kept(keep))
 
         new_kv = self._context_kv(feats, positions)
         batch.ctx_kv = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2))
@@ -336,6 +342,34 @@ class ReferenceDecoder:
         feats = target_layer_features(out.hidden_states, self.cfg.target_layer_ids) if capture else None
         return out.logits.float(), feats
 
+    def _verify(self, batch: _Batch, proposal, positions: Tensor) -> tuple[Tensor, Tensor, NodeStates | None]:
+        """The target's verify of `proposal` at `positions` [bs, T]: logits [bs, T, V], features [bs, T, F], and for a
+        hybrid target every node's recurrent state (None otherwise)."""
+        if self.recurrent:
+            return self._verify_by_node(batch, proposal, positions)
+        tree_mask = proposal.attention_mask() if proposal.tree is not None else None
+        return (*self._target_forward(batch, proposal.ids, positions, capture=True, tree_mask=tree_mask), None)
+
+    def _verify_by_node(self, batch: _Batch, proposal, positions: Tensor) -> tuple[Tensor, Tensor, NodeStates]:
+        """A hybrid target's verify: node n [bs] of the proposal runs alone, from its parent's recurrent state (a
+        chain's previous row, a tree's parent; core/recurrent.py), attending to the committed context and its
+        ancestors. Returns logits [bs, T, V], features [bs, T, F] and every node's state, for the commit."""
+        ids, t = proposal.ids, proposal.ids.shape[1]
+        see = proposal.attention_mask()  # [bs, T, T] bool: ancestors and itself
+        parent = proposal.tree.parent if proposal.tree is not None else torch.arange(t, device=ids.device) - 1
+        parent = parent.expand(ids.shape)
+        states = NodeStates.of(batch.cache, t)
+        logits, feats = [], []
+        for n in range(t):
+            states.load(parent[:, n])
+            mask = torch.cat([batch.valid, see[:, n, : n + 1]], dim=1)[:, None, None]  # [bs, 1, 1, L + n + 1]
+            out = self.target(input_ids=ids[:, n: n + 1], attention_mask=mask, position_ids=positions[:, n: n + 1],
+                              past_key_values=batch.cache, use_cache=True, output_hidden_states=True)
+            states.record(n)
+            logits.append(out.logits.float())
+            feats.append(target_layer_features(out.hidden_states, self.cfg.target_layer_ids))
+        return torch.cat(logits, 1), torch.cat(feats, 1), states
+
     def _context_kv(self, feats: Tensor, positions: Tensor) -> list[KV]:
         dtype = self.drafter.fc.weight.dtype
         return self.drafter.context_kv(self.drafter.fuse(feats.to(dtype)), positions)
@@ -356,7 +390,7 @@ class ReferenceDecoder:
         order = batch.valid.long().argsort(dim=1, stable=True)[:, length - width:]
         batch.valid = batch.valid.gather(1, order)
         batch.pos = batch.pos.gather(1, order)
-        for layer in batch.cache.layers:
+        for layer in filter(has_attention, batch.cache.layers):  # (recurrent layers have no time axis)
             layer.keys = _gather_time(layer.keys, order, 2)
             layer.values = _gather_time(layer.values, order, 2)
         if batch.ctx_kv is not None:
@@ -371,7 +405,7 @@ class ReferenceDecoder:
             return None
         batch.rid, batch.valid, batch.pos = batch.rid[rows], batch.valid[rows], batch.pos[rows]
         batch.seq_len, batch.bonus = batch.seq_len[rows], batch.bonus[rows]
-        batch.cache.batch_select_indices(rows)
+        select_rows(batch.cache, rows)
         if batch.ctx_kv is not None:
             batch.ctx_kv = [(k[rows], v[rows]) for k, v in batch.ctx_kv]
         self._compact(batch)
