@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dflash_sglang.core.checkpoint import check_fit, check_weight_headers
-from dflash_sglang.core.config import CheckpointError, DraftConfig, recurrent_layers
+from dflash_sglang.core.config import (CheckpointError, DraftConfig, gated_deltanet, recurrent_layers,
+                                       sliding_window_layers)
 from dflash_sglang.core.goodput import DEFAULT_TREE_TOPK
 from dflash_sglang.core.token_map import TOKEN_MAP_FILE, load_token_map, read_token_map
 from dflash_sglang.core.tree import max_tree_nodes
@@ -151,7 +152,7 @@ def handle_dflash_args(server_args: ServerArgs) -> DFlashSettings:
     checked = getattr(server_args, "_dflash_precheck", None)
     assert checked is not None, "precheck ran first (the hook on handle_speculative_decoding)"
     flags, cfg = checked.flags, view(server_args)
-    draft = check_draft_fits(server_args, checked.draft)
+    draft = check_draft_fits(server_args, checked.draft, bool(flags["speculative_dflash_experimental"]))
     dummy = cfg.speculative_draft_load_format == "dummy"
     if not dummy:
         check_weight_headers(cfg.speculative_draft_model_path, draft)
@@ -167,7 +168,7 @@ def handle_dflash_args(server_args: ServerArgs) -> DFlashSettings:
         dummy_draft=dummy, adaptive_table=table,
         token_map=token_map_path(cfg.speculative_token_map, str(cfg.speculative_draft_model_path), draft),
         adaptive_token_budget=flags["speculative_dflash_adaptive_token_budget"] if mode != "chain" else None,
-        simulation=simulation,
+        simulation=simulation, hybrid=recurrent_layers(model_config(server_args).hf_config) is not None,
     )
     if simulation is not None and not simulation.serves(mode):
         raise UnsupportedFlagError(f"{simulation.variable}: simulated acceptance forces a chain's commit length; "
@@ -224,15 +225,32 @@ def draft_attention(flag_value: str | None, device: str) -> str:
     return choice if choice != "auto" else ("flashinfer" if on_cuda else "torch")
 
 
-def check_draft_fits(server_args: ServerArgs, cfg: DraftConfig) -> DraftConfig:
-    """The draft's config against the target's (and a target we can serve at all); raises CheckpointError."""
-    source = f"{view(server_args).speculative_draft_model_path}/config.json"
+EXPERIMENTAL = "--speculative-dflash-experimental"
+
+
+def check_draft_fits(server_args: ServerArgs, cfg: DraftConfig, experimental: bool = False) -> DraftConfig:
+    """The draft's config against the target's (and a target we can serve at all); raises CheckpointError.
+    Hybrid Gated DeltaNet targets and soft-capped (Gemma 4) drafts are served with `experimental` only, until a GPU
+    end-to-end run validates them."""
+    v = view(server_args)
+    source = f"{v.speculative_draft_model_path}/config.json"
     hf_config = model_config(server_args).hf_config
     hybrid = recurrent_layers(hf_config)
     if hybrid is not None:
+        what = f"--model-path {v.model_path}: the target has recurrent / linear-attention layers ({hybrid})"
+        if not gated_deltanet(hf_config):
+            raise UnsupportedFlagError(f"{what}; dflash-sglang serves Gated DeltaNet hybrids only (Qwen3.5 / Qwen3.6 / "
+                                       f"Qwen3-Next); serve it with {IMPL_ENV}=builtin")
+        if not experimental:
+            raise UnsupportedFlagError(f"{what}, not yet validated end to end on a GPU with dflash-sglang: pass "
+                                       f"{EXPERIMENTAL} to serve it with ours, or set {IMPL_ENV}=builtin")
+        if not str(v.device).startswith("cuda"):
+            raise UnsupportedFlagError(f"{what}: SGLang's linear-attention kernels run on CUDA only, not --device "
+                                       f"{v.device} (core/reference.py is the CPU executable spec)")
+    if cfg.final_logit_softcapping is not None and not experimental:
         raise UnsupportedFlagError(
-            f"--model-path {view(server_args).model_path}: the target has recurrent / linear-attention layers "
-            f"({hybrid}), whose state dflash-sglang cannot roll back for rejected drafts; serve it with "
+            f"{source}: field '{cfg.field_name('final_logit_softcapping')}' (a soft-capped Gemma 4 draft) is not yet "
+            f"validated end to end on a GPU with dflash-sglang: pass {EXPERIMENTAL} to serve it with ours, or set "
             f"{IMPL_ENV}=builtin")
     check_fit(cfg, hf_config, draft_source=source)
     if list(cfg.target_layer_ids) != sorted(set(cfg.target_layer_ids)):
@@ -388,6 +406,10 @@ def tree_serving_problems(server_args: ServerArgs, tree_source: str) -> list[tup
         # The accepted path is committed by permuting req_to_token entries, which only a page size of 1 allows.
         problems.append(("--page-size", page_size, f"tree verification ({tree_source}) needs page size 1"
                          + _picked(server_args, v, "page_size")))
+    if (window := sliding_window_layers(model_config(server_args).hf_config)) is not None:
+        # Tree rows sit at depths, not consecutive positions: a sliding window over them is not what the masks say.
+        problems.append(("--model-path", v.model_path, f"tree verification ({tree_source}) needs full attention in "
+                         f"every target layer; the target has sliding-window layers ({window})"))
     for flag in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
         backend = getattr(v, flag, None)
         if backend is not None and backend not in TREE_ATTENTION_BACKENDS:

@@ -77,6 +77,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("speculative_dflash_tree_cuda_graph", "--speculative-dflash-tree-cuda-graph", bool, False,
             "capture the target's verify CUDA graphs with the tree mask, so tree verifies replay graphs "
             "(not yet validated on a GPU)", ours=True),
+    Setting("speculative_dflash_experimental", "--speculative-dflash-experimental", bool, False,
+            "serve what is not yet validated end to end on a GPU: hybrid Gated DeltaNet targets (Qwen3.5 / Qwen3.6 / "
+            "Qwen3-Next) and soft-capped Gemma 4 drafts (docs/sglang.md, hybrid targets)", ours=True),
     Setting("speculative_token_map", "--speculative-token-map", str, None,
             "a reduced draft vocabulary: token_map.safetensors (one int64 tensor 'token_map' of target ids, as "
             "`dflash-sglang train --draft-vocab K` writes); default: the checkpoint's own, if it has one"),
@@ -120,6 +123,7 @@ class DFlashSettings:
     adaptive_table: str | None = None  # adaptive mode only
     adaptive_token_budget: int | None = None
     simulation: SimulatedAcceptance | None = None  # SGLANG_SIMULATE_ACC_* (chain only)
+    hybrid: bool = False  # the target has Gated DeltaNet layers: each verify's recurrent state is committed
 
     def __post_init__(self) -> None:
         assert self.mode in MODES and (self.mode == "adaptive") == (self.adaptive_table is not None)

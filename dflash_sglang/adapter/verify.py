@@ -51,6 +51,7 @@ def verify_mask(tree_mask: Tensor | None, bs: int, width: int, masked_graphs: bo
 def run_target_verify(
     target_worker: TpModelWorker, batch: ScheduleBatch, ids: Tensor, positions: Tensor, slots: Tensor,
     tree_mask: Tensor | None = None, masked_graphs: bool = False, eager: bool = False,
+    tree_links: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[LogitsProcessorOutput, bool]:
     """TARGET_VERIFY forward of `ids` [bs, T] at `positions` [bs, T], writing target KV to `slots` [bs, T].
 
@@ -59,7 +60,8 @@ def run_target_verify(
     seq_len .. seq_len + T - 1 in row order. Mutates batch.input_ids / spec_info / forward_mode /
     out_cache_loc the way SGLang's own verify does; the scheduler's forward isolation restores them.
     Returns (logits output with next_token_logits [bs*T, V] and hidden_states [bs*T, n_features*H],
-    can_run_cuda_graph). eager: never replay a CUDA graph (forward hooks must run).
+    can_run_cuda_graph). eager: never replay a CUDA graph (forward hooks must run). tree_links: a hybrid target's
+    (first child, next sibling) [bs, T] int64 for its linear layers' tree kernels (adapter/hybrid.py).
     """
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
@@ -76,6 +78,8 @@ def run_target_verify(
         custom_mask=None,  # a chain: plain causal attention
         capture_hidden_mode=CaptureHiddenMode.FULL,
     )
+    if tree_links is not None:  # (read by SGLang's linear-attention backend under these names)
+        verify_input.retrieve_next_token, verify_input.retrieve_next_sibling = tree_links
     seq_lens_cpu, seq_lens_sum = batch.seq_lens_cpu, batch.seq_lens_sum
     gpu_mask = None if cpu_backend else verify_mask(tree_mask, bs, width, masked_graphs, ids.device)
     if gpu_mask is not None:

@@ -16,7 +16,9 @@ upstream symbol it adapts and what changed (0.5.17 -> 0.5.23):
 - the tokens min_new_tokens holds back (`penaltylib.BatchedMinNewTokensPenalizer`): 0.5.23 adds the request's
   `eos_token_ids` (the model's generation-config EOS) to the stop token ids and the tokenizer's EOS ids;
 - the server's hidden-states mode, `forward_batch_info.get_server_return_hidden_states_mode`: from `server_args` ->
-  from the exec features (no argument).
+  from the exec features (no argument);
+- a hybrid target's prefix-cache state-tracking grid (`mamba_track_interval`): `get_exec().mamba.mamba_track_interval`
+  -> `runtime_context.mamba_track_grid(page_size)`.
 
 What did not change (checked against both wheels): the plugin entry-point group and `HookRegistry`, the hooked
 symbols (adapter/plugin.py), `DFlashDraftInputV2` / `DFlashVerifyInput`, `get_context().server_args`, and the
@@ -139,6 +141,18 @@ def prefill_hidden_full(batch: Any, server_args: Any) -> bool:
 
 
 FINISH_STATE = "sglang.srt.managers.schedule_batch.Req.update_finish_state"
+
+
+def mamba_track_interval(page_size: int) -> int:
+    """Every how many tokens a hybrid target's prefix cache keeps a copy of the recurrent state (the tracking slots a
+    verify may have to fill; adapter/hybrid.py)."""
+    if SGLANG_VERSION == "0.5.17":
+        from sglang.srt.runtime_context import get_exec
+
+        return int(get_exec().mamba.mamba_track_interval)
+    from sglang.srt.runtime_context import mamba_track_grid
+
+    return int(mamba_track_grid(page_size))
 
 
 def version_hooks() -> tuple[tuple[str, Any], ...]:

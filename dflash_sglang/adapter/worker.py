@@ -55,6 +55,7 @@ from .adaptive import ShapeSchedule
 from .args import TREE_ATTENTION_BACKENDS, UnsupportedFlagError
 from .draft_graphs import DraftGraphs, default_sizes, graph_mode
 from .hidden import FinalHiddenStates, decode_rows, prefill_rows
+from .hybrid import HybridTarget, state_scratch_bytes
 from .logprobs import attach_logprobs
 from .metrics import GoodputMetrics
 from .model import EagerDraftPass, PagedDrafter, TargetHead
@@ -158,6 +159,8 @@ class DFlashWorker(BaseSpecWorker):
         self.simulation = self.settings.simulation  # SGLANG_SIMULATE_ACC_LEN: forced commit lengths (chain only)
         self.masked_graphs = masked_verify_graphs(self.settings)  # tree verifies replay masked verify graphs
         self.penalties = RequestPenalties()  # frequency / presence / repetition / min_new_tokens, per request
+        # A hybrid target's recurrent state: committed per verify through SGLang's machinery (adapter/hybrid.py).
+        self.hybrid = HybridTarget.of(self.model_runner, self.settings.topk) if self.settings.hybrid else None
         self.final_hidden: FinalHiddenStates | None = None  # return_hidden_states (adapter/hidden.py), with the pool
         # goodput mode: the last decode step (shape, accepted drafts [bs], the drafter's ranks of the committed tokens
         # [bs, m] or None, start time), observed at the next step's start (its tensors are ready by then, no sync of
@@ -223,10 +226,13 @@ class DFlashWorker(BaseSpecWorker):
         self.head = TargetHead(target.get_input_embeddings(), self.vocab.weight, self.cfg.mask_token_id,
                                self.cfg.input_embedding_scale)
         self.eager_pass = EagerDraftPass(self.drafter, self.head, req_to_token_pool.req_to_token)
+        scratch = ""
+        if self.hybrid is not None:  # SGLang allocated them from the verify rows we declared (adapter/hybrid.py)
+            scratch = f", target state per verify row {state_scratch_bytes(req_to_token_pool) / 2**20:.1f} MiB"
         logger.info(
             "DFLASH (dflash-sglang): block_size=%d, %s, draft layers=%d, target layer ids=%s, draft attention %s, "
-            "draft KV %.1f MiB%s", self.block_size, self.schedule.describe(), self.cfg.num_hidden_layers,
-            list(self.cfg.target_layer_ids), self.drafter.backend_name, self.drafter.pool.nbytes() / 2**20,
+            "draft KV %.1f MiB%s%s", self.block_size, self.schedule.describe(), self.cfg.num_hidden_layers,
+            list(self.cfg.target_layer_ids), self.drafter.backend_name, self.drafter.pool.nbytes() / 2**20, scratch,
             ", verify CUDA graphs with the tree mask" if self.masked_graphs else "",
         )
 
@@ -329,6 +335,9 @@ class DFlashWorker(BaseSpecWorker):
             self._interval_clean = True
         step = self._within_max_new_tokens(batch, step, shape.nodes)
 
+        if self.hybrid is not None:  # the last accepted row's recurrent state goes live, before anything plans again
+            self.hybrid.commit(batch, seq_lens, step.accept_len,
+                               step.tree_result.accept_nodes if step.tree_result is not None else None)
         commit_lens = (step.accept_len + 1).to(torch.int32)
         new_seq_lens = seq_lens + commit_lens.to(seq_lens.dtype)
         if on_publish is not None:
@@ -405,10 +414,12 @@ class DFlashWorker(BaseSpecWorker):
             grammar = (GrammarTree.from_linear_chain(proposal.ids) if tree is None else
                        GrammarTree.from_device(tree.retrive_next_token, tree.retrive_next_sibling, tree.tokens))
         hidden = batch.return_hidden_states  # (the hook must run: no CUDA graph replay then)
+        links = self.hybrid.links(tree, bs, n, seq_lens.device) if self.hybrid is not None else None
         with self.final_hidden.capture(hidden):
             logits_output, graph = run_target_verify(
                 self.target_worker, batch, inputs.input_ids, inputs.positions, inputs.out_cache_loc,
-                tree_mask=tree.mask if tree is not None else None, masked_graphs=self.masked_graphs, eager=hidden,
+                tree_mask=tree.mask if tree is not None else None, masked_graphs=self.masked_graphs,
+                eager=hidden or links is not None, tree_links=links,
             )
         penalized = self.penalties.rows(batch, bonus, logits_output.next_token_logits.shape[-1])
         logits = logits_output.next_token_logits.view(bs, n, -1)  # [bs, n, V]: n verify rows per request

@@ -392,6 +392,8 @@ RECURRENT_ARCHITECTURES = (
     "Mamba", "Jamba", "NemotronH", "FalconH1", "Zamba", "Qwen3Next", "Qwen3_5", "GraniteMoeHybrid", "Lfm2",
     "Bamba", "Plamo2", "MiniMaxText01", "MiniMaxM1", "KimiLinear", "RecurrentGemma",
 )
+# The recurrent families whose verify state our worker commits through SGLang (Gated DeltaNet layers).
+GATED_DELTANET_ARCHITECTURES = ("Qwen3Next", "Qwen3_5")
 # layer_types entries that hold no recurrent state (NemotronH lists its mlp / moe blocks there too).
 STATELESS_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention", "mlp", "moe")
 
@@ -417,12 +419,8 @@ def recurrent_layers(target_hf_config: Any) -> str | None:
     Looks at the config (an HF PretrainedConfig, any object with attributes, or a config.json dict) and its
     nested text_config (multimodal wrappers such as Qwen3.5).
     """
-    configs = [target_hf_config]
-    text = config_value(target_hf_config, "text_config")
-    if text is not None:
-        configs.append(text)
     families = [_squash(a) for a in RECURRENT_ARCHITECTURES]
-    for cfg in configs:
+    for cfg in _configs(target_hf_config):
         for arch in _listed(cfg, "architectures"):
             if any(f in _squash(str(arch)) for f in families):
                 return f"architecture {arch}"
@@ -438,4 +436,31 @@ def recurrent_layers(target_hf_config: Any) -> str | None:
         for kind in _listed(cfg, "layers_block_type"):
             if "mamba" in str(kind).lower():
                 return f"layers_block_type has {kind!r}"
+    return None
+
+
+def _configs(cfg: Any) -> list:
+    """A config and its nested text_config (multimodal wrappers such as Qwen3.5 / Gemma 4)."""
+    text = config_value(cfg, "text_config")
+    return [cfg] + ([text] if text is not None else [])
+
+
+def gated_deltanet(target_hf_config: Any) -> bool:
+    """Whether a hybrid target's linear layers are Gated DeltaNet (Qwen3.5 / Qwen3.6 / Qwen3-Next)."""
+    families = [_squash(a) for a in GATED_DELTANET_ARCHITECTURES]
+    for cfg in _configs(target_hf_config):
+        names = [str(a) for a in _listed(cfg, "architectures")] + [str(config_value(cfg, "model_type") or "")]
+        if any(f in _squash(n) for n in names for f in families):
+            return True
+    return False
+
+
+def sliding_window_layers(target_hf_config: Any) -> str | None:
+    """Evidence that a target has sliding-window attention layers (Gemma 2/3/4, ...), e.g. "layer_types has
+    'sliding_attention'"; None when every attention layer sees the whole context."""
+    for cfg in _configs(target_hf_config):
+        if "sliding_attention" in _listed(cfg, "layer_types"):
+            return "layer_types has 'sliding_attention'"
+        if config_value(cfg, "use_sliding_window") and config_value(cfg, "sliding_window"):
+            return f"sliding_window {config_value(cfg, 'sliding_window')}"
     return None
