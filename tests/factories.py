@@ -12,7 +12,9 @@ from dflash_sglang.core.drafter import DFlashDrafter
 
 # Hybrid targets: Gated DeltaNet (linear-attention) layers between full-attention ones, as Qwen3.5 / Qwen3-Next have.
 HYBRID_ARCHS = ("qwen3_5", "qwen3_next")
-ARCHS = ("llama", "qwen3") + HYBRID_ARCHS
+ARCHS = ("llama", "qwen3", "gemma4") + HYBRID_ARCHS
+# Gemma 4 drafts (z-lab): sliding-window layers then a full one, logits soft-capped as the target's are.
+GEMMA4_DRAFT = dict(layer_types=("sliding_attention", "full_attention"), sliding_window=4, final_logit_softcapping=30.0)
 
 
 def tiny_target(arch: str = "llama", vocab: int = 96, hidden: int = 32, layers: int = 6, seed: int = 0):
@@ -29,6 +31,14 @@ def tiny_target(arch: str = "llama", vocab: int = 96, hidden: int = 32, layers: 
         model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0))
     elif arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=hidden // 4, rope_theta=10000.0))
+    elif arch == "gemma4":
+        # Gemma 4's scaled embedding (x sqrt(hidden)), soft-capped logits and tied head; every layer full attention
+        # (the reference keeps each request's whole time axis; a target's sliding window is SGLang's to serve)
+        cfg = transformers.Gemma4TextConfig(
+            **{**common, "tie_word_embeddings": True}, head_dim=hidden // 4, global_head_dim=hidden // 4,
+            layer_types=["full_attention"] * layers, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
+            vocab_size_per_layer_input=vocab, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+        model = transformers.Gemma4ForCausalLM(cfg)
     elif arch in HYBRID_ARCHS:
         linear = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
                       linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"] * (layers // 2))
@@ -50,7 +60,10 @@ def tiny_target(arch: str = "llama", vocab: int = 96, hidden: int = 32, layers: 
 
 
 def draft_config_for(target, n_layers: int = 2, n_features: int = 3, block_size: int = 8, **kw) -> DraftConfig:
+    """A draft config fitting `target` (a Gemma 4 target gets a Gemma 4-style draft, GEMMA4_DRAFT)."""
     tc = target.config
+    if tc.model_type.startswith("gemma4"):
+        kw = {**GEMMA4_DRAFT, **kw}
     return DraftConfig(
         hidden_size=tc.hidden_size, intermediate_size=2 * tc.hidden_size, num_hidden_layers=n_layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=tc.hidden_size // 4, vocab_size=tc.vocab_size,

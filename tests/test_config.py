@@ -5,7 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash_sglang.core.config import CheckpointError, DraftConfig, build_target_layer_ids, recurrent_layers
+from dflash_sglang.core.config import (CheckpointError, DraftConfig, build_target_layer_ids, gated_deltanet,
+                                       recurrent_layers, sliding_window_layers)
 
 ZLAB_QWEN3_8B = {
     "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
@@ -160,7 +161,7 @@ def test_missing_and_invalid_json(tmp_path):
         DraftConfig.load(tmp_path)
 
 
-DFLASH2_KEYS = ["output_multiplier", "final_logit_softcapping", "projector_type", "selector_layers",
+DFLASH2_KEYS = ["output_multiplier", "projector_type", "selector_layers",
                 "num_selector_layers", "conv_layers", "conv_kernel_size"]
 
 
@@ -182,6 +183,35 @@ def test_dflash2_fields_switched_off_are_accepted():
     d.update(final_logit_softcapping=None, num_selector_layers=0)  # e.g. copied from a Gemma target config
     d["dflash_config"]["conv_layers"] = []
     assert DraftConfig.from_dict(d) == DraftConfig.from_dict(ZLAB_QWEN3_8B)
+
+
+@pytest.mark.parametrize("where", ["dflash_config", "top"])
+def test_gemma4_drafts_soft_cap_their_logits(where):
+    """z-lab's Gemma 4 drafts are DFlash v1 with final_logit_softcapping (top level in the published config); it is
+    read from either place, round-trips, and 0 / null mean off (as Gemma-derived configs spell it)."""
+    d = json.loads(json.dumps(ZLAB_QWEN3_8B))
+    (d["dflash_config"] if where == "dflash_config" else d)["final_logit_softcapping"] = 30
+    cfg = DraftConfig.from_dict(d)
+    assert cfg.final_logit_softcapping == 30.0
+    assert DraftConfig.from_dict(cfg.to_dict()) == cfg
+    for off in (0, None):
+        (d["dflash_config"] if where == "dflash_config" else d)["final_logit_softcapping"] = off
+        assert DraftConfig.from_dict(d).final_logit_softcapping is None
+    (d["dflash_config"] if where == "dflash_config" else d)["final_logit_softcapping"] = "30"
+    prefix = "dflash_config." if where == "dflash_config" else ""
+    with pytest.raises(CheckpointError, match=rf"field '{prefix}final_logit_softcapping' must be float"):
+        DraftConfig.from_dict(d)
+
+
+def test_target_families():
+    """Gated DeltaNet hybrids (what the worker commits state for) and sliding-window targets (chains only)."""
+    qwen36 = {"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": {"model_type": "qwen3_5_text"}}
+    assert gated_deltanet(qwen36) and gated_deltanet(SimpleNamespace(model_type="qwen3_next"))
+    assert not gated_deltanet({"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h"})
+    gemma4 = {"text_config": {"layer_types": ["sliding_attention"] * 5 + ["full_attention"]}}
+    assert sliding_window_layers(gemma4) == "layer_types has 'sliding_attention'"
+    assert sliding_window_layers({"layer_types": ["full_attention"] * 4, "sliding_window": None}) is None
+    assert sliding_window_layers(SimpleNamespace(use_sliding_window=True, sliding_window=4096)) == "sliding_window 4096"
 
 
 # ------------------------------------------------------------------ recurrent_layers (hybrid targets)

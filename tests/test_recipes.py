@@ -39,6 +39,9 @@ except ImportError:
     resolve_draft = None
 parser = argparse.ArgumentParser()
 ServerArgs.add_cli_args(parser)
+# our flags, as the plugin adds them to the server's parser (recipes pass --speculative-dflash-experimental to ours)
+from dflash_sglang.adapter.settings import add_plugin_flags, split_plugin_flags
+add_plugin_flags(parser)
 hidden = {o for a in parser._actions for o in a.option_strings
           if a.help == argparse.SUPPRESS or (a.help or "").lower().startswith("deprecated")}
 out = []
@@ -51,7 +54,7 @@ for job in json.load(sys.stdin):
     except SystemExit:
         out.append({"error": err.getvalue().strip().splitlines()[-1]})
         continue
-    dummy = copy.copy(ns)
+    dummy = argparse.Namespace(**split_plugin_flags(vars(ns))[1])
     dummy.model_path = "dummy"
     ServerArgs.from_cli_args(dummy)
     rec = {"error": None, "model_path": ns.model_path, "tp_size": ns.tp_size,
@@ -154,27 +157,37 @@ _TARGET_LAYOUT = {
 
 @pytest.mark.parametrize("draft", sorted(_PUBLISHED_DRAFTS))
 def test_builtin_only_reasons_match_our_startup_checks(draft):
-    """The published config agrees with dflash_sglang.pairs, and a recipe is builtin-only exactly where our own
-    start-up checks refuse the pair (checkpoint loader or hybrid-target check), with a reason naming the builtin."""
-    from dflash_sglang.core.config import CheckpointError, DraftConfig, recurrent_layers
+    """The published config agrees with dflash_sglang.pairs; a recipe is builtin-only exactly where our own start-up
+    checks refuse the pair (checkpoint loader, or a recurrent target that is not Gated DeltaNet), with a reason naming
+    the builtin; and experimental exactly where ours needs --speculative-dflash-experimental (a Gated DeltaNet target,
+    a soft-capped draft), which the recipe then passes to ours and only to ours."""
+    from dflash_sglang.core.config import CheckpointError, DraftConfig, gated_deltanet, recurrent_layers
 
     pair, d = PAIRS[draft], _PUBLISHED_DRAFTS[draft]
     t = pair.target
     assert (d["block_size"], tuple(d["dflash_config"]["target_layer_ids"])) == (pair.block_size, pair.target_layer_ids)
     assert (d["hidden_size"], d["vocab_size"], d["num_target_layers"]) == (t.hidden_size, t.vocab_size, t.num_layers)
     assert d["num_attention_heads"] == pair.draft_num_heads
-    refusals = []
+    refusals, experimental = [], False
     try:
-        DraftConfig.from_dict(d, f"{draft}/config.json")
+        experimental = DraftConfig.from_dict(d, f"{draft}/config.json").final_logit_softcapping is not None
     except CheckpointError as e:
         refusals.append(str(e))
     if (hybrid := recurrent_layers(_TARGET_LAYOUT[t.repo])) is not None:
-        refusals.append(hybrid)
+        if gated_deltanet(_TARGET_LAYOUT[t.repo]):
+            experimental = True
+        else:
+            refusals.append(hybrid)
     (name,) = [n for n in recipes.names() if recipes.load(n).draft == draft]
     r = recipes.load(name)
+    assert r.experimental == experimental, (name, r.experimental)
     for hw, h in r.hw.items():
         assert bool(h.builtin_only) == bool(refusals), (name, hw, refusals)
         assert not h.builtin_only or "DFLASH_SGLANG_IMPL=builtin" in h.builtin_only, (name, hw)
+        if not refusals:
+            flag = "--speculative-dflash-experimental"
+            assert (flag in r.server_args(hw, "ours")) == experimental, (name, hw)
+            assert flag not in r.server_args(hw, "builtin") + r.server_args(hw, "none"), (name, hw)
 
 
 @pytest.mark.parametrize("name,hw", ALL)

@@ -31,10 +31,11 @@ TOKEN_MAP = (0, 2, 3, 5, 6, 7)
 # (target seed, drafter seed) per architecture: vocab 8, so that a random drafter agrees with the target often enough to
 # exercise partial acceptance; picked so that every block size sees rejections and long accepts (mean acceptance
 # ~1.6-2 for llama / qwen3; ~1.2 for the hybrid targets, whose random Gated DeltaNet layers are less predictable)
-SEEDS = {"llama": (2, 2), "qwen3": (2, 2), "qwen3_5": (3, 5), "qwen3_next": (2, 5)}
+SEEDS = {"llama": (2, 2), "qwen3": (2, 2), "gemma4": (0, 1), "qwen3_5": (3, 5), "qwen3_next": (2, 5)}
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "llama+token_map", *HYBRID_ARCHS])
+# gemma4: a Gemma 4 target (scaled embedding, soft-capped logits) with a Gemma 4-style draft (factories.GEMMA4_DRAFT)
+@pytest.fixture(scope="module", params=["llama", "qwen3", "llama+token_map", "gemma4", *HYBRID_ARCHS])
 def pair(request):
     arch, _, mapped = request.param.partition("+")
     target_seed, drafter_seed = SEEDS[arch]
@@ -172,6 +173,7 @@ class ScriptedController:
     # hybrid targets: each node verified from its own path's recurrent state, the accepted one committed
     ("qwen3_5", 4, None, None, 0.0, None), ("qwen3_next", 4, SpecShape(7, 3), None, 0.0, None),
     ("qwen3_5", 4, None, None, 0.0, "scripted"),
+    ("gemma4", 4, None, None, 0.0, None), ("gemma4", 4, SpecShape(7, 3), None, 0.0, None),
 ])
 def test_sampling_matches_target_distribution(arch, block, tree, token_map, min_p, goodput):
     """Sampled continuations follow the target's exact distribution, whatever the verify shape: chains, trees, a

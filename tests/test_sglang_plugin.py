@@ -362,15 +362,24 @@ def test_mixed_chunk_is_turned_off_with_a_log_line(plugin, pair, monkeypatch, ca
 
 
 @child_only
-def test_tree_refuses_attention_backends_without_a_tree_mask(plugin):
+def test_tree_refuses_attention_backends_without_a_tree_mask(plugin, monkeypatch):
+    """Trees need a target attention backend that takes the tree mask, and full attention in every target layer (a
+    sliding window over tree rows, which sit at depths rather than consecutive positions, would be wrong)."""
+    from dflash_sglang.adapter import args as args_mod
     from dflash_sglang.adapter.args import UnsupportedFlagError, check_tree_serving
 
+    target = {"layer_types": ["full_attention"] * 4}
+    monkeypatch.setattr(args_mod, "model_config", lambda server_args: SimpleNamespace(hf_config=target))
     args = SimpleNamespace(page_size=1, attention_backend="flashinfer", prefill_attention_backend=None,
-                           decode_attention_backend="fa3")
+                           decode_attention_backend="fa3", model_path="m")
     with pytest.raises(UnsupportedFlagError, match=r"^--decode-attention-backend fa3: tree verification supports"):
         check_tree_serving(args, 8, "N", "trees")
     args.decode_attention_backend = "triton"
     check_tree_serving(args, 8, "N", "trees")
+    target["layer_types"] = ["sliding_attention", "full_attention"] * 2  # (Gemma 4, gpt-oss)
+    with pytest.raises(UnsupportedFlagError, match=r"^--model-path m: tree verification \(trees\) needs full "
+                                                   r"attention in every target layer; the target has sliding-window"):
+        check_tree_serving(args, 8, "N", "trees")
 
 
 @pytest.mark.parametrize(
@@ -485,27 +494,70 @@ def test_token_map_resolution(plugin, pair, monkeypatch, tmp_path):
         _server_args(pair, speculative_token_map=str(too_big))
 
 
-@child_only
-def test_hybrid_linear_attention_target_is_refused(plugin, pair, monkeypatch, tmp_path):
-    """Qwen3-Next (gated-delta-net layers): their recurrent state cannot be rolled back for rejected drafts."""
+def _hybrid_target(pair: Path, root: Path, architecture: str) -> Path:
+    """A target directory with Qwen3-Next's config (gated-delta-net layers), under `architecture`."""
     from transformers import Qwen3NextConfig
 
-    from dflash_sglang.adapter.args import UnsupportedFlagError
-
-    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
     base = json.loads((pair / "target" / "config.json").read_text())
     cfg = Qwen3NextConfig(vocab_size=16, hidden_size=base["hidden_size"], num_hidden_layers=4,
                           num_attention_heads=base["num_attention_heads"],
                           num_key_value_heads=base["num_key_value_heads"],
                           intermediate_size=64, head_dim=base.get("head_dim", 8), num_experts=2, num_experts_per_tok=1)
-    cfg.architectures = ["Qwen3NextForCausalLM"]
-    (tmp_path / "hybrid").mkdir()
-    cfg.save_pretrained(tmp_path / "hybrid")
-    with pytest.raises(UnsupportedFlagError, match=r"^--model-path .*hybrid: the target has recurrent / "
-                                                   r"linear-attention layers \(.*Qwen3Next.*\).* "
-                                                   r"DFLASH_SGLANG_IMPL=builtin"):
-        # (without a radix cache: SGLang's own Mamba-cache checks refuse CPU before ours would run)
-        _server_args(pair, model_path=str(tmp_path / "hybrid"), disable_radix_cache=True)
+    cfg.architectures = [architecture]
+    if architecture != "Qwen3NextForCausalLM":  # another recurrent family: its own model_type too
+        cfg.model_type = "jamba"
+    (root / architecture).mkdir()
+    cfg.save_pretrained(root / architecture)
+    if architecture != "Qwen3NextForCausalLM":
+        data = json.loads((root / architecture / "config.json").read_text())
+        (root / architecture / "config.json").write_text(json.dumps({**data, "model_type": "qwen3"}))
+    return root / architecture
+
+
+@child_only
+def test_hybrid_linear_attention_target_is_gated(plugin, pair, monkeypatch, tmp_path):
+    """Qwen3-Next (gated-delta-net layers): served by ours only with --speculative-dflash-experimental (until a GPU
+    end-to-end run validates it) and only on CUDA (SGLang's linear-attention kernels); other recurrent families are
+    refused whatever the flags, each naming the builtin."""
+    from dflash_sglang.adapter.args import UnsupportedFlagError
+
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    qwen3_next = str(_hybrid_target(pair, tmp_path, "Qwen3NextForCausalLM"))
+    # (without a radix cache: SGLang's own Mamba-cache checks refuse CPU before ours would run)
+    with pytest.raises(UnsupportedFlagError, match=r"^--model-path .*: the target has recurrent / linear-attention "
+                                                   r"layers \(.*Qwen3Next.*\), not yet validated .* pass "
+                                                   r"--speculative-dflash-experimental .* DFLASH_SGLANG_IMPL=builtin$"):
+        _server_args(pair, model_path=qwen3_next, disable_radix_cache=True)
+    with pytest.raises(UnsupportedFlagError, match=r"^--model-path .*: SGLang's linear-attention kernels run on "
+                                                   r"CUDA only, not --device cpu"):
+        _server_args(pair, model_path=qwen3_next, disable_radix_cache=True, speculative_dflash_experimental=True)
+    jamba = str(_hybrid_target(pair, tmp_path, "JambaForCausalLM"))
+    with pytest.raises(UnsupportedFlagError, match=r"architecture JambaForCausalLM\); dflash-sglang serves Gated "
+                                                   r"DeltaNet hybrids only .* DFLASH_SGLANG_IMPL=builtin$"):
+        _server_args(pair, model_path=jamba, disable_radix_cache=True, speculative_dflash_experimental=True)
+
+
+@child_only
+def test_soft_capped_gemma4_draft_is_gated(plugin, pair, monkeypatch, tmp_path):
+    """A Gemma 4-style draft (final_logit_softcapping, sliding-window layers) loads; ours serves it with
+    --speculative-dflash-experimental only, and refuses it otherwise naming the field, the flag and the builtin."""
+    from dflash_sglang.adapter.args import UnsupportedFlagError
+    from dflash_sglang.adapter.settings import settings_of
+    from factories import draft_config_for, tiny_drafter, tiny_target, write_draft
+
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    target = tiny_target("qwen3", vocab=16, seed=0)
+    cfg = draft_config_for(target, block_size=6, layer_types=("sliding_attention", "full_attention"),
+                           sliding_window=8, final_logit_softcapping=30.0)
+    gemma = write_draft(tmp_path / "gemma_style", tiny_drafter(cfg), dtype=torch.float32)
+    with pytest.raises(UnsupportedFlagError, match=r"^.*gemma_style/config.json: field "
+                                                   r"'dflash_config.final_logit_softcapping' \(a soft-capped Gemma 4 "
+                                                   r"draft\) .* pass --speculative-dflash-experimental .*"
+                                                   r"DFLASH_SGLANG_IMPL=builtin$"):
+        _server_args(pair, speculative_draft_model_path=str(gemma))
+    settings = settings_of(_server_args(pair, speculative_draft_model_path=str(gemma),
+                                        speculative_dflash_experimental=True))
+    assert settings.draft.final_logit_softcapping == 30.0 and not settings.hybrid
 
 
 @child_only
@@ -687,10 +739,12 @@ def test_flags_that_would_silently_degrade_are_refused(plugin, field, value, mat
 
 
 @child_only
-def test_tree_checks_read_what_sglang_picked(plugin):
+def test_tree_checks_read_what_sglang_picked(plugin, monkeypatch):
     """SGLang stashes its own choices (e.g. fa3 on Hopper when --attention-backend is unset) as declarations; the tree
     checks read them through the version seam's view and say so."""
     from dflash_sglang.adapter import args as args_mod
+
+    monkeypatch.setattr(args_mod, "model_config", lambda server_args: SimpleNamespace(hf_config={}))
 
     def fake(**declared):
         return SimpleNamespace(page_size=None, attention_backend=None, prefill_attention_backend=None,

@@ -24,7 +24,8 @@ IMPLS = ("ours", "builtin", "none")
 HARDWARE = ("h100", "h200", "b200", "b300")
 _HW_KEYS = {"tp", "attention_backend", "draft_attention_backend", "mem_fraction_static", "cuda_graph_bs",
             "max_running_requests", "args", "env", "measured", "builtin_only"}
-_TOP_KEYS = {"name", "target", "draft", "block_size", "args", "env", "hw"}
+_TOP_KEYS = {"name", "target", "draft", "block_size", "args", "env", "hw", "experimental"}
+EXPERIMENTAL_FLAG = "--speculative-dflash-experimental"  # ours on a pair not yet validated end to end on a GPU
 GENERATION = {"h100": "hopper", "h200": "hopper", "b200": "blackwell", "b300": "blackwell"}
 # SGLang attention backends per GPU generation (fa3 needs sm90; fa4, trtllm_mha and trtllm_mla (MLA targets) sm100).
 BACKENDS = {"hopper": ("flashinfer", "fa3", "triton"),
@@ -60,6 +61,7 @@ class Recipe:
     header: str  # the leading comment block
     args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    experimental: bool = False  # ours serves this pair only with EXPERIMENTAL_FLAG (hybrid targets, Gemma 4 drafts)
 
     def ours_refusal(self, hw: str) -> str | None:
         """Why dflash-sglang's worker cannot serve this table (None: it can): the table's `builtin_only` reason, e.g. a
@@ -93,7 +95,8 @@ class Recipe:
                      "--speculative-num-draft-tokens", str(self.block_size),
                      "--speculative-draft-attention-backend",
                      OURS_DRAFT_BACKEND if impl == "ours" else h.draft_attention_backend]
-        return argv + list(self.args) + list(h.args) + list(extra)
+        ours = [EXPERIMENTAL_FLAG] if impl == "ours" and self.experimental else []
+        return argv + list(self.args) + list(h.args) + ours + list(extra)
 
     def server_env(self, hw: str, impl: str | None = None) -> dict[str, str]:
         """Environment additions; the worker choice is DFLASH_SGLANG_IMPL (unset for the no-speculation arm)."""
@@ -192,7 +195,14 @@ def load(name_or_path: str | Path) -> Recipe:
         name=_get(d, "name", str, where), path=path, target=_get(d, "target", str, where),
         draft=_get(d, "draft", str, where), block_size=_get(d, "block_size", int, where), hw=hws,
         header="\n".join(header), args=_strs(d, "args", where), env=_env(d, where),
+        experimental=_opt_bool(d, "experimental", where),
     )
+
+
+def _opt_bool(d: dict, key: str, where: str) -> bool:
+    if not isinstance(d.get(key, False), bool):
+        raise RecipeError(f"{where}: field '{key}' must be true or false, got {d[key]!r}")
+    return d.get(key, False)
 
 
 def names() -> list[str]:
