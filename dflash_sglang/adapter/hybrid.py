@@ -33,12 +33,14 @@ class HybridTarget:
     server_topk: int
 
     @classmethod
-    def of(cls, model_runner, server_topk: int) -> HybridTarget | None:
-        """None for an attention-only target."""
+    def of(cls, model_runner, server_topk: int) -> HybridTarget:
+        """For a target start-up found hybrid (adapter/args.py); refuses to serve where SGLang does not run it as
+        one (no state would be committed: rejected drafts would stay in the recurrent state)."""
         from sglang.srt.configs.hybrid_arch import mambaish_config
 
         if mambaish_config(model_runner.model_config) is None:
-            return None
+            raise RuntimeError("DFLASH (dflash-sglang): the target has linear-attention layers but SGLang does not "
+                               "run it as a hybrid model; serve it with DFLASH_SGLANG_IMPL=builtin")
         backend = model_runner.attn_backend
         if not hasattr(backend, "update_mamba_state_after_mtp_verify"):
             raise RuntimeError(f"DFLASH (dflash-sglang): the hybrid target's attention backend "
