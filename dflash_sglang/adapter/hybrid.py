@@ -7,7 +7,7 @@ kernels leave the live state alone and write the state after every verify row in
 `retrieve_next_token` / `retrieve_next_sibling` when the server's top-k is > 1). After acceptance the worker copies
 each request's last accepted row's state into its live slot, and fills the prefix cache's tracking slot where the
 commit crossed a tracking point (`update_mamba_state_after_mtp_verify`, which the builtin DFLASH and EAGLE call too).
-core/recurrent.py is the executable spec of the same rule.
+core/recurrent.py is the executable spec of the same rule (and `last_row`, the row both commit).
 
 The scratch buffers hold `--speculative-num-draft-tokens` rows per request, and the worker declares that as the most
 rows any step verifies (adapter/args.py), so SGLang sizes them (`state_scratch_bytes`) and no step overruns them.
@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from dflash_sglang.core.recurrent import last_row
 
 from .versions import mamba_track_interval
 
@@ -63,14 +65,13 @@ class HybridTarget:
         commit crosses a tracking point. accept_len [bs] int64: accepted drafts (accept_len + 1 tokens commit);
         path_rows [bs, D+1] int64: a tree's accepted path (verify rows, root first, then -1); None for a chain (row i
         is the i-th committed token)."""
-        last_row = accept_len if path_rows is None else path_rows.gather(1, accept_len[:, None])[:, 0]
         track = None
         if batch.mamba_track_indices is not None:
             track = track_steps(seq_lens_pre, accept_len + 1, mamba_track_interval(batch.tree_cache.page_size),
                                 path_rows)
         self.backend.update_mamba_state_after_mtp_verify(
-            last_correct_step_indices=last_row, mamba_track_indices=batch.mamba_track_indices,
-            mamba_steps_to_track=track, model=self.model, req_pool_indices=batch.req_pool_indices[: len(last_row)])
+            last_correct_step_indices=last_row(accept_len, path_rows), mamba_track_indices=batch.mamba_track_indices,
+            mamba_steps_to_track=track, model=self.model, req_pool_indices=batch.req_pool_indices[: len(accept_len)])
 
 
 def chain_links(bs: int, width: int, device) -> tuple[Tensor, Tensor]:

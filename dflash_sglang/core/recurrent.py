@@ -91,8 +91,8 @@ class NodeStates:
         self._write(last + 1)
 
 
-def last_kept(keep: Tensor) -> Tensor:
-    """The deepest kept node of each request [bs] int64 from keep [bs, N] bool (root + accepted path, parent-first,
-    so the deepest is the one with the largest index)."""
-    idx = torch.arange(keep.shape[1], device=keep.device)
-    return torch.where(keep, idx, torch.full_like(idx, -1)).amax(-1)
+def last_row(accept_len: Tensor, path: Tensor | None) -> Tensor:
+    """The verify row of each request's last committed token [bs] int64, whose state becomes the live one: row
+    accept_len [bs] of a chain; of a tree, the accepted path's node at that depth (path [bs, D+1] int64: the root,
+    then the accepted nodes, then -1; core/tree_verify.py)."""
+    return accept_len if path is None else path.gather(1, accept_len[:, None])[:, 0]

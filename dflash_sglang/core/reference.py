@@ -27,7 +27,7 @@ from .drafter import KV, DFlashDrafter
 from .features import target_layer_features
 from .goodput import GoodputController
 from .penalties import OutputPenalties, Penalties, apply_penalties
-from .recurrent import NodeStates, has_attention, last_kept, select_rows
+from .recurrent import NodeStates, has_attention, last_row, select_rows
 from .speculate import DraftLogits, accept, committed_ranks, draft_block, kept_rows, propose, rank_paths
 from .token_map import restrict_head
 
@@ -288,7 +288,7 @@ class ReferenceDecoder:
             pen.commit(batch.rid, result.out_tokens, result.accept_len + 1)
         keep = kept_rows(proposal, result)
         if states is not None:
-            states.commit(last_kept(keep))
+            states.commit(last_row(result.accept_len, result.accept_nodes if proposal.tree is not None else None))
 
         new_kv = self._context_kv(feats, positions)
         batch.ctx_kv = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2))
