@@ -205,3 +205,27 @@ def test_goodput_schedule_publishes_the_controllers_state_as_metrics():
     assert value("goodput_accept_rate", depth="1") == summary["accept_rate"][0]
     assert value("goodput_step_cost_seconds", term="per_request") == pytest.approx(
         summary["cost_ms"]["per_request"] / 1e3)
+
+
+@requires_sglang
+def test_goodput_schedule_observes_a_fixed_step_cost_instead_of_wall_time():
+    """DFLASH_SIMULATE_STEP_COST (adapter/simulate.py): each step reaches the controller as the fixed cost of its
+    shape at its batch size; a step whose interval held other work (seconds None) still stays out of the cost fit."""
+    from dflash_sglang.adapter.adaptive import ShapeSchedule
+    from dflash_sglang.adapter.simulate import simulated_step_cost
+    from dflash_sglang.core.goodput import GoodputConfig, GoodputController
+
+    cost = simulated_step_cost({"DFLASH_SIMULATE_STEP_COST": "0.02,0.001,0.0001,0.004,0.0002,0.0005"})
+    assert simulated_step_cost({}) is None
+    with pytest.raises(ValueError, match=r"^DFLASH_SIMULATE_STEP_COST: .*6 seconds"):
+        simulated_step_cost({"DFLASH_SIMULATE_STEP_COST": "0.02,0.001"})
+    schedule = ShapeSchedule(8, controller=GoodputController(GoodputConfig(max_nodes=8)), step_cost=cost)
+    seen = []
+    observe = schedule.controller.observe
+    schedule.controller.observe = lambda shape, acc, sec, ranks=None: (seen.append((shape, len(acc), sec)),
+                                                                        observe(shape, acc, sec, ranks))
+    for i in range(12):
+        shape = schedule.choose(3)
+        schedule.observe(shape, [min(shape.nodes - 1, 1)] * 3, None if i == 5 else 123.0 * i)
+    assert [sec for _, _, sec in seen][5] is None
+    assert all(sec == cost.seconds(shape, bs) for i, (shape, bs, sec) in enumerate(seen) if i != 5), seen

@@ -12,7 +12,7 @@ import pytest
 
 from dflash_sglang.core.acceptance import AcceptanceModel, expected_tokens
 from dflash_sglang.core.adaptive import SpecShape
-from dflash_sglang.core.goodput import CostModel, GoodputConfig, GoodputController, features
+from dflash_sglang.core.goodput import CostModel, FixedStepCost, GoodputConfig, GoodputController
 
 # A CPU-like cost (seconds): verify rows cost in full (compute-bound), a drafter pass ~ 0.7 plain steps at bs 1, a
 # tree's own work (top-k, build, mask) a row and a half per request.
@@ -20,7 +20,18 @@ CPU_THETA = (0.002, 0.032, 0.004, 0.020, 0.004, 0.006)
 
 
 def step_cost(theta, nodes, bs: int) -> float:
-    return sum(t * f for t, f in zip(theta, features(nodes, bs)))
+    return FixedStepCost(theta).seconds(nodes, bs)
+
+
+def test_fixed_step_cost_is_theta_dot_the_terms():
+    """Terms: step, per request, extra verify rows, drafter pass, drafter per request, tree per request."""
+    cost = FixedStepCost.parse("1,2,3,4,5,6")
+    assert cost.seconds(1, 5) == 1 + 2 * 5  # a plain step: no drafter pass
+    assert cost.seconds(4, 3) == 1 + 2 * 3 + 3 * 3 * 3 + 4 + 5 * 3
+    assert cost.seconds(SpecShape(8, 2), 2) == 1 + 2 * 2 + 3 * 2 * 7 + 4 + 5 * 2 + 6 * 2
+    for bad in ("1,2,3", "1,2,3,4,5,x", "1,2,3,4,5,-1", "0,0,1,1,1,1", "1,2,3,4,5,nan", "1,2,3,4,5,inf"):
+        with pytest.raises(ValueError, match="seconds|could not convert"):
+            FixedStepCost.parse(bad)
 
 
 def draw_accepted(rng: random.Random, rates, nodes: int, bs: int) -> list[int]:

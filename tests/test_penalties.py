@@ -11,7 +11,7 @@ from dflash_sglang.core.adaptive import AdaptivePolicy, SpecShape
 from dflash_sglang.core.goodput import GoodputConfig, GoodputController
 from dflash_sglang.core.penalties import OutputPenalties, Penalties, apply_penalties
 from dflash_sglang.core.reference import ReferenceDecoder
-from factories import draft_config_for, mixed_prompts, sampled_fit_pvalue, tiny_drafter, tiny_target
+from factories import STEP_COST, draft_config_for, mixed_prompts, sampled_fit_pvalue, tiny_drafter, tiny_target
 
 # (frequency, presence, repetition, min_new_tokens) per request of a batch: every kind alone, all together, none
 SETTINGS = [(0.6, 0.0, 1.0, 0), (0.0, 0.9, 1.0, 0), (0.0, 0.0, 1.7, 0), (0.4, 0.3, 1.3, 6), (0.0, 0.0, 1.0, 0),
@@ -66,7 +66,7 @@ def test_greedy_with_penalties_matches_plain_decoding(pair, spec):
     pen = batch_penalties(SETTINGS, stops)
     ctrl = GoodputController(GoodputConfig(max_nodes=16)) if spec.get("goodput") else None
     outs = dec.generate(prompts, max_new_tokens=20, block_size=spec["block"], tree=spec.get("tree"),
-                        policy=spec.get("policy"), controller=ctrl, penalties=pen)
+                        policy=spec.get("policy"), controller=ctrl, penalties=pen, step_cost=STEP_COST)
     expected = [oracle_greedy(target, p, 20, s, stops) for p, s in zip(prompts, SETTINGS)]
     assert [o.tokens for o in outs] == expected
     assert dec.plain_generate(prompts, 20, penalties=pen) == expected

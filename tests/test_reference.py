@@ -8,7 +8,8 @@ from dflash_sglang.core.adaptive import AdaptivePolicy, SpecShape
 from dflash_sglang.core.config import recurrent_layers
 from dflash_sglang.core.goodput import Decision, GoodputConfig, GoodputController
 from dflash_sglang.core.reference import ReferenceDecoder, StepTimes
-from factories import HYBRID_ARCHS, draft_config_for, mixed_prompts, sampled_fit_pvalue, tiny_drafter, tiny_target
+from factories import (HYBRID_ARCHS, STEP_COST, draft_config_for, mixed_prompts, sampled_fit_pvalue, tiny_drafter,
+                       tiny_target)
 
 CHAINS = [dict(block=b) for b in (2, 3, 5, 8, 16)]
 TREES = [dict(block=16, tree=SpecShape(n, k)) for n, k in ((8, 2), (16, 4), (32, 4))]
@@ -56,7 +57,7 @@ def test_greedy_is_token_identical(pair, spec):
     ctrl = (GoodputController(GoodputConfig(max_nodes=spec["goodput"], max_depth=block - 1, max_topk=4))
             if "goodput" in spec else None)
     outs = dec.generate(prompts, max_new_tokens=24, block_size=block, tree=spec.get("tree"), policy=spec.get("policy"),
-                        times=times, controller=ctrl)
+                        times=times, controller=ctrl, step_cost=STEP_COST)  # (the controller's choices: not the load's)
     # one timed step per batched decode step (the longest-running request took part in each)
     assert times.steps == max(len(o.accept_lengths) for o in outs) and times.verify > 0 and times.other > 0
     for prompt, out in zip(prompts, outs):
@@ -118,6 +119,22 @@ def test_controller_observes_each_step_with_its_wall_seconds(pair, monkeypatch):
             assert path[:a] == [1] * a and len(path) <= min(a + 1, n)
             assert len(path) == a or path[a] > 1
 
+
+def test_a_fixed_step_cost_replaces_the_clock(pair, monkeypatch):
+    """With `step_cost` the controller observes each step's fixed cost at its batch size, whatever the clock says
+    (here one that runs away), so its choices follow acceptance alone."""
+    from dflash_sglang.core import reference
+
+    target, drafter = pair
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(reference.time, "perf_counter", lambda: float(next(ticks)) ** 3)
+    ctrl, seen = GoodputController(GoodputConfig(max_nodes=16)), []
+    observe = ctrl.observe
+    monkeypatch.setattr(ctrl, "observe", lambda shape, acc, sec, ranks: (
+        seen.append((shape, len(acc), sec)), observe(shape, acc, sec, ranks)))
+    ReferenceDecoder(target, drafter).generate(mixed_prompts(8, lengths=(3, 9, 5)), 16, block_size=16,
+                                               controller=ctrl, step_cost=STEP_COST)
+    assert len(seen) >= 4 and all(sec == STEP_COST.seconds(shape, bs) for shape, bs, sec in seen), seen
 
 def test_eos_and_max_tokens_inside_a_block(pair):
     target, drafter = pair

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories import STEP_COST_ENV
 from sglang_support import requires_sglang
 
 HERE = Path(__file__).resolve().parent
@@ -74,6 +75,9 @@ ENGINES_ENV = "DFLASH_E2E_ENGINES"  # comma-separated Engine (job) names to star
 TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 # TP-2 Engines' shape flags (goodput: none; its chain length is TP rank 0's, broadcast)
 TP_SHAPES = {"chain": {"block": BLOCK}, "tree": {"block": TREE_NODES, "topk": TREE_TOPK}}
+# The goodput Engines' controllers observe a fixed step cost, not their wall time (adapter/simulate.py): what they
+# choose follows acceptance and batch size, never how busy the machine is
+FIXED_COST = {"DFLASH_SIMULATE_STEP_COST": STEP_COST_ENV}
 
 
 pytestmark = requires_sglang
@@ -573,7 +577,7 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
     jobs = [
         dict(name="chain", root=str(pair_dir), spec=True, full=True, block=BLOCK),  # pinned: a chain of the block
         # no shape flag: the goodput controller picks each step's chain length (plain steps included)
-        dict(name="goodput", root=str(pair_dir), spec=True, full=True, env=debug_env(pair_dir),
+        dict(name="goodput", root=str(pair_dir), spec=True, full=True, env={**debug_env(pair_dir), **FIXED_COST},
              engine_kwargs={"enable_metrics": True}),  # (and the controller's metrics beside SGLang's)
         dict(name="tree", root=str(pair_dir), spec=True, full=True, block=TREE_NODES, topk=TREE_TOPK,
              env=debug_env(pair_dir), engine_kwargs=dict(STATIC_GRAPHS)),
@@ -592,7 +596,8 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
         *sharegpt_jobs(pair_dir),
         dict(name="token_map", root=str(pair_dir), spec=True, full=False,
              engine_kwargs={"speculative_token_map": str(write_token_map(pair_dir)), **STATIC_GRAPHS}),
-        *[dict(name=f"tp2_{mode}", root=str(pair_dir), spec=mode != "plain", full=False, env=TP_ENV,
+        *[dict(name=f"tp2_{mode}", root=str(pair_dir), spec=mode != "plain", full=False,
+               env={**TP_ENV, **(FIXED_COST if mode == "goodput" else {})},
                engine_kwargs={"tp_size": 2}, **TP_SHAPES.get(mode, {}))
           for mode in ("chain", "tree", "goodput", "plain")],
     ]

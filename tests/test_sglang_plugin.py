@@ -12,7 +12,7 @@ import os
 import re
 import subprocess
 import sys
-from importlib.metadata import entry_points
+from importlib.metadata import entry_points, version
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -181,6 +181,27 @@ def test_server_args_resolution(plugin, pair, monkeypatch):
     torch_native = _server_args(pair, speculative_draft_attention_backend="torch_native")
     assert settings_of(torch_native).draft_attention == "torch"
 
+
+@child_only
+def test_simulated_step_cost_feeds_the_goodput_controller_only(plugin, pair, monkeypatch):
+    """DFLASH_SIMULATE_STEP_COST (adapter/simulate.py): a goodput server's controller observes the fixed cost; beside a
+    pinned shape, or malformed, the server refuses to start, naming the variable."""
+    from dflash_sglang.adapter.adaptive import ShapeSchedule
+    from dflash_sglang.adapter.args import UnsupportedFlagError
+    from dflash_sglang.adapter.settings import settings_of
+
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    monkeypatch.setenv("DFLASH_SIMULATE_STEP_COST", "0.02,0.0005,0.00005,0.002,0.0001,0.0002")
+    s = settings_of(_server_args(pair))
+    assert s.mode == "goodput" and s.step_cost.theta == (0.02, 0.0005, 0.00005, 0.002, 0.0001, 0.0002)
+    assert ShapeSchedule.from_settings(s).step_cost == s.step_cost
+    with pytest.raises(UnsupportedFlagError, match=r"^DFLASH_SIMULATE_STEP_COST: .*\(chain mode\)"):
+        _server_args(pair, speculative_num_draft_tokens=4)
+    monkeypatch.setenv("DFLASH_SIMULATE_STEP_COST", "0.02,fast")
+    with pytest.raises(ValueError, match=r"^DFLASH_SIMULATE_STEP_COST: '0.02,fast'"):
+        _server_args(pair)
+    monkeypatch.delenv("DFLASH_SIMULATE_STEP_COST")
+    assert settings_of(_server_args(pair)).step_cost is None
 
 @child_only
 def test_settings_survive_the_trip_to_the_scheduler(plugin, pair, monkeypatch):
@@ -385,7 +406,6 @@ def test_tree_refuses_attention_backends_without_a_tree_mask(plugin, monkeypatch
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(pp_size=2), r"^--pp-size 2: only 1 is supported yet"),
         (dict(speculative_num_draft_tokens=1), r"^--speculative-num-draft-tokens 1: the block size must be >= 2"),
         (dict(speculative_num_draft_tokens=5000), r"^--speculative-num-draft-tokens 5000: at most 256 verify tokens"),
         (dict(speculative_draft_window_size=64), r"^--speculative-draft-window-size 64: not supported yet"),
@@ -713,29 +733,76 @@ def test_missing_gpu_dependency_on_cuda(plugin, monkeypatch):
         args_mod.check_supported_flags(_flags(device="cuda"))
 
 
+DP_ATTENTION = r"DP attention \(--attn-dp-size N, or --enable-dp-attention --dp N\) is not supported yet"
+CONTEXT_PARALLEL = r"is not supported \(the drafter reads every context position's draft K/V on each rank\)"
+
+
 @pytest.mark.parametrize(
-    "field,value,match",
+    "kw, match",
     [
-        ("disaggregation_mode", "prefill", r"^--disaggregation-mode prefill: PD disaggregation cannot transfer"),
-        ("enable_hierarchical_cache", True, r"^--enable-hierarchical-cache: the draft KV pool cannot be offloaded"),
-        ("kv_cache_dtype", "fp8_e4m3", r"^--kv-cache-dtype fp8_e4m3: the draft KV pool is kept in the model dtype"),
-        ("speculative_draft_kv_cache_dtype", "fp8_e4m3", r"^--speculative-draft-kv-cache-dtype fp8_e4m3: the draft KV "
-         r"pool is kept in the model dtype \(fp8 draft KV not yet\)"),
-        ("enable_dp_attention", True, r"^--enable-dp-attention: DP attention is not supported yet"),
-        ("pp_size", 2, r"^--pp-size 2: only 1"),
-        ("speculative_use_block_verification", True, r"^--speculative-use-block-verification: block verification"),
-        ("enable_deterministic_inference", True, r"^--enable-deterministic-inference: seeded \(sampling_seed\)"),
+        # every layout with more than one rank of something, but TP and EP (served): DP attention in both spellings
+        # (0.5.23 rewrites --enable-dp-attention --dp N into attn_dp_size=N, dp_size=1 before any other step reads
+        # them), DP replicas, PP, attention / decode / prefill context parallelism (MoE DP needs attention CP)
+        (dict(tp_size=2, attn_dp_size=2), rf"^--attn-dp-size 2: {DP_ATTENTION}"),
+        (dict(tp_size=2, attn_dp_size=2, enable_dp_lm_head=True), rf"^--attn-dp-size 2: {DP_ATTENTION}"),
+        (dict(tp_size=2, enable_dp_attention=True, dp_size=2),
+         rf"^(--attn-dp-size|--enable-dp-attention --dp-size) 2: {DP_ATTENTION}"),
+        (dict(dp_size=2), r"^--dp-size 2: data-parallel replicas are not supported yet"),
+        (dict(pp_size=2), r"^--pp-size 2: pipeline parallelism is not supported yet"),
+        (dict(tp_size=2, attn_cp_size=2), rf"^--attn-cp-size 2: context-parallel attention {CONTEXT_PARALLEL}"),
+        (dict(tp_size=2, attn_cp_size=2, moe_dp_size=2), r"^--attn-cp-size 2: context-parallel attention"),
+        (dict(tp_size=2, dcp_size=2), rf"^--dcp-size 2: decode context parallelism {CONTEXT_PARALLEL}"),
+        (dict(enable_prefill_cp=True, cp_strategy="zigzag"), r"^--enable-prefill-cp: prefill context parallelism is "
+         r"not supported"),
+        # what would serve with a stale or foreign draft KV pool, or not as asked
+        (dict(disaggregation_mode="prefill"), r"^--disaggregation-mode prefill: PD disaggregation cannot transfer"),
+        (dict(disaggregation_mode="decode"), r"^--disaggregation-mode decode: PD disaggregation cannot transfer"),
+        (dict(enable_hierarchical_cache=True), r"^--enable-hierarchical-cache: the draft KV pool cannot be offloaded"),
+        (dict(kv_cache_dtype="fp8_e4m3"), r"^--kv-cache-dtype fp8_e4m3: the draft KV pool is kept in the model dtype"),
+        (dict(speculative_draft_kv_cache_dtype="fp8_e4m3"), r"^--speculative-draft-kv-cache-dtype fp8_e4m3: the draft "
+         r"KV pool is kept in the model dtype \(fp8 draft KV not yet\)"),
+        (dict(speculative_use_block_verification=True), r"^--speculative-use-block-verification: block verification"),
+        # (SGLang itself refuses deterministic inference with torch_native; with triton it reaches our check)
+        (dict(attention_backend="triton", enable_deterministic_inference=True),
+         r"^--enable-deterministic-inference: seeded \(sampling_seed\)"),
     ],
+    ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else "refused",
 )
 @child_only
-def test_flags_that_would_silently_degrade_are_refused(plugin, field, value, match):
-    """One line each, at start-up (fields only 0.5.23 has are read with getattr, so this runs on both)."""
-    from dflash_sglang.adapter import args as args_mod
+def test_refusals_through_sglangs_own_resolution(plugin, pair, monkeypatch, kw, match):
+    """One line each, at start-up, from the flags as a user types them, parsed by SGLang's parser and resolved by its
+    own pipeline (0.5.23: resolve_once(), whose parallel steps run before our check; 0.5.17: the constructor). A flag
+    this SGLang does not have is skipped by name."""
+    from dflash_sglang.adapter.args import UnsupportedFlagError
 
-    args_mod.check_supported_flags(_flags())  # the defaults pass
-    with pytest.raises(args_mod.UnsupportedFlagError, match=match) as err:
-        args_mod.check_supported_flags(_flags(**{field: value}))
+    missing = [f for f in _argv(Path("."), **kw) if f.startswith("--") and not _sglang_has_flag(f)]
+    if missing:
+        pytest.skip(f"sglang {version('sglang')} has no {' '.join(missing)}")
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    with pytest.raises(UnsupportedFlagError, match=match) as err:
+        _server_args(pair, **kw)
     assert "\n" not in str(err.value) and "DFLASH_SGLANG_IMPL=builtin" in str(err.value)
+
+
+@child_only
+def test_tensor_and_expert_parallel_layouts_resolve(plugin, pair, monkeypatch):
+    """TP, and EP inside it (the target's experts; our collectives run on the TP group), are served."""
+    from dflash_sglang.adapter.settings import settings_of
+    from dflash_sglang.adapter.versions import resolved_value
+
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    args = _server_args(pair, tp_size=2, ep_size=2)
+    assert settings_of(args).mode == "goodput" and resolved_value(args, "ep_size") == 2
+
+
+def _sglang_has_flag(flag: str) -> bool:
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return any(flag in action.option_strings for action in parser._actions)
 
 
 @child_only

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from dflash_sglang.core.adaptive import AdaptivePolicy, SpecShape
-from dflash_sglang.core.goodput import GoodputController, describe, label
+from dflash_sglang.core.goodput import FixedStepCost, GoodputController, describe, label
 
 from .metrics import GoodputMetrics
 from .settings import DFlashSettings
@@ -95,6 +95,7 @@ class ShapeSchedule:
     current: SpecShape | None = None
     log_every_s: float = 60.0
     metrics: GoodputMetrics | None = None  # goodput mode with --enable-metrics (adapter/metrics.py)
+    step_cost: FixedStepCost | None = None  # goodput: observed instead of wall time (DFLASH_SIMULATE_STEP_COST)
     _last_log: float = field(default=0.0, repr=False)
 
     def __post_init__(self) -> None:
@@ -110,7 +111,7 @@ class ShapeSchedule:
         N = B, k = 1). The table was checked at start-up."""
         if settings.mode == "goodput":
             return cls(settings.nodes, controller=GoodputController(settings.controller_config()),
-                       token_budget=settings.adaptive_token_budget)
+                       token_budget=settings.adaptive_token_budget, step_cost=settings.step_cost)
         if settings.mode != "adaptive":
             return cls(settings.nodes, fixed=SpecShape(settings.nodes, settings.topk))
         return cls(settings.nodes, policy=settings.policy(), table=settings.adaptive_table)
@@ -155,6 +156,8 @@ class ShapeSchedule:
         measured)."""
         if self.controller is None:
             return
+        if self.step_cost is not None and seconds is not None:  # (a step whose interval held other work stays out)
+            seconds = self.step_cost.seconds(shape, len(accepted))
         self.controller.observe(shape, accepted, seconds, ranks)
         if self.metrics is not None:
             self.metrics.step(shape, self.controller, len(accepted))

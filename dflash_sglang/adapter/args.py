@@ -49,8 +49,8 @@ from dflash_sglang.ops import MAX_NODES, find_nvcc
 from .adaptive import AdaptiveConfigError, adaptive_limits
 from .settings import (DRAFT_ATTENTION, DRAFT_GRAPHS, IMPL_ENV, PLUGIN_DEFAULTS, DFlashSettings, plugin_flags_of,
                        refuse_retired_env)
-from .simulate import SimulatedAcceptance
-from .versions import declare, model_config, view
+from .simulate import STEP_COST_ENV, SimulatedAcceptance, simulated_step_cost
+from .versions import attention_dp, declare, model_config, view
 
 if TYPE_CHECKING:
     from sglang.srt.server_args import ServerArgs
@@ -79,12 +79,8 @@ def check_supported_flags(cfg) -> None:
     device = str(cfg.device)
     if device.split(":")[0] not in DEVICES:
         _refuse("--device", device, f"only {' and '.join(DEVICES)} are supported")
-    for flag, name in (("--pp-size", "pp_size"), ("--dp-size", "dp_size")):
-        value = int(getattr(cfg, name, 1) or 1)
-        if value != 1:
-            _refuse(flag, value, "only 1 is supported yet")
+    check_parallel_layout(cfg)
     refusals = (
-        ("--enable-dp-attention", "enable_dp_attention", (None, False), "DP attention is not supported yet"),
         ("--speculative-draft-window-size", "speculative_draft_window_size", (None,), "not supported yet"),
         ("--speculative-adaptive-config", "speculative_adaptive_config", (None, ""),
          "EAGLE's adaptive tuning file; DFLASH's adaptive shapes are --speculative-dflash-adaptive-table"),
@@ -119,6 +115,37 @@ def check_supported_flags(cfg) -> None:
             find_nvcc()  # our kernels are built at worker start-up (cached); a missing compiler fails here, not mid-run
         except RuntimeError as e:
             raise UnsupportedFlagError(f"--device cuda: {e}") from None
+
+
+# Layouts with more than one rank of something that our worker does not serve yet: (flag, field, why). Read from the
+# resolved view (SGLang's parallel hooks run before its speculative handling, where our precheck runs). Tensor and
+# expert parallelism are served: experts are the target's own layers, and our collectives (draft vocab merge, rank-0
+# broadcasts) run on the TP group, which EP leaves as it is. DWDP SGLang refuses itself with any draft worker.
+PARALLEL_REFUSALS = (
+    ("--pp-size", "pp_size", "pipeline parallelism is not supported yet (only 1)"),
+    ("--dp-size", "dp_size", "data-parallel replicas are not supported yet (only 1)"),
+    ("--attn-cp-size", "attn_cp_size", "context-parallel attention is not supported (the drafter reads every "
+     "context position's draft K/V on each rank)"),
+    ("--dcp-size", "dcp_size", "decode context parallelism is not supported (the drafter reads every context "
+     "position's draft K/V on each rank)"),
+)
+
+
+def check_parallel_layout(cfg) -> None:
+    """Refuse every multi-rank layout our worker does not serve: DP attention (either spelling), PP, DP replicas,
+    attention / decode / prefill context parallelism. cfg: the resolved read view."""
+    dp_attention = attention_dp(cfg)
+    if dp_attention is not None:  # (before --dp-size: on 0.5.17 it is the DP attention's group count)
+        flag, groups = dp_attention
+        _refuse(flag, groups, "DP attention (--attn-dp-size N, or --enable-dp-attention --dp N) is not supported yet: "
+                "idle attention-DP ranks would not join our step")
+    for flag, name, why in PARALLEL_REFUSALS:
+        value = int(getattr(cfg, name, 1) or 1)
+        if value != 1:
+            _refuse(flag, value, why)
+    if getattr(cfg, "enable_prefill_cp", False):
+        _refuse("--enable-prefill-cp", "", "prefill context parallelism is not supported (each rank would capture "
+                "target features for part of the prompt only)")
 
 
 @dataclass(frozen=True)
@@ -159,6 +186,10 @@ def handle_dflash_args(server_args: ServerArgs) -> DFlashSettings:
     max_running = int(cfg.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS)
     simulation = SimulatedAcceptance.from_env()
     mode, block, nodes, topk, table = resolve_shape(server_args, draft, flags, max_running, simulation)
+    step_cost = simulated_step_cost()
+    if step_cost is not None and mode != "goodput":
+        raise UnsupportedFlagError(f"{STEP_COST_ENV}: a simulated step cost feeds the goodput controller, which this "
+                                   f"server does not run ({mode} mode): unset it, or drop the shape flags")
     settings = DFlashSettings(
         draft_dir=str(cfg.speculative_draft_model_path), draft=draft, mode=mode, block_size=block, nodes=nodes,
         topk=topk, max_running_requests=max_running, device=str(cfg.device),
@@ -168,7 +199,8 @@ def handle_dflash_args(server_args: ServerArgs) -> DFlashSettings:
         dummy_draft=dummy, adaptive_table=table,
         token_map=token_map_path(cfg.speculative_token_map, str(cfg.speculative_draft_model_path), draft),
         adaptive_token_budget=flags["speculative_dflash_adaptive_token_budget"] if mode != "chain" else None,
-        simulation=simulation, hybrid=recurrent_layers(model_config(server_args).hf_config) is not None,
+        simulation=simulation, step_cost=step_cost,
+        hybrid=recurrent_layers(model_config(server_args).hf_config) is not None,
     )
     if simulation is not None and not simulation.serves(mode):
         raise UnsupportedFlagError(f"{simulation.variable}: simulated acceptance forces a chain's commit length; "

@@ -4,7 +4,8 @@ Serving settings are SGLang server flags. Where SGLang has a flag whose meaning 
 (`--speculative-num-draft-tokens`, `--speculative-adaptive`, `--speculative-draft-attention-backend`, ...); the
 rest are `--speculative-dflash-*` flags this plugin adds to SGLang's own parser (`add_plugin_flags`, shown in
 `--help`) and takes as `sgl.Engine(...)` keywords. Environment variables are kept only for what is not a serving
-setting: `DFLASH_SGLANG_IMPL` (ours / builtin) and `DFLASH_SGLANG_HOME` (the kernel cache). The variables of earlier
+setting: `DFLASH_SGLANG_IMPL` (ours / builtin), `DFLASH_SGLANG_HOME` (the kernel cache) and the simulations
+(adapter/simulate.py). The variables of earlier
 releases are refused at start-up naming their flag (`refuse_retired_env`).
 
 How our flags travel: SGLang's ServerArgs has no fields for them, so the values parsed from the command line (or
@@ -24,7 +25,7 @@ from typing import Any
 
 from dflash_sglang.core.adaptive import AdaptivePolicy
 from dflash_sglang.core.config import DraftConfig
-from dflash_sglang.core.goodput import GoodputConfig
+from dflash_sglang.core.goodput import FixedStepCost, GoodputConfig
 
 from .simulate import SimulatedAcceptance
 
@@ -123,11 +124,13 @@ class DFlashSettings:
     adaptive_table: str | None = None  # adaptive mode only
     adaptive_token_budget: int | None = None
     simulation: SimulatedAcceptance | None = None  # SGLANG_SIMULATE_ACC_* (chain only)
+    step_cost: FixedStepCost | None = None  # DFLASH_SIMULATE_STEP_COST (goodput only): the step time observed
     hybrid: bool = False  # the target has Gated DeltaNet layers: each verify's recurrent state is committed
 
     def __post_init__(self) -> None:
         assert self.mode in MODES and (self.mode == "adaptive") == (self.adaptive_table is not None)
         assert self.mode != "chain" or (self.nodes == self.block_size and self.topk == 1)
+        assert self.step_cost is None or self.mode == "goodput"
 
     @property
     def has_tree_rows(self) -> bool:

@@ -16,16 +16,25 @@ Ours, for the goodput controller (core/goodput.py), which must see shorter chain
   before it, so a chain of n rows commits 1 + min(G, n - 1) tokens (G geometric); tokens as `real-draft-token`.
   Chains and the goodput controller (not with SGLANG_SIMULATE_ACC_LEN).
 
+And for the goodput controller's other input, step time:
+- `DFLASH_SIMULATE_STEP_COST`: six comma-separated seconds, the controller's cost terms (core/goodput.py TERMS:
+  step, per_request, per_extra_row, draft_pass, draft_per_request, tree_per_request); every decode step is observed
+  as costing theta . features(shape, batch size) instead of its wall time, so the controller's choices follow
+  acceptance and batch size alone (deterministic tests; what-if runs of another machine's costs). Goodput mode only.
+
 One length L is drawn per step (on the host) and applied to every request of the batch; KV and draft-KV commits
 follow L exactly as if verification had accepted it. Chains only (a tree's accepted path is not a prefix).
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from dflash_sglang.core.goodput import FixedStepCost
 
 METHODS = ("match-expected", "multinomial")
 TOKEN_MODES = ("fixed", "real-draft-token")
@@ -33,6 +42,18 @@ FIXED_TOKEN_ID = 100  # the builtin's "some legit token id"
 
 
 RATE_ENV = "DFLASH_SIMULATE_ACC_RATE"
+STEP_COST_ENV = "DFLASH_SIMULATE_STEP_COST"
+
+
+def simulated_step_cost(env: Mapping[str, str] | None = None) -> FixedStepCost | None:
+    """DFLASH_SIMULATE_STEP_COST's fixed step cost, or None when unset (a malformed value raises, naming it)."""
+    raw = (os.environ if env is None else env).get(STEP_COST_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        return FixedStepCost.parse(raw)
+    except ValueError as e:
+        raise ValueError(f"{STEP_COST_ENV}: {e}") from None
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ upstream symbol it adapts and what changed (0.5.17 -> 0.5.23):
   `eos_token_ids` (the model's generation-config EOS) to the stop token ids and the tokenizer's EOS ids;
 - the server's hidden-states mode, `forward_batch_info.get_server_return_hidden_states_mode`: from `server_args` ->
   from the exec features (no argument);
+- DP attention (`attention_dp`): `--enable-dp-attention` with `--dp-size` groups -> `--attn-dp-size` groups (the
+  old spelling rewritten before any other resolution step);
 - a hybrid target's prefix-cache state-tracking grid (`mamba_track_interval`): `get_exec().mamba.mamba_track_interval`
   -> `runtime_context.mamba_track_grid(page_size)`.
 
@@ -138,6 +140,20 @@ def prefill_hidden_full(batch: Any, server_args: Any) -> bool:
     server = (get_server_return_hidden_states_mode() if _SEALED_RESOLUTION
               else get_server_return_hidden_states_mode(server_args))
     return get_required_capture_hidden_mode(max(batch.return_hidden_states_mode, server), batch.spec_info).is_full()
+
+
+def attention_dp(cfg: Any) -> tuple[str, int] | None:
+    """DP attention in these resolved args: (the flag that spells it, its group count), or None when off.
+
+    0.5.17: `--enable-dp-attention` makes the `--dp-size` replicas attention-DP groups. 0.5.23: `--attn-dp-size N`;
+    its first resolution step (`parallel_hook.handle_deprecated_dp_attention`) rewrites the older spelling into
+    `attn_dp_size=N, dp_size=1, enable_dp_attention=False`, and an elastic-EP scale joiner runs the DP-attention paths
+    even in a group of one (`runtime_context.attn_dp_enabled_of`). Decided by what the record has, not the version."""
+    if hasattr(cfg, "attn_dp_size"):
+        from sglang.srt.runtime_context import attn_dp_enabled_of
+
+        return ("--attn-dp-size", int(cfg.attn_dp_size)) if attn_dp_enabled_of(cfg) else None
+    return ("--enable-dp-attention --dp-size", int(cfg.dp_size or 1)) if cfg.enable_dp_attention else None
 
 
 FINISH_STATE = "sglang.srt.managers.schedule_batch.Req.update_finish_state"

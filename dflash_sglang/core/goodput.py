@@ -35,6 +35,7 @@ with a fake clock. The SGLang worker and the reference decoder both use it (docs
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -120,6 +121,32 @@ def features(shape: SpecShape | int, bs: int) -> tuple[float, ...]:
     tree = 0.0 if shape.is_chain else 1.0
     return (1.0, float(bs), float(bs * (shape.nodes - 1)), draft, draft * bs, tree * bs)
 
+
+
+@dataclass(frozen=True)
+class FixedStepCost:
+    """A decode step's seconds from fixed cost terms instead of the clock: theta . features(shape, bs). With it the
+    controller's choices follow acceptance and batch size alone, not the machine's load: deterministic tests and
+    what-if runs (`DFLASH_SIMULATE_STEP_COST`, adapter/simulate.py; the reference decoder's `step_cost`)."""
+
+    theta: tuple[float, ...]  # seconds per term, TERMS order
+
+    def __post_init__(self) -> None:
+        valid = all(math.isfinite(t) and t >= 0 for t in self.theta)
+        if len(self.theta) != N_TERMS or not valid or self.theta[0] + self.theta[1] <= 0:
+            raise ValueError(f"a fixed step cost needs {N_TERMS} seconds >= 0 {TERMS}, a plain step's (step + "
+                             f"per_request) > 0; got {self.theta}")
+
+    @classmethod
+    def parse(cls, text: str) -> FixedStepCost:
+        """'0.03,0.001,0.0005,0.01,0.0005,0.001' (seconds per term, TERMS order)."""
+        try:
+            return cls(tuple(float(x) for x in text.split(",")))
+        except ValueError as e:
+            raise ValueError(f"{text!r}: {e}") from None
+
+    def seconds(self, shape: SpecShape | int, bs: int) -> float:
+        return sum(t * f for t, f in zip(self.theta, features(shape, bs)))
 
 @dataclass
 class CostModel:

@@ -25,7 +25,7 @@ from .checkpoint import check_fit
 from .config import recurrent_layers
 from .drafter import KV, DFlashDrafter
 from .features import target_layer_features
-from .goodput import GoodputController
+from .goodput import FixedStepCost, GoodputController
 from .penalties import OutputPenalties, Penalties, apply_penalties
 from .recurrent import NodeStates, has_attention, last_row, select_rows
 from .speculate import DraftLogits, accept, committed_ranks, draft_block, kept_rows, propose, rank_paths
@@ -115,6 +115,7 @@ class ReferenceDecoder:
         times: StepTimes | None = None,
         controller: GoodputController | None = None,
         penalties: Penalties | None = None,
+        step_cost: FixedStepCost | None = None,
     ) -> list[Generation]:
         """Speculative decoding. Per step the verify shape is, by precedence: the goodput controller's chain or tree
         (`controller.choose(running batch size)`, a chain capped to the block; n = 1 is a plain step with no drafter
@@ -125,11 +126,12 @@ class ReferenceDecoder:
 
         The controller, when given, observes every step after it ran: its shape, the drafts accepted per running
         request, the drafter's ranks of the committed tokens (core/speculate.py `committed_ranks`), and its wall
-        seconds from the start of its `choose` to the start of the next step's (its
-        bookkeeping included, as a server's step; the last step's up to its own end). One controller may serve many
-        calls (it keeps learning, as in a server). `times`, when given, accumulates where the decode steps' wall
-        time goes. `penalties` (one row per prompt; its stop_ids should list the EOS ids) penalize every verify row
-        as plain decoding would at that point of the output (core/penalties.py).
+        seconds from the start of its `choose` to the start of the next step's (its bookkeeping included, as a
+        server's step; the last step's up to its own end), or with `step_cost` the fixed cost of its shape (its
+        choices then do not follow the machine's load). One controller may serve many calls (it keeps learning, as
+        in a server). `times`, when given, accumulates where the decode steps' wall time goes. `penalties` (one row
+        per prompt; its stop_ids should list the EOS ids) penalize every verify row as plain decoding would at that
+        point of the output (core/penalties.py).
         """
         block = block_size or self.cfg.block_size
         if block < 2:
@@ -155,7 +157,7 @@ class ReferenceDecoder:
         while batch is not None:
             start = time.perf_counter()
             if last is not None:  # the previous step ends where this one starts (as the SGLang worker times it)
-                controller.observe(last[0], last[1], start - last[3], last[2])
+                controller.observe(last[0], last[1], _seconds(last, start, step_cost), last[2])
             if controller is not None:
                 shape = controller.choose(len(batch.rid)).shape
                 shape = shape.at_most(block) if shape.is_chain else shape
@@ -171,7 +173,7 @@ class ReferenceDecoder:
             self._emit(outs, batch.rid, result.out_tokens, commit, max_new_tokens, eos_token_id)
             batch = self._drop_finished(batch, outs, max_new_tokens, eos_token_id)
         if last is not None:
-            controller.observe(last[0], last[1], time.perf_counter() - last[3], last[2])
+            controller.observe(last[0], last[1], _seconds(last, time.perf_counter(), step_cost), last[2])
         return outs
 
     @torch.no_grad()
@@ -455,3 +457,10 @@ class _Penalized:
 def _finished(tokens: list[int], max_new: int, eos) -> bool:
     eos_set = eos if isinstance(eos, set) else set([eos] if isinstance(eos, int) else eos or [])
     return len(tokens) >= max_new or (bool(tokens) and tokens[-1] in eos_set)
+
+
+def _seconds(step: tuple, end: float, step_cost: FixedStepCost | None) -> float:
+    """A controller step's (shape, accepted per request, ranks, start) seconds: its wall time up to `end`, or the
+    fixed cost of its shape at its batch size."""
+    shape, accepted, _, start = step
+    return end - start if step_cost is None else step_cost.seconds(shape, len(accepted))
