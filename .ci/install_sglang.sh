@@ -34,6 +34,7 @@ COMMON=(
   "einops==0.8.2" "loguru==0.7.3" "setproctitle==1.3.8" "requests" "ipython" "gguf" "jiter" "orjson"
   "python-multipart" "soundfile==0.13.1" "jsonschema==4.26.0"  # jsonschema: the OpenAI chat endpoint (HTTP server)
   "prometheus-client==0.23.1"  # --enable-metrics (SGLang's collectors and ours, adapter/metrics.py)
+  "sglang-router==0.3.2"  # the load balancer users put in front of several servers (the router e2e test)
 )
 case "$SGLANG_VERSION" in
   0.5.23)  # requires Python >= 3.11

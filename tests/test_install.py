@@ -27,13 +27,30 @@ def _run(py: Path, code: str) -> str:
     return out.stdout.strip()
 
 
+def _site_dirs() -> list[str]:
+    """This interpreter's site-packages directories (a virtualenv's, its base's where it inherits them, a conda
+    env's, Debian's dist-packages, the user site), in its sys.path order."""
+    dirs = [e for e in sys.path if Path(e).name in ("site-packages", "dist-packages") and Path(e).is_dir()]
+    return list(dict.fromkeys(dirs))
+
+
 def _user_venv(tmp_path: Path) -> Path:
-    """The user's virtualenv (its python): made from this interpreter, it sees torch and the project as this
-    environment does, and has one package of its own, which the base interpreter lacks."""
+    """The user's virtualenv (its python): it sees torch and the project exactly as this environment does, and has
+    one package of its own, which neither this environment nor its base interpreter has.
+
+    Not `--system-site-packages`: from inside a virtualenv (the newcomer's `python3 -m venv venv`, activated), that
+    layers over the *base* interpreter, which lacks torch. Instead a plain virtualenv on this environment's base
+    executable, with a `.pth` that adds this interpreter's site-packages directories after its own, through
+    `site.addsitedir` so their `.pth` files (the project's editable install) are read too."""
     parent = tmp_path / "user_venv"
-    venv.EnvBuilder(system_site_packages=True, with_pip=False, symlinks=True).create(parent)
+    venv.EnvBuilder(system_site_packages=False, with_pip=False, symlinks=True).create(parent)
     parent_py = parent / "bin" / "python"
-    (_purelib(parent_py) / "dflash_layer_probe.py").write_text("WHERE = 'parent virtualenv'\n")
+    own = _purelib(parent_py)
+    (own / "_dflash_test_parent.pth").write_text(
+        "".join(f"import site; site.addsitedir({d!r})\n" for d in _site_dirs() if d != str(own)))
+    (own / "dflash_layer_probe.py").write_text("WHERE = 'parent virtualenv'\n")
+    where = "import torch, dflash_sglang; print(torch.__file__, dflash_sglang.__file__)"
+    assert _run(parent_py, where) == _run(Path(sys.executable), where)  # the same torch and project as here
     return parent_py
 
 
