@@ -208,7 +208,9 @@ def run_child(job: dict) -> None:
         )
         res["greedy"] = [{"ids": o["output_ids"], "meta": _meta(o), **_top2(o)} for o in greedy]
         res["timings"]["greedy_s"] = time.perf_counter() - t0
-        res["server_avg_accept"] = engine.get_server_info()["internal_states"][0].get("avg_spec_accept_length")
+        states = engine.get_server_info()["internal_states"]  # one per data-parallel replica
+        res["server_avg_accept"] = states[0].get("avg_spec_accept_length")
+        res["replica_avg_accept"] = [s.get("avg_spec_accept_length") for s in states]
         if job["full"]:
             _full_scenario(engine, job, res)
         if job.get("json"):
@@ -465,7 +467,9 @@ def run_children(jobs: list[dict], timeout: float = CHILD_TIMEOUT_S, shims: bool
     # every child distinct free ports instead (all held open while choosing, so no two coincide).
     ports = _free_ports(2 * len(jobs))
     for i, job in enumerate(jobs):
-        job["engine_kwargs"] = {**job.get("engine_kwargs", {}), "port": ports[2 * i], "nccl_port": ports[2 * i + 1]}
+        # (data-parallel replicas would all take a given nccl_port: SGLang picks one per replica itself)
+        nccl = {} if job.get("engine_kwargs", {}).get("dp_size", 1) > 1 else {"nccl_port": ports[2 * i + 1]}
+        job["engine_kwargs"] = {**job.get("engine_kwargs", {}), "port": ports[2 * i], **nccl}
         log_path = Path(job["out"]).with_suffix(".log")
         log = open(log_path, "w")
         cmd = [sys.executable, str(Path(__file__)), json.dumps(job)]
@@ -599,6 +603,12 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
         *[dict(name=f"tp2_{mode}", root=str(pair_dir), spec=mode != "plain", full=False,
                env={**TP_ENV, **(FIXED_COST if mode == "goodput" else {})},
                engine_kwargs={"tp_size": 2}, **TP_SHAPES.get(mode, {}))
+          for mode in ("chain", "tree", "goodput", "plain")],
+        # --dp-size 2: SGLang's DataParallelController, one scheduler (and one DFLASH worker) per replica
+        *[dict(name=f"dp2_{mode}", root=str(pair_dir), spec=mode != "plain", full=False,
+               env={**TP_ENV, **(FIXED_COST if mode == "goodput" else {})},
+               engine_kwargs={"dp_size": 2, **({"disable_overlap_schedule": True} if mode == "plain" else {})},
+               **TP_SHAPES.get(mode, {}))
           for mode in ("chain", "tree", "goodput", "plain")],
     ]
     selected = os.environ.get(ENGINES_ENV)
@@ -1009,6 +1019,49 @@ def test_tensor_parallel_greedy_matches_plain(runs, mode):
     ct = [r["meta"]["spec_verify_ct"] for r in spec]
     assert sum(ct) < len(spec) * (GREEDY_NEW - 1)
     assert max(r["meta"]["spec_accept_length"] for r in spec) >= (1.1 if mode == "goodput" else 2)
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree", "goodput"])
+def test_data_parallel_replicas_match_plain(runs, mode):
+    """--dp-size 2: each replica's scheduler runs our worker with the same settings (its own goodput controller);
+    greedy output identical to a plain 2-replica Engine's, and both replicas served requests with drafts accepted."""
+    spec, plain = runs[f"dp2_{mode}"], runs["dp2_plain"]
+    assert [r["ids"] for r in spec["greedy"]] == [r["ids"] for r in plain["greedy"]] == \
+           [r["ids"] for r in runs["plain"]["greedy"]]
+    assert len(spec["replica_avg_accept"]) == 2 and plain["replica_avg_accept"] == [None, None]
+    assert all(a is not None and a > 1.0 for a in spec["replica_avg_accept"]), spec["replica_avg_accept"]
+
+
+def test_router_in_front_of_two_servers_matches_plain(runs, pair_dir, tmp_path):
+    """sglang-router (round robin) in front of two DFLASH HTTP servers (goodput controller, one each), as users scale
+    out: every greedy prompt, sent through the router at once, comes back identical to the plain Engine's, and both
+    servers decoded with drafts accepted."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dflash_sglang.bench.server import ROUTER, Server, cpu_env, http_json
+
+    argv = ["--model-path", str(pair_dir / "target"), "--device", "cpu", "--attention-backend", "torch_native",
+            "--dtype", "float32", "--random-seed", "0", "--max-total-tokens", "16384", "--chunked-prefill-size",
+            str(CHUNK), "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(pair_dir / "draft")]
+    env = {**cpu_env(REPO), **FIXED_COST}
+    servers = [Server(argv, env, tmp_path / f"server{i}.log") for i in range(2)]
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_ready()
+        router_argv = ["--worker-urls", *[s.url for s in servers], "--policy", "round_robin"]
+        with Server(router_argv, env, tmp_path / "router.log", startup_timeout=120, module=ROUTER) as router:
+            params = {"temperature": 0, "max_new_tokens": GREEDY_NEW, "ignore_eos": True}
+            with ThreadPoolExecutor(8) as pool:
+                outs = list(pool.map(lambda p: http_json(router.url + "/generate", {
+                    "input_ids": p, "sampling_params": params}), greedy_prompts()))
+        assert [o["output_ids"] for o in outs] == [r["ids"] for r in runs["plain"]["greedy"]]
+        accepts = [s.info()["internal_states"][0].get("avg_spec_accept_length") for s in servers]
+        assert all(a is not None and a > 1.0 for a in accepts), accepts
+    finally:
+        for s in servers:
+            s.stop()
 
 
 def test_json_schema_on_the_testbed_pair(runs):

@@ -740,14 +740,13 @@ CONTEXT_PARALLEL = r"is not supported \(the drafter reads every context position
 @pytest.mark.parametrize(
     "kw, match",
     [
-        # every layout with more than one rank of something, but TP and EP (served): DP attention in both spellings
-        # (0.5.23 rewrites --enable-dp-attention --dp N into attn_dp_size=N, dp_size=1 before any other step reads
-        # them), DP replicas, PP, attention / decode / prefill context parallelism (MoE DP needs attention CP)
+        # every layout with more than one rank of something, but TP, EP and DP replicas (served): DP attention in both
+        # spellings (0.5.23 rewrites --enable-dp-attention --dp N into attn_dp_size=N, dp_size=1 before any other step
+        # reads them), PP, attention / decode / prefill context parallelism (MoE DP needs attention CP)
         (dict(tp_size=2, attn_dp_size=2), rf"^--attn-dp-size 2: {DP_ATTENTION}"),
         (dict(tp_size=2, attn_dp_size=2, enable_dp_lm_head=True), rf"^--attn-dp-size 2: {DP_ATTENTION}"),
         (dict(tp_size=2, enable_dp_attention=True, dp_size=2),
          rf"^(--attn-dp-size|--enable-dp-attention --dp-size) 2: {DP_ATTENTION}"),
-        (dict(dp_size=2), r"^--dp-size 2: data-parallel replicas are not supported yet"),
         (dict(pp_size=2), r"^--pp-size 2: pipeline parallelism is not supported yet"),
         (dict(tp_size=2, attn_cp_size=2), rf"^--attn-cp-size 2: context-parallel attention {CONTEXT_PARALLEL}"),
         (dict(tp_size=2, attn_cp_size=2, moe_dp_size=2), r"^--attn-cp-size 2: context-parallel attention"),
@@ -785,14 +784,17 @@ def test_refusals_through_sglangs_own_resolution(plugin, pair, monkeypatch, kw, 
 
 
 @child_only
-def test_tensor_and_expert_parallel_layouts_resolve(plugin, pair, monkeypatch):
-    """TP, and EP inside it (the target's experts; our collectives run on the TP group), are served."""
+def test_tensor_expert_and_data_parallel_layouts_resolve(plugin, pair, monkeypatch):
+    """TP, EP inside it (the target's experts; our collectives run on the TP group) and DP replicas (one scheduler and
+    worker each, the same settings) are served."""
     from dflash_sglang.adapter.settings import settings_of
     from dflash_sglang.adapter.versions import resolved_value
 
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
     args = _server_args(pair, tp_size=2, ep_size=2)
     assert settings_of(args).mode == "goodput" and resolved_value(args, "ep_size") == 2
+    replicas = _server_args(pair, dp_size=2)
+    assert resolved_value(replicas, "dp_size") == 2 and settings_of(replicas) == settings_of(_server_args(pair))
 
 
 def _sglang_has_flag(flag: str) -> bool:

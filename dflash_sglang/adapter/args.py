@@ -118,12 +118,13 @@ def check_supported_flags(cfg) -> None:
 
 
 # Layouts with more than one rank of something that our worker does not serve yet: (flag, field, why). Read from the
-# resolved view (SGLang's parallel hooks run before its speculative handling, where our precheck runs). Tensor and
-# expert parallelism are served: experts are the target's own layers, and our collectives (draft vocab merge, rank-0
-# broadcasts) run on the TP group, which EP leaves as it is. DWDP SGLang refuses itself with any draft worker.
+# resolved view (SGLang's parallel hooks run before its speculative handling, where our precheck runs). Served:
+# tensor and expert parallelism (experts are the target's own layers; our collectives, the draft vocab merge and
+# rank-0 broadcasts, run on the TP group, which EP leaves as it is) and data-parallel replicas (`--dp-size N`: SGLang's
+# DataParallelController starts one scheduler group per replica, each with these settings and its own worker and
+# controller; nothing is shared between replicas). DWDP SGLang refuses itself with any draft worker.
 PARALLEL_REFUSALS = (
     ("--pp-size", "pp_size", "pipeline parallelism is not supported yet (only 1)"),
-    ("--dp-size", "dp_size", "data-parallel replicas are not supported yet (only 1)"),
     ("--attn-cp-size", "attn_cp_size", "context-parallel attention is not supported (the drafter reads every "
      "context position's draft K/V on each rank)"),
     ("--dcp-size", "dcp_size", "decode context parallelism is not supported (the drafter reads every context "
@@ -132,10 +133,10 @@ PARALLEL_REFUSALS = (
 
 
 def check_parallel_layout(cfg) -> None:
-    """Refuse every multi-rank layout our worker does not serve: DP attention (either spelling), PP, DP replicas,
-    attention / decode / prefill context parallelism. cfg: the resolved read view."""
+    """Refuse every multi-rank layout our worker does not serve: DP attention (either spelling), PP, attention /
+    decode / prefill context parallelism. cfg: the resolved read view."""
     dp_attention = attention_dp(cfg)
-    if dp_attention is not None:  # (before --dp-size: on 0.5.17 it is the DP attention's group count)
+    if dp_attention is not None:  # (on 0.5.17 its group count is --dp-size, which alone means replicas)
         flag, groups = dp_attention
         _refuse(flag, groups, "DP attention (--attn-dp-size N, or --enable-dp-attention --dp N) is not supported yet: "
                 "idle attention-DP ranks would not join our step")

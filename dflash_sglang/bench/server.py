@@ -62,16 +62,19 @@ def cpu_env(repo: Path | None = None) -> dict[str, str]:
             "OMP_NUM_THREADS": "1"}
 
 
+ROUTER = "sglang_router.launch_router"  # PyPI sglang-router: the load balancer in front of SGLang servers
+
+
 class Server:
-    """`with Server(argv, env, log) as s:` runs `python -m sglang.launch_server argv` until the block exits."""
+    """`with Server(argv, env, log) as s:` runs `python -m sglang.launch_server argv` until the block exits;
+    `module=ROUTER` runs sglang-router instead (argv: e.g. `--worker-urls URL URL --policy round_robin`)."""
 
     def __init__(self, argv: list[str], env: dict[str, str], log: Path, startup_timeout: float = 900.0,
-                 python: str | None = None) -> None:
+                 python: str | None = None, module: str = "sglang.launch_server") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # python: another interpreter (e.g. a virtualenv with another SGLang version); default this one
-        self.argv = [python or sys.executable, "-m", "sglang.launch_server", *argv, "--host", "127.0.0.1",
-                     "--port", str(self.port)]
+        self.argv = [python or sys.executable, "-m", module, *argv, "--host", "127.0.0.1", "--port", str(self.port)]
         self.env = {**os.environ, **env}
         self.log = Path(log)
         self.timeout = startup_timeout
@@ -101,10 +104,10 @@ class Server:
             if self.proc.poll() is not None:
                 self._close()
                 raise ServerError(f"server exited with status {self.proc.returncode}:\n{self.tail()}")
-            try:
-                http_json(self.url + "/health", timeout=5)
+            try:  # (any 200: SGLang answers an empty body, sglang-router a text one)
+                urllib.request.urlopen(self.url + "/health", timeout=5).read()
                 return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, json.JSONDecodeError):
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 if time.monotonic() >= deadline:
                     break
                 time.sleep(2)
