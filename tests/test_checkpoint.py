@@ -9,7 +9,7 @@ from dflash_sglang.core.checkpoint import (
     INDEX_FILE, WEIGHTS_FILE, check_fit, check_weight_headers, load_drafter, save_drafter,
 )
 from dflash_sglang.core.config import CheckpointError, DraftConfig
-from factories import draft_config_for, tiny_drafter, tiny_target
+from factories import DFLASH2_DRAFT, MUSE_GLIMMER_DFLASH2, draft_config_for, tiny_drafter, tiny_target
 
 ZLAB_NAMES_PER_LAYER = {
     "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
@@ -191,3 +191,81 @@ def test_fit_checks(target):
     for cfg, match in cases:
         with pytest.raises(CheckpointError, match=match):
             check_fit(cfg, target.config, "d/config.json")
+
+
+# A DFlash2 draft's tensors beyond DFlash's (per layer, then the selector's), as the published checkpoints name them:
+# the codebooks are stored without `.weight`.
+DFLASH2_NAMES_PER_LAYER = {f"{conv}.{n}" for conv in ("attention_conv", "mlp_conv")
+                           for n in ("base_kernel", "kernel_projection.weight")}
+SELECTOR_NAMES = {f"candidate_selector.{n}" for n in ("hidden_projection.weight", "predecessor_codebook",
+                                                      "successor_codebook")}
+
+
+
+def test_dflash2_shapes_of_the_published_layout():
+    """The tensors a published DFlash2 config implies (built on the meta device): 15 per layer and 6 more, the
+    convolutions' base_kernel [2, taps, H] and kernel_projection [2 * taps * H / group, H], the selector's
+    hidden_projection [r, H] and codebooks [V, r]."""
+    shapes = checkpoint.expected_shapes(DraftConfig.from_dict(MUSE_GLIMMER_DFLASH2))
+    assert len(shapes) == 5 * 15 + 6
+    assert {n for n in shapes if "conv" in n or "selector" in n} == (
+        {f"layers.{i}.{n}" for i in range(5) for n in DFLASH2_NAMES_PER_LAYER} | SELECTOR_NAMES)
+    assert shapes["layers.4.mlp_conv.base_kernel"] == (2, 2, 6656)
+    assert shapes["layers.0.attention_conv.kernel_projection.weight"] == (1664, 6656)
+    assert shapes["candidate_selector.hidden_projection.weight"] == (256, 6656)
+    assert shapes["candidate_selector.predecessor_codebook"] == shapes["candidate_selector.successor_codebook"] == (
+        202048, 256)
+
+
+@pytest.fixture
+def dflash2_dir(tmp_path, target):
+    return save_drafter(tiny_drafter(draft_config_for(target, **DFLASH2_DRAFT)), tmp_path / "dflash2",
+                        dtype=torch.float32)
+
+
+def test_dflash2_round_trip_is_exact(dflash2_dir, target):
+    names = set(load_file(dflash2_dir / WEIGHTS_FILE))
+    assert names == ({"fc.weight", "hidden_norm.weight", "norm.weight"} | SELECTOR_NAMES
+                     | {f"layers.{i}.{n}" for i in range(2) for n in ZLAB_NAMES_PER_LAYER | DFLASH2_NAMES_PER_LAYER})
+    cfg = json.loads((dflash2_dir / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["is_causal"] is False
+    assert {k: cfg["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                 "selector_top_k", "output_multiplier")} == dict(
+        conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=4, output_multiplier=0.75)
+    loaded, saved = load_drafter(dflash2_dir), load_file(dflash2_dir / WEIGHTS_FILE)
+    assert loaded.cfg == draft_config_for(target, **DFLASH2_DRAFT)
+    assert all(torch.equal(saved[k], v) for k, v in loaded.state_dict().items())
+
+
+def _as_dflash(draft_dir):
+    """The same directory's config.json claiming a DFlash draft (no DFlash2 fields)."""
+    cfg = json.loads((draft_dir / "config.json").read_text())
+    cfg["architectures"] = ["DFlashDraftModel"]
+    for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        cfg["dflash_config"].pop(key)
+    (draft_dir / "config.json").write_text(json.dumps(cfg))
+
+
+DFLASH2_MALFORMED = [
+    ("codebook-weight", lambda d: _rewrite(d, lambda sd: sd.update(
+        {"candidate_selector.successor_codebook.weight": sd.pop("candidate_selector.successor_codebook")})),
+     "unexpected tensor 'candidate_selector.successor_codebook.weight'"),
+    ("no-conv", lambda d: _rewrite(d, lambda sd: sd.pop("layers.1.mlp_conv.base_kernel")),
+     "missing tensor 'layers.1.mlp_conv.base_kernel'"),
+    ("projection-shape", lambda d: _rewrite(d, lambda sd: sd.update(
+        {"layers.0.attention_conv.kernel_projection.weight": torch.zeros(8, 32)})),
+     r"tensor 'layers.0.attention_conv.kernel_projection.weight' has shape \[8, 32\], config.json implies \[16, 32\]"),
+    ("as-dflash", _as_dflash, "unexpected tensor '(layers.0.attention_conv|candidate_selector)"),
+]
+
+
+@pytest.mark.parametrize("check", ["headers", "load"])
+@pytest.mark.parametrize("mutate,match", [pytest.param(fn, m, id=i) for i, fn, m in DFLASH2_MALFORMED])
+def test_malformed_dflash2_checkpoints_fail_naming_the_tensor(dflash2_dir, check, mutate, match):
+    check_weight_headers(dflash2_dir, DraftConfig.load(dflash2_dir))  # the good file passes
+    mutate(dflash2_dir)
+    with pytest.raises(CheckpointError, match=match):
+        if check == "headers":
+            check_weight_headers(dflash2_dir, DraftConfig.load(dflash2_dir))
+        else:
+            load_drafter(dflash2_dir)

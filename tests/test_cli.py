@@ -48,12 +48,12 @@ def test_inspect_ok(pair, tmp_path, capsys, layout, fmt):
         (_drop_norm, "model.safetensors: missing tensor 'norm.weight'"),
         (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-7]),
          "(truncated file)"),
-        (lambda d: _edit_config(d, lambda c: c["dflash_config"].update(output_multiplier=0.5)),
-         "config.json: field 'dflash_config.output_multiplier' is a DFlash2 feature"),
+        (lambda d: _edit_config(d, lambda c: c["dflash_config"].update(selector_rank=8)),
+         "config.json: field 'dflash_config.selector_rank' is a DFlash2 field, but 'architectures' does not name"),
         (lambda d: _edit_config(d, lambda c: c.update(num_selector_layers=2)),
-         "config.json: field 'num_selector_layers' is a DFlash2 feature"),
+         "config.json: field 'num_selector_layers' is a feature dflash-sglang does not serve"),
     ],
-    ids=["missing-tensor", "truncated", "dflash2-nested", "dflash2-top"],
+    ids=["missing-tensor", "truncated", "dflash2-field", "unserved"],
 )
 def test_inspect_bad_checkpoint_one_line(pair, tmp_path, capsys, mutate, match):
     _, draft = pair

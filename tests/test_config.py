@@ -5,8 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash_sglang.core.config import (CheckpointError, DraftConfig, build_target_layer_ids, gated_deltanet,
-                                       recurrent_layers, sliding_window_layers)
+from dflash_sglang.core.config import (CheckpointError, DFlash2Fields, DraftConfig, build_target_layer_ids,
+                                       gated_deltanet, recurrent_layers, sliding_window_layers)
+from factories import MUSE_GLIMMER_DFLASH2
 
 ZLAB_QWEN3_8B = {
     "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
@@ -138,7 +139,8 @@ def test_dflash_fields_are_named_as_the_file_spells_them(fmt, key, value, match)
     [
         (lambda d: d.update(hidden_size="4096"), "'hidden_size' must be int"),
         (lambda d: d.pop("intermediate_size"), "missing field 'intermediate_size'"),
-        (lambda d: d.update(architectures=["LlamaForCausalLM"]), "not a DFlash v1 draft"),
+        (lambda d: d.update(architectures=["LlamaForCausalLM"]), "is not a DFlash draft"),
+        (lambda d: d.update(architectures=["DFlashDraftModel", "DFlash2DraftModel"]), "is not a DFlash draft"),
         (lambda d: d.update(num_key_value_heads=5), "must divide num_attention_heads"),
         (lambda d: d.update(layer_types=["full_attention"] * 4), "layer_types"),
         (lambda d: d.update(hidden_act="gelu"), "hidden_act"),
@@ -161,28 +163,89 @@ def test_missing_and_invalid_json(tmp_path):
         DraftConfig.load(tmp_path)
 
 
-DFLASH2_KEYS = ["output_multiplier", "projector_type", "selector_layers",
-                "num_selector_layers", "conv_layers", "conv_kernel_size"]
+UNSERVED_KEYS = ["projector_type", "selector_layers", "num_selector_layers", "conv_layers"]
+PLACES = [(ZLAB_QWEN3_8B, "dflash_config"), (ZLAB_QWEN3_8B, "top"), (ZLAB_FLAT, "top"), (SPECULATORS, "top")]
+HINT = r" is a feature dflash-sglang does not serve \(use SGLang's builtin DFLASH: .*=builtin\)$"
 
 
-@pytest.mark.parametrize("key", DFLASH2_KEYS)
-@pytest.mark.parametrize("base,where", [(ZLAB_QWEN3_8B, "dflash_config"), (ZLAB_QWEN3_8B, "top"),
-                                        (ZLAB_FLAT, "top"), (SPECULATORS, "top")], ids=["nested", "nested-top",
-                                                                                         "flat", "speculators"])
-def test_dflash2_fields_are_refused(base, where, key):
+def _with(base: dict, where: str, **fields) -> dict:
     d = json.loads(json.dumps(base))
-    (d["dflash_config"] if where == "dflash_config" else d)[key] = 2
+    (d["dflash_config"] if where == "dflash_config" else d).update(fields)
+    return d
+
+
+@pytest.mark.parametrize("key", UNSERVED_KEYS)
+@pytest.mark.parametrize("base,where", PLACES, ids=["nested", "nested-top", "flat", "speculators"])
+def test_features_of_other_drafts_are_refused(base, where, key):
+    """Domino's projector, and selector or conv settings that DFlash2 drafts do not have, are refused by name."""
     name = re.escape(f"dflash_config.{key}" if where == "dflash_config" else key)
-    match = rf"^draft/config.json: field '{name}' is a DFlash2 feature .*\(use SGLang's builtin DFLASH: .*=builtin\)$"
-    with pytest.raises(CheckpointError, match=match):
+    with pytest.raises(CheckpointError, match=rf"^draft/config.json: field '{name}'{HINT}"):
+        DraftConfig.from_dict(_with(base, where, **{key: 2}), source="draft/config.json")
+
+
+@pytest.mark.parametrize("key", ["conv_kernel_size", "selector_top_k", "output_multiplier"])
+def test_speculators_configs_have_no_dflash2_fields(key):
+    with pytest.raises(CheckpointError, match=rf"^draft/config.json: field '{key}'{HINT}"):
+        DraftConfig.from_dict(_with(SPECULATORS, "top", **{key: 2}), source="draft/config.json")
+
+
+@pytest.mark.parametrize("base,where", PLACES[:3], ids=["nested", "nested-top", "flat"])
+def test_dflash2_fields_need_the_dflash2_architecture(base, where):
+    """A DFlash draft setting a DFlash2 field would be served without the convolutions and selector its checkpoint
+    was trained with: refused, naming the field."""
+    name = re.escape("dflash_config.selector_rank" if where == "dflash_config" else "selector_rank")
+    with pytest.raises(CheckpointError, match=rf"^draft/config.json: field '{name}' is a DFlash2 field, but "
+                                              r"'architectures' does not name DFlash2DraftModel$"):
+        DraftConfig.from_dict(_with(base, where, selector_rank=256), source="draft/config.json")
+
+
+def test_features_switched_off_are_accepted():
+    d = json.loads(json.dumps(ZLAB_QWEN3_8B))
+    d.update(final_logit_softcapping=None, num_selector_layers=0)  # e.g. copied from a Gemma target config
+    d["dflash_config"].update(conv_layers=[], conv_kernel_size=0)
+    assert DraftConfig.from_dict(d) == DraftConfig.from_dict(ZLAB_QWEN3_8B)
+
+
+@pytest.mark.parametrize("layout", ["nested", "flat"])
+def test_dflash2_config_parses(layout):
+    """The published Muse Glimmer DFlash2 config: its DFlash2 fields, scaled and soft-capped logits, bidirectional
+    sliding-window layers; written back as the authors' loader reads it."""
+    d = MUSE_GLIMMER_DFLASH2 if layout == "nested" else _flat(MUSE_GLIMMER_DFLASH2)
+    cfg = DraftConfig.from_dict(d)
+    assert cfg.dflash2 == DFlash2Fields(conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16)
+    assert (cfg.output_multiplier, cfg.final_logit_softcapping, cfg.block_size) == (0.19611613513818404, 20.0, 16)
+    assert not cfg.layer_is_causal(0) and cfg.layer_window(4) == 2048 and cfg.rope_theta == 500000.0
+    back = cfg.to_dict()
+    assert back["architectures"] == ["DFlash2DraftModel"] and back["dflash_config"]["selector_top_k"] == 16
+    assert DraftConfig.from_dict(back) == replace(cfg, source_format="zlab")
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("selector_top_k", None, "missing field 'dflash_config.selector_top_k'"),
+    ("conv_kernel_size", 0, r"field 'dflash_config.conv_kernel_size' must be >= 1, got 0"),
+    ("selector_rank", 2.5, "field 'dflash_config.selector_rank' must be int, got 2.5"),
+    ("conv_group_size", 12, r"field 'dflash_config.conv_group_size'=12 must divide hidden_size=6656"),
+    ("selector_top_k", 300000, r"field 'dflash_config.selector_top_k'=300000 exceeds vocab_size=202048"),
+    ("output_multiplier", -0.5, r"field 'dflash_config.output_multiplier' must be > 0, got -0.5"),
+])
+def test_dflash2_fields_are_checked(key, value, match):
+    d = json.loads(json.dumps(MUSE_GLIMMER_DFLASH2))
+    d["dflash_config"].pop(key)
+    if value is not None:
+        d["dflash_config"][key] = value
+    with pytest.raises(CheckpointError, match=f"^draft/config.json: {match}$"):
         DraftConfig.from_dict(d, source="draft/config.json")
 
 
-def test_dflash2_fields_switched_off_are_accepted():
-    d = json.loads(json.dumps(ZLAB_QWEN3_8B))
-    d.update(final_logit_softcapping=None, num_selector_layers=0)  # e.g. copied from a Gemma target config
-    d["dflash_config"]["conv_layers"] = []
-    assert DraftConfig.from_dict(d) == DraftConfig.from_dict(ZLAB_QWEN3_8B)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dflash_drafts_may_scale_their_logits(fmt):
+    """output_multiplier scales any z-lab draft's logits (as the authors' code applies it), and round-trips."""
+    base, prefix = FORMATS[fmt]
+    d = json.loads(json.dumps(base))
+    (d["dflash_config"] if prefix else d)["output_multiplier"] = 0.5
+    cfg = DraftConfig.from_dict(d)
+    assert cfg.output_multiplier == 0.5 and cfg.dflash2 is None
+    assert DraftConfig.from_dict(cfg.to_dict()).output_multiplier == 0.5
 
 
 @pytest.mark.parametrize("where", ["dflash_config", "top"])

@@ -117,14 +117,16 @@ def test_rope_stays_float32_in_bf16_drafts():
     torch.testing.assert_close(cos[0, 0, 0, : ref.numel()].double(), ref, atol=1e-3, rtol=0)
 
 
-def test_soft_capped_logits():
-    """A Gemma 4-style draft soft-caps its logits, tanh(l / cap) * cap, in place into a buffer or not."""
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_soft_capped_logits(scale):
+    """A Gemma 4-style draft soft-caps its logits, tanh(l / cap) * cap, in place into a buffer or not; a Muse
+    Glimmer-style one scales them first (output_multiplier)."""
     target = tiny_target("llama", vocab=16, seed=0)
-    capped = tiny_drafter(draft_config_for(target, final_logit_softcapping=2.0), seed=1)
+    capped = tiny_drafter(draft_config_for(target, final_logit_softcapping=2.0, output_multiplier=scale), seed=1)
     hidden = torch.randn(3, 5, capped.cfg.hidden_size) * 4
     head = target.get_output_embeddings().weight
     raw = hidden @ head.t()
-    want = torch.tanh(raw / 2.0) * 2.0
+    want = torch.tanh(raw * scale / 2.0) * 2.0
     assert raw.abs().max() > 4  # the cap bites
     torch.testing.assert_close(capped.logits(hidden, head), want)
     out = torch.empty_like(raw)

@@ -183,6 +183,31 @@ def test_server_args_resolution(plugin, pair, monkeypatch):
 
 
 @child_only
+def test_dflash2_draft_is_gated(plugin, pair, monkeypatch, tmp_path):
+    """A DFlash2 draft (convolutions and a candidate selector) is served behind --speculative-dflash-experimental until
+    a GPU run validates it, at TP 1 (the selector reads one rank's whole vocabulary); refused otherwise, naming the
+    file, the flag and the builtin."""
+    from factories import DFLASH2_DRAFT, draft_config_for, tiny_drafter, tiny_target, write_draft
+
+    from dflash_sglang.adapter.args import UnsupportedFlagError
+    from dflash_sglang.adapter.settings import settings_of
+
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    target = tiny_target("qwen3", vocab=16, seed=0)
+    write_draft(tmp_path / "dflash2", tiny_drafter(draft_config_for(target, block_size=6, **DFLASH2_DRAFT)),
+                dtype=torch.float32)
+    draft = str(tmp_path / "dflash2")
+    with pytest.raises(UnsupportedFlagError, match=r"dflash2/config.json: a DFlash2 draft .* not yet validated end to "
+                                                   r"end on a GPU .* pass --speculative-dflash-experimental"):
+        _server_args(pair, speculative_draft_model_path=draft)
+    with pytest.raises(UnsupportedFlagError, match=r"a DFlash2 draft .* with --tp-size 2: the selector runs on one "
+                                                   r"rank's whole vocabulary only yet; set DFLASH_SGLANG_IMPL=builtin"):
+        _server_args(pair, speculative_draft_model_path=draft, speculative_dflash_experimental=True, tp_size=2)
+    args = _server_args(pair, speculative_draft_model_path=draft, speculative_dflash_experimental=True)
+    assert settings_of(args).draft.dflash2 is not None and settings_of(args).mode == "goodput"
+
+
+@child_only
 def test_simulated_step_cost_feeds_the_goodput_controller_only(plugin, pair, monkeypatch):
     """DFLASH_SIMULATE_STEP_COST (adapter/simulate.py): a goodput server's controller observes the fixed cost; beside a
     pinned shape, or malformed, the server refuses to start, naming the variable."""

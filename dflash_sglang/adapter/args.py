@@ -263,8 +263,8 @@ EXPERIMENTAL = "--speculative-dflash-experimental"
 
 def check_draft_fits(server_args: ServerArgs, cfg: DraftConfig, experimental: bool = False) -> DraftConfig:
     """The draft's config against the target's (and a target we can serve at all); raises CheckpointError.
-    Hybrid Gated DeltaNet targets and soft-capped (Gemma 4) drafts are served with `experimental` only, until a GPU
-    end-to-end run validates them."""
+    Hybrid Gated DeltaNet targets, soft-capped (Gemma 4) drafts and DFlash2 drafts (TP 1) are served with
+    `experimental` only, until a GPU end-to-end run validates them."""
     v = view(server_args)
     source = f"{v.speculative_draft_model_path}/config.json"
     hf_config = model_config(server_args).hf_config
@@ -280,6 +280,14 @@ def check_draft_fits(server_args: ServerArgs, cfg: DraftConfig, experimental: bo
         if not str(v.device).startswith("cuda"):
             raise UnsupportedFlagError(f"{what}: SGLang's linear-attention kernels run on CUDA only, not --device "
                                        f"{v.device} (core/reference.py is the CPU executable spec)")
+    if cfg.dflash2 is not None:
+        what = f"{source}: a DFlash2 draft (DFlash2DraftModel: block convolutions and a candidate selector)"
+        if not experimental:
+            raise UnsupportedFlagError(f"{what} is not yet validated end to end on a GPU with dflash-sglang: pass "
+                                       f"{EXPERIMENTAL} to serve it with ours, or set {IMPL_ENV}=builtin")
+        if int(v.tp_size or 1) > 1:  # (each rank would need the selector's candidates merged over vocab shards)
+            raise UnsupportedFlagError(f"{what} with --tp-size {v.tp_size}: the selector runs on one rank's whole "
+                                       f"vocabulary only yet; set {IMPL_ENV}=builtin to serve it with SGLang's")
     if cfg.final_logit_softcapping is not None and not experimental:
         raise UnsupportedFlagError(
             f"{source}: field '{cfg.field_name('final_logit_softcapping')}' (a soft-capped Gemma 4 draft) is not yet "

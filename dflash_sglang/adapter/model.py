@@ -207,7 +207,7 @@ class PagedDrafter:
         attends = [self._paged_attend(i, block_rows, attention) for i in range(self.cfg.num_hidden_layers)]
         # The whole batch as one sequence of bs*B rows: the layout says which keys each row sees.
         out = self.drafter.run_layers(block_embeds.to(self.dtype).reshape(1, bs * b, hidden),
-                                      positions.reshape(1, bs * b), attends)
+                                      positions.reshape(1, bs * b), attends, block=b)  # (DFlash2's convolutions)
         return out.view(bs, b, hidden)
 
     def _paged_attend(self, layer: int, block_rows: Tensor, attention) -> Attend:
@@ -268,6 +268,13 @@ class EagerDraftPass:
     @torch.inference_mode()
     def __call__(self, bonus: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor | None,
                  req_pool_indices: Tensor, block: int | None = None) -> Tensor:
+        return self.with_hidden(bonus, seq_lens, seq_lens_cpu, req_pool_indices, block)[1]
+
+    @torch.inference_mode()
+    def with_hidden(self, bonus: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor | None, req_pool_indices: Tensor,
+                    block: int | None = None) -> tuple[Tensor, Tensor]:
+        """The same pass -> (final-normed drafter states [bs, D, H], draft logits [bs, D, V]) at block positions 1..D:
+        what a DFlash2 drafter's candidate selector scores (core/selector.py)."""
         embeds, block_pos = self.drafter.embed_block(self.head, bonus, seq_lens, block)
         hidden = self.drafter.draft(embeds, block_pos, self.req_to_token, req_pool_indices, seq_lens, seq_lens_cpu)
-        return self.drafter.head_logits(hidden, self.head.lm_head_weight)
+        return hidden[:, 1:], self.drafter.head_logits(hidden, self.head.lm_head_weight)

@@ -80,7 +80,7 @@ SETTINGS: tuple[Setting, ...] = (
             "(not yet validated on a GPU)", ours=True),
     Setting("speculative_dflash_experimental", "--speculative-dflash-experimental", bool, False,
             "serve what is not yet validated end to end on a GPU: hybrid Gated DeltaNet targets (Qwen3.5 / Qwen3.6 / "
-            "Qwen3-Next) and soft-capped Gemma 4 drafts (docs/sglang.md, hybrid targets)", ours=True),
+            "Qwen3-Next), soft-capped Gemma 4 drafts and DFlash2 drafts at TP 1 (docs/sglang.md)", ours=True),
     Setting("speculative_token_map", "--speculative-token-map", str, None,
             "a reduced draft vocabulary: token_map.safetensors (one int64 tensor 'token_map' of target ids, as "
             "`dflash-sglang train --draft-vocab K` writes); default: the checkpoint's own, if it has one"),

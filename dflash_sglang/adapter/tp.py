@@ -102,6 +102,11 @@ class RankScores:
     vocab: DraftVocab
     logits: Tensor  # [bs, D, rows] this rank's rows
 
+    @property
+    def positions(self) -> int:
+        """D: the draft positions these scores cover."""
+        return self.logits.shape[1]
+
     def argmax(self, count: int) -> Tensor:
         return self.vocab.argmax(self.logits[:, :count])
 

@@ -48,7 +48,8 @@ from dflash_sglang import ops
 from dflash_sglang.core.accept import AcceptResult, cap_commits
 from dflash_sglang.core.adaptive import SpecShape
 from dflash_sglang.core.config import CheckpointError
-from dflash_sglang.core.speculate import accept, committed_ranks, draft_block, propose, rank_paths
+from dflash_sglang.core.selector import SelectorScores
+from dflash_sglang.core.speculate import DraftScores, accept, committed_ranks, draft_block, propose, rank_paths
 from dflash_sglang.core.token_map import read_token_map
 
 from .adaptive import ShapeSchedule
@@ -226,6 +227,9 @@ class DFlashWorker(BaseSpecWorker):
         self.head = TargetHead(target.get_input_embeddings(), self.vocab.weight, self.cfg.mask_token_id,
                                self.cfg.input_embedding_scale)
         self.eager_pass = EagerDraftPass(self.drafter, self.head, req_to_token_pool.req_to_token)
+        # A DFlash2 draft's candidate selector (core/selector.py) picks its drafts; None: the drafter's argmax / top-k
+        self.selector = self.drafter.drafter.candidate_selector
+        self.token_map = token_map.to(self.device) if token_map is not None else None
         scratch = ""
         if self.hybrid is not None:  # SGLang allocated them from the verify rows we declared (adapter/hybrid.py)
             scratch = f", target state per verify row {state_scratch_bytes(req_to_token_pool) / 2**20:.1f} MiB"
@@ -252,8 +256,9 @@ class DFlashWorker(BaseSpecWorker):
         # Called after the target captured its graphs: ours take the target's batch sizes (adapter/draft_graphs.py).
         sizes = getattr(getattr(self.model_runner, "decode_cuda_graph_runner", None), "capture_bs", None)
         mode = graph_mode(self.device, bool(sizes), self.drafter.attention, self.settings.draft_graphs)
-        if mode is None:
-            logger.info("DFLASH (dflash-sglang): the draft pass and commit run eagerly")
+        if mode is None or self.selector is not None:  # (a DFlash2 selector's walk is not in the draft graphs yet)
+            logger.info("DFLASH (dflash-sglang): the draft pass and commit run eagerly%s",
+                        " (DFlash2 draft: the selector's walk follows the pass)" if self.selector is not None else "")
             return
         if mode == "capture" and torch.cuda.mem_get_info(self.device)[0] < _MIN_FREE_FOR_GRAPHS:
             # as the builtin DFLASH does: too little memory is left after the target's pools and graphs
@@ -403,8 +408,8 @@ class DFlashWorker(BaseSpecWorker):
         (a chain: [bonus, n-1 greedy drafts]; n = 1: a plain decoding step, no drafter pass; a tree: the best-first
         tree of n nodes), verify them in one TARGET_VERIFY forward (a tree with its ancestor mask), accept."""
         seq_lens, bs, n = batch.seq_lens, batch.seq_lens.numel(), shape.nodes
-        scores = (self.vocab.scores(self._draft_pass(batch, bonus, draft_block(shape, self.block_size)))
-                  if n > 1 else None)
+        params = sampling_params(batch.sampling_info, bs)
+        scores = self._scores(batch, bonus, draft_block(shape, self.block_size), params) if n > 1 else None
         proposal = propose(bonus, scores, shape, ops.TREE_KERNELS)
         tree = proposal.tree
         inputs = ops.build_tree_inputs(proposal.ids, proposal.depth, seq_lens, self.req_to_token_pool.req_to_token,
@@ -427,7 +432,7 @@ class DFlashWorker(BaseSpecWorker):
             self.penalties.penalize(logits, penalized, proposal.ids, tree.parent if tree is not None else None)
         self._bias_and_grammar(logits, batch, grammar, grammar_barrier)
         slots = inputs.out_cache_loc if tree is not None else None  # a tree's verify splits commit / free slots
-        result = accept(proposal, logits, sampling_params(batch.sampling_info, bs), None, slots, ops.TREE_KERNELS)
+        result = accept(proposal, logits, params, None, slots, ops.TREE_KERNELS)
         if self.simulation is not None and n > 1:  # the verify ran as usual (same cost); only its outcome is forced
             result = AcceptResult(*self.simulation.force(proposal.ids[:, 1:], logits.argmax(-1),
                                                          self.simulation.sample_commit_len(n)))
@@ -435,7 +440,7 @@ class DFlashWorker(BaseSpecWorker):
         ranks = None  # the goodput controller prices trees from them (not for forced outcomes; none without trees)
         controller = self.schedule.controller
         if controller is not None and controller.uses_ranks and scores is not None and self.simulation is None:
-            ranks = committed_ranks(scores, result, n, scores.logits.shape[1])
+            ranks = committed_ranks(scores, result, n, scores.positions)
         if penalized is not None:
             self.penalties.commit(penalized, result.out_tokens, result.accept_len + 1)
         return _Accepted(fit_rows(result.out_tokens, self.stride), result.accept_len, result.bonus, inputs.positions,
@@ -459,6 +464,17 @@ class DFlashWorker(BaseSpecWorker):
                                             device=flat.device, barrier=grammar_barrier)
             if mask is not None:
                 mask.apply(flat)
+
+    def _scores(self, batch: ScheduleBatch, bonus: Tensor, block: int, params) -> DraftScores:
+        """One drafter pass's scores for core's propose: the draft logits merged over TP ranks (adapter/tp.py), or a
+        DFlash2 drafter's candidate selector over them (its walk on the device, sampled where a request samples; its
+        uniforms from torch's default generator, seeded by --random-seed)."""
+        if self.selector is None:
+            return self.vocab.scores(self._draft_pass(batch, bonus, block))
+        hidden, logits = self.eager_pass.with_hidden(bonus, batch.seq_lens, batch.seq_lens_cpu,
+                                                     batch.req_pool_indices, block)
+        temperature = params.temperature if params is not None else torch.zeros(bonus.shape[0], device=bonus.device)
+        return SelectorScores.of(self.selector, hidden, logits, bonus, temperature, None, self.token_map)
 
     def _draft_pass(self, batch: ScheduleBatch, bonus: Tensor, block: int) -> Tensor:
         """One drafter pass over the block [bonus, MASK x (b-1)] at seq_len.. (b = `block` <= B) -> draft logits

@@ -8,7 +8,9 @@ Conventions shared with the tree version (core/tree.py) and the CUDA kernels, so
 - Draft k is accepted iff `coins[k] * q_k(d_k) < p_k(d_k)`; with the default point-mass (argmax) proposal
   q_k(d_k) = 1, so the test is `coins[k] < p_k(d_k)`. On the first rejection j the bonus is drawn from the
   residual max(p_j - q_j, 0) (point mass: p_j with d_j zeroed); if every draft is accepted, from p_{B-1}.
-  This is Leviathan et al.'s rule: the emitted tokens are distributed exactly as the target's samples.
+  This is Leviathan et al.'s rule: the emitted tokens are distributed exactly as the target's samples. It stays
+  exact when q_k depends on the drafts before k (DFlash2's selector walk), as long as q_k is the distribution d_k
+  was actually drawn from given them (`DraftQ`).
 """
 from __future__ import annotations
 
@@ -51,6 +53,32 @@ class SamplingParams:
     def select(self, rows: Tensor) -> SamplingParams:
         min_p = self.min_p[rows] if self.min_p is not None else None
         return SamplingParams(self.temperature[rows], self.top_k[rows], self.top_p[rows], min_p)
+
+
+@dataclass(frozen=True)
+class DraftQ:
+    """The distribution each sampled draft was drawn from, over k candidate ids per position (zero elsewhere).
+
+    tokens [bs, D, k] int64, distinct within a position; probs [bs, D, k] float32, summing to 1 at each position.
+    """
+
+    tokens: Tensor
+    probs: Tensor
+
+    @classmethod
+    def dense(cls, q: Tensor) -> DraftQ:
+        """q [bs, D, V] over the whole vocabulary."""
+        return cls(torch.arange(q.shape[-1], device=q.device).expand(q.shape), q)
+
+    def of(self, draft: Tensor) -> Tensor:
+        """draft [bs, D] int64 -> [bs, D] float32: each draft's probability at its position."""
+        return torch.where(self.tokens == draft[..., None], self.probs, 0.0).sum(-1)
+
+    def row(self, pos: Tensor, vocab: int) -> Tensor:
+        """pos [bs] int64 -> [bs, V] float32: each request's q at position pos over the vocabulary."""
+        rows = torch.arange(len(pos), device=pos.device)
+        dense = torch.zeros(len(pos), vocab, dtype=self.probs.dtype, device=self.probs.device)
+        return dense.scatter_add_(-1, self.tokens[rows, pos], self.probs[rows, pos])
 
 
 @dataclass(frozen=True)
@@ -121,19 +149,20 @@ def greedy_accept(draft: Tensor, target_argmax: Tensor) -> AcceptResult:
 
 
 def rejection_accept(
-    draft: Tensor, target_p: Tensor, coins: Tensor, resample_u: Tensor, draft_q: Tensor | None = None
+    draft: Tensor, target_p: Tensor, coins: Tensor, resample_u: Tensor, draft_q: DraftQ | None = None
 ) -> AcceptResult:
     """Lossless speculative sampling along a chain.
 
     draft [bs, B-1] int64, target_p [bs, B, V] float32 (already temperature/top-k/top-p processed),
     coins [bs, B-1] float32 uniforms, resample_u [bs] float32 uniform,
-    draft_q [bs, B-1, V] float32 or None for point-mass (argmax) proposals.
+    draft_q the drafts' proposal distribution (DraftQ over [bs, B-1] positions), or None for point-mass (argmax)
+    proposals.
     """
     bs, n_draft = draft.shape
     if n_draft == 0:  # nothing drafted (plain decoding step): sample the target directly
         return _finish(draft, draft.new_zeros(bs), sample_from(target_p[:, 0], resample_u))
     p_d = target_p[:, :-1].gather(-1, draft[..., None]).squeeze(-1)
-    q_d = torch.ones_like(p_d) if draft_q is None else draft_q.gather(-1, draft[..., None]).squeeze(-1)
+    q_d = torch.ones_like(p_d) if draft_q is None else draft_q.of(draft)
     accepted = (coins * q_d < p_d).long()
     accept_len = accepted.cumprod(dim=1).sum(dim=1)
     rows = torch.arange(bs, device=draft.device)
@@ -143,7 +172,7 @@ def rejection_accept(
     if draft_q is None:
         residual = p_j.scatter(-1, d_j, 0.0)
     else:
-        residual = (p_j - draft_q[rows, accept_len.clamp_max(n_draft - 1)]).clamp_min(0.0)
+        residual = (p_j - draft_q.row(accept_len.clamp_max(n_draft - 1), p_j.shape[-1])).clamp_min(0.0)
     # A residual with no mass can only come from rounding (p == q); the target distribution itself is exact then.
     residual = torch.where(rejected[:, None] & (residual.sum(-1, keepdim=True) > 0), residual, p_j)
     bonus = sample_from(residual, resample_u)

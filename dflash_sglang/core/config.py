@@ -14,18 +14,32 @@ from pathlib import Path
 from typing import Any
 
 CONFIG_FILE = "config.json"
-ZLAB_ARCHITECTURES = ("DFlashDraftModel",)
+DFLASH_ARCHITECTURE, DFLASH2_ARCHITECTURE = "DFlashDraftModel", "DFlash2DraftModel"
+ZLAB_ARCHITECTURES = (DFLASH_ARCHITECTURE, DFLASH2_ARCHITECTURE)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # The z-lab DFlash fields: in a `dflash_config` object (older drafts) or at the top level (newer ones).
-# final_logit_softcapping: Gemma 4 drafts soft-cap their logits as their target does (tanh(l / cap) * cap).
-ZLAB_FIELDS = ("mask_token_id", "target_layer_ids", "block_size", "input_embedding_scale", "final_logit_softcapping")
-# DFlash2 drafts scale logits, project features differently and add selector and convolution layers: loaded as v1
-# they would draft garbage, so these keys (and any key naming selector or conv layers) are refused.
-DFLASH2_FIELDS = ("output_multiplier", "projector_type")
-DFLASH2_KEY_PARTS = ("selector", "conv")
-DFLASH2_HINT = (
-    "is a DFlash2 feature that dflash-sglang does not serve (use SGLang's builtin DFLASH: DFLASH_SGLANG_IMPL=builtin)"
-)
+# final_logit_softcapping: Gemma 4 and Muse Glimmer drafts soft-cap their logits (tanh(l / cap) * cap);
+# output_multiplier: a scale of the draft logits before the cap (the authors apply it to every draft).
+ZLAB_FIELDS = ("mask_token_id", "target_layer_ids", "block_size", "input_embedding_scale", "final_logit_softcapping",
+               "output_multiplier")
+# A DFlash2 draft's own fields (architecture DFlash2DraftModel), all required: in dflash_config or at the top level.
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# Features of other drafts (Domino's feature projector; selector or convolution settings DFlash2 does not have; a
+# logit scale outside the z-lab format): served as DFlash they would draft garbage, so any such key is refused by name.
+UNSERVED_FIELDS = ("projector_type", "output_multiplier")
+UNSERVED_KEY_PARTS = ("selector", "conv")
+UNSERVED_HINT = "is a feature dflash-sglang does not serve (use SGLang's builtin DFLASH: DFLASH_SGLANG_IMPL=builtin)"
+
+
+@dataclass(frozen=True)
+class DFlash2Fields:
+    """What a DFlash2 draft adds to DFlash: a grouped dynamic convolution around each layer's attention and MLP
+    (core/conv.py) and a candidate selector over the block positions' top-k draft tokens (core/selector.py)."""
+
+    conv_kernel_size: int  # taps of each convolution over the block positions (2 in the published drafts)
+    conv_group_size: int  # channels that share one dynamic coefficient (divides hidden_size)
+    selector_rank: int  # r: width of the selector's low-rank predecessor x successor pair term
+    selector_top_k: int  # k: candidates per block position (the top-k draft logits)
 
 
 class CheckpointError(ValueError):
@@ -67,8 +81,11 @@ class DraftConfig:
     # None: sliding layers causal, full layers bidirectional (z-lab rule); True/False forces all layers.
     is_causal: bool | None = None
     input_embedding_scale: float = 1.0
-    # Draft logits become tanh(l / cap) * cap (Gemma 4 drafts); None: raw logits.
+    # Draft logits become tanh(l * output_multiplier / cap) * cap (Gemma 4, Muse Glimmer drafts); None: no cap.
     final_logit_softcapping: float | None = None
+    output_multiplier: float = 1.0
+    # DFlash2 drafts (architecture DFlash2DraftModel); None: a DFlash draft.
+    dflash2: DFlash2Fields | None = None
     # "zlab" (dflash_config object), "zlab-flat" (DFlash fields at the top level) or "speculators".
     source_format: str = "zlab"
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -107,15 +124,14 @@ class DraftConfig:
     def from_dict(cls, d: dict[str, Any], source: str = CONFIG_FILE) -> DraftConfig:
         if not isinstance(d, dict):
             raise CheckpointError(f"{source}: top level must be a JSON object")
-        _refuse_dflash2(d, source)
-        if d.get("speculators_model_type") == "dflash" or "transformer_layer_config" in d:
-            return _from_speculators(d, source)
-        return _from_zlab(d, source)
+        speculators = d.get("speculators_model_type") == "dflash" or "transformer_layer_config" in d
+        _refuse_unserved(d, source, allowed=() if speculators else ("output_multiplier", *DFLASH2_FIELDS))
+        return _from_speculators(d, source) if speculators else _from_zlab(d, source)
 
     def to_dict(self) -> dict[str, Any]:
         """z-lab config.json (what SGLang's builtin DFLASH and the z-lab code read)."""
         out: dict[str, Any] = {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": [DFLASH2_ARCHITECTURE if self.dflash2 is not None else DFLASH_ARCHITECTURE],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -150,6 +166,10 @@ class DraftConfig:
             dc["input_embedding_scale"] = self.input_embedding_scale
         if self.final_logit_softcapping is not None:
             dc["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.output_multiplier != 1.0:
+            dc["output_multiplier"] = self.output_multiplier
+        if self.dflash2 is not None:
+            dc.update(asdict(self.dflash2))
         return out
 
     def field_name(self, key: str) -> str:
@@ -283,19 +303,20 @@ def _finish(kw: dict[str, Any], source: str, names: dict[str, str]) -> DraftConf
     return DraftConfig(**kw)
 
 
-def _is_dflash2_key(key: str) -> bool:
-    low = key.lower()
-    return key in DFLASH2_FIELDS or any(part in low for part in DFLASH2_KEY_PARTS)
-
-
-def _refuse_dflash2(d: dict, source: str) -> None:
-    """Refuse DFlash2-only keys at the top level or in dflash_config, naming the first one found."""
+def _set_fields(d: dict) -> list[tuple[str, str]]:
+    """(prefix, key) of every field set in dflash_config, then at the top level. null / false / 0 / empty mean
+    "feature off" (Gemma-derived configs carry final_logit_softcapping: null), so they count as unset."""
     dc = d.get("dflash_config")
-    for obj, prefix in ((dc if isinstance(dc, dict) else {}, "dflash_config."), (d, "")):
-        for key, value in obj.items():
-            # null / false / 0 / empty mean "feature off" (Gemma-derived configs carry final_logit_softcapping: null).
-            if value and _is_dflash2_key(key):
-                raise CheckpointError(f"{source}: field '{prefix}{key}' {DFLASH2_HINT}")
+    objs = ((dc if isinstance(dc, dict) else {}, "dflash_config."), (d, ""))
+    return [(prefix, key) for obj, prefix in objs for key, value in obj.items() if value]
+
+
+def _refuse_unserved(d: dict, source: str, allowed: tuple[str, ...]) -> None:
+    """Refuse features of drafts we do not serve (`allowed`: those this format serves), naming the first found."""
+    for prefix, key in _set_fields(d):
+        unserved = key in UNSERVED_FIELDS or any(part in key.lower() for part in UNSERVED_KEY_PARTS)
+        if unserved and key not in allowed:
+            raise CheckpointError(f"{source}: field '{prefix}{key}' {UNSERVED_HINT}")
 
 
 def _zlab_place(d: dict, dc: dict | None, key: str) -> tuple[dict, str]:
@@ -310,9 +331,10 @@ def _zlab_place(d: dict, dc: dict | None, key: str) -> tuple[dict, str]:
 
 def _from_zlab(d: dict, source: str) -> DraftConfig:
     arch = d.get("architectures")
-    if arch is not None and (not isinstance(arch, list) or not set(arch) & set(ZLAB_ARCHITECTURES)):
+    if arch is not None and (not isinstance(arch, list) or len(set(arch) & set(ZLAB_ARCHITECTURES)) != 1):
         raise CheckpointError(
-            f"{source}: field 'architectures'={arch!r} is not a DFlash v1 draft (expected {list(ZLAB_ARCHITECTURES)})"
+            f"{source}: field 'architectures'={arch!r} is not a DFlash draft (expected one of "
+            f"{list(ZLAB_ARCHITECTURES)})"
         )
     dc = d.get("dflash_config")
     if dc is not None and not isinstance(dc, dict):
@@ -348,8 +370,38 @@ def _from_zlab(d: dict, source: str) -> DraftConfig:
     if cap is not None and cap <= 0:  # (0 means off in Gemma-derived configs, as null does)
         cap = None
     kw["final_logit_softcapping"] = cap
+    obj, prefix = place["output_multiplier"]
+    kw["output_multiplier"] = _opt(obj, "output_multiplier", float, source, 1.0, prefix)
+    if not kw["output_multiplier"] > 0:  # (a scale <= 0 would rank the draft's worst tokens first)
+        raise CheckpointError(f"{source}: field '{names['output_multiplier']}' must be > 0, got "
+                              f"{kw['output_multiplier']}")
+    kw["dflash2"] = _dflash2_fields(d, dc, source, kw, dflash2=DFLASH2_ARCHITECTURE in (arch or ()))
     kw["source_format"] = "zlab" if dc is not None else "zlab-flat"
     return _finish(kw, source, names)
+
+
+def _dflash2_fields(d: dict, dc: dict | None, source: str, kw: dict[str, Any], dflash2: bool) -> DFlash2Fields | None:
+    """A DFlash2 draft's fields, each required and checked (the authors' loader reads them with no default); a DFlash
+    draft must set none of them (its checkpoint has no convolution or selector tensors)."""
+    place = {key: _zlab_place(d, dc, key) for key in DFLASH2_FIELDS}
+    if not dflash2:
+        for key, (obj, prefix) in place.items():
+            if obj.get(key):
+                raise CheckpointError(f"{source}: field '{prefix}{key}' is a DFlash2 field, but 'architectures' does "
+                                      f"not name {DFLASH2_ARCHITECTURE}")
+        return None
+    values = {key: _req(obj, key, int, source, prefix) for key, (obj, prefix) in place.items()}
+    name = {key: prefix + key for key, (_, prefix) in place.items()}
+    for key, v in values.items():
+        if v < 1:
+            raise CheckpointError(f"{source}: field '{name[key]}' must be >= 1, got {v}")
+    if kw["hidden_size"] % values["conv_group_size"]:
+        raise CheckpointError(f"{source}: field '{name['conv_group_size']}'={values['conv_group_size']} must divide "
+                              f"hidden_size={kw['hidden_size']}")
+    if values["selector_top_k"] > kw["vocab_size"]:
+        raise CheckpointError(f"{source}: field '{name['selector_top_k']}'={values['selector_top_k']} exceeds "
+                              f"vocab_size={kw['vocab_size']}")
+    return DFlash2Fields(**values)
 
 
 def _from_speculators(d: dict, source: str) -> DraftConfig:

@@ -3,7 +3,9 @@
 One forward pass drafts a whole block `[last committed token, MASK x (B-1)]`: queries come from the block,
 keys/values are `[context rows | block rows]`, attention is non-causal (every block query sees every
 valid context row and the whole block). The drafter has no embedding table or LM head of its own; callers
-embed with the target's `embed_tokens` and project with the target's `lm_head` (see `logits`).
+embed with the target's `embed_tokens` and project with the target's `lm_head` (see `logits`). A DFlash2 drafter
+(`cfg.dflash2`) wraps each layer's attention and MLP in a convolution over the block's rows (core/conv.py) and
+chooses its drafts with a candidate selector (core/selector.py, `candidate_selector`).
 
 Parameter names equal the z-lab safetensors names exactly, so `load_state_dict(strict=True)` is the check.
 """
@@ -17,6 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import DraftConfig
+from .conv import DynamicConv
+from .selector import CandidateSelector
 
 KV = tuple[Tensor, Tensor]
 
@@ -161,10 +165,29 @@ class DraftLayer(nn.Module):
         self.self_attn = DraftAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DraftMLP(cfg)
+        # DFlash2: each sublayer wrapped in a convolution over the block's rows; none in a DFlash draft
+        self.attention_conv: DynamicConv | None = None
+        self.mlp_conv: DynamicConv | None = None
+        if cfg.dflash2 is not None:
+            taps, group = cfg.dflash2.conv_kernel_size, cfg.dflash2.conv_group_size
+            self.attention_conv = DynamicConv(cfg.hidden_size, taps, group)
+            self.mlp_conv = DynamicConv(cfg.hidden_size, taps, group)
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attend: Attend, block: int | None = None) -> Tensor:
+        """h [N, Q, H] block rows, Q whole blocks of `block` rows (None: one; the convolutions stay within a block)."""
+        block = h.shape[1] if block is None else block
+        h = h + _wrapped(self.attention_conv, lambda x: self.self_attn(x, cos, sin, attend), self.input_layernorm(h),
+                         block)
+        return h + _wrapped(self.mlp_conv, self.mlp, self.post_attention_layernorm(h), block)
+
+
+def _wrapped(conv: DynamicConv | None, sublayer, x: Tensor, block: int) -> Tensor:
+    """sublayer(x), between the convolution's two halves when the layer has one (the attention's queries and block K/V
+    come from the convolved rows; the context K/V never pass through it)."""
+    if conv is None:
+        return sublayer(x)
+    x, after = conv.prepare(x, block)
+    return conv.finish(sublayer(x), after, block)
 
 
 class DFlashDrafter(nn.Module):
@@ -177,6 +200,7 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg)
+        self.candidate_selector = CandidateSelector(cfg) if cfg.dflash2 is not None else None
         # [K] int64 target ids of a reduced draft vocabulary (core/token_map.py), None = full vocabulary. A
         # non-persistent buffer: it follows .to(device) but stays out of state_dict (its own file on disk).
         self.register_buffer("token_map", None, persistent=False)
@@ -202,8 +226,9 @@ class DFlashDrafter(nn.Module):
         ctx_pos: Tensor,
         ctx_valid: Tensor | None = None,
         mask: Tensor | None = None,
+        block: int | None = None,
     ) -> Tensor:
-        """Draft one block per row.
+        """Draft one block per row (or, with `block`, Q / block blocks per row, e.g. training's flattened blocks).
 
         block_embeds [bs, Q, H]  target embeddings of the block ids (times input_embedding_scale)
         positions    [bs, Q] int64  absolute positions of the block rows
@@ -211,6 +236,7 @@ class DFlashDrafter(nn.Module):
         ctx_pos      [bs, S] int64  absolute positions of the context rows
         ctx_valid    [bs, S] bool   False for padding rows (None: all valid)
         mask         [bs, Q, S + Q] bool  explicit visibility (training); None: all valid context + whole block
+        block        rows per block (DFlash2's convolutions stay within one); None: Q
         returns      [bs, Q, H] final-normed hidden states (feed to `logits`)
         """
         bs, q_len, _ = block_embeds.shape
@@ -225,15 +251,25 @@ class DFlashDrafter(nn.Module):
         layer_masks = self._layer_masks(mask, positions, key_pos)
         scale = self.cfg.head_dim**-0.5
         attends = [dense_attend(ctx_kv[i], layer_masks[i], self.attention, scale) for i in range(len(self.layers))]
-        return self.run_layers(block_embeds, positions, attends)
+        return self.run_layers(block_embeds, positions, attends, q_len if block is None else block)
 
-    def run_layers(self, block_embeds: Tensor, positions: Tensor, attends: list[Attend]) -> Tensor:
-        """The layer stack with one `Attend` per layer: block_embeds [bs, Q, H], positions [bs, Q] int64
-        -> [bs, Q, H] final-normed hidden states. `forward` is this with dense context K/V."""
+    def run_layers(self, block_embeds: Tensor, positions: Tensor, attends: list[Attend], block: int | None = None
+                   ) -> Tensor:
+        """The layer stack with one `Attend` per layer: block_embeds [bs, Q, H], positions [bs, Q] int64, block: rows
+        per block along Q -> [bs, Q, H] final-normed hidden states. `forward` is this with dense context K/V.
+
+        A DFlash drafter ignores `block`; a DFlash2 drafter needs it (its convolutions must not run from one block into
+        the next, so a caller laying several blocks along one row has to say where they end).
+        """
+        if block is None:
+            if self.cfg.dflash2 is not None:
+                raise ValueError("DFlash2 drafter: run_layers needs `block` (rows per block), its convolutions stay "
+                                 "within one block")
+            block = block_embeds.shape[1]
         cos, sin = self.rotary(positions, block_embeds.dtype)
         h = block_embeds
         for layer, attend in zip(self.layers, attends, strict=True):
-            h = layer(h, cos, sin, attend)
+            h = layer(h, cos, sin, attend, block)
         return self.norm(h)
 
     def _layer_masks(self, mask: Tensor, q_pos: Tensor, k_pos: Tensor) -> list[Tensor]:
@@ -257,15 +293,19 @@ class DFlashDrafter(nn.Module):
         return out
 
     def logits(self, hidden: Tensor, lm_head_weight: Tensor, out: Tensor | None = None) -> Tensor:
-        """hidden [..., H] -> draft logits [..., V] through the target's lm_head weight [V, H], soft-capped where the
-        draft says so (final_logit_softcapping, Gemma 4 drafts: their tree scores and sampled drafts depend on it).
+        """hidden [..., H] -> draft logits [..., V] through the target's lm_head weight [V, H], times output_multiplier
+        and soft-capped where the draft says so (Gemma 4 / Muse Glimmer drafts: their tree scores, sampled drafts and
+        DFlash2 selector scores depend on it).
 
         out: a preallocated [..., V] buffer to write in place (inference only: the CUDA-graph runner shares one
         across its batch sizes); None allocates, out of place (training differentiates through this).
         """
-        cap = self.cfg.final_logit_softcapping
+        cap, scale = self.cfg.final_logit_softcapping, self.cfg.output_multiplier
         if out is not None:
             torch.matmul(hidden, lm_head_weight.t(), out=out)
+            if scale != 1.0:
+                out.mul_(scale)
             return out if cap is None else out.div_(cap).tanh_().mul_(cap)
         logits = F.linear(hidden, lm_head_weight)
+        logits = logits if scale == 1.0 else logits * scale
         return logits if cap is None else torch.tanh(logits / cap) * cap

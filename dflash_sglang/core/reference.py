@@ -28,7 +28,8 @@ from .features import target_layer_features
 from .goodput import FixedStepCost, GoodputController
 from .penalties import OutputPenalties, Penalties, apply_penalties
 from .recurrent import NodeStates, has_attention, last_row, select_rows
-from .speculate import DraftLogits, accept, committed_ranks, draft_block, kept_rows, propose, rank_paths
+from .selector import SelectorScores
+from .speculate import DraftLogits, DraftScores, accept, committed_ranks, draft_block, kept_rows, propose, rank_paths
 from .token_map import restrict_head
 
 
@@ -276,7 +277,7 @@ class ReferenceDecoder:
         ranks of the committed tokens (core/speculate.py `committed_ranks`; None on a plain step)."""
         t0 = time.perf_counter()
         drafted = draft_block(shape, block)  # (a short chain drafts with a block of its own length)
-        scores = DraftLogits(self._draft(batch, drafted), self.token_map) if shape.nodes > 1 else None
+        scores = self._scores(batch, drafted, params, gen) if shape.nodes > 1 else None
         t1 = time.perf_counter()
         proposal = propose(batch.bonus, scores, shape)
         positions = batch.seq_len[:, None] + proposal.depth
@@ -310,13 +311,18 @@ class ReferenceDecoder:
         measured = committed_ranks(scores, result, shape.nodes, drafted - 1) if ranks and scores is not None else None
         return result, measured
 
-    def _draft(self, batch: _Batch, block: int) -> Tensor:
-        """The drafter pass: draft logits [bs, block-1, V] (or [bs, block-1, K] over the token map's ids)."""
+    def _scores(self, batch: _Batch, block: int, params: SamplingParams, gen) -> DraftScores:
+        """The drafter pass over [bonus, MASK x (block-1)]: its draft logits [bs, block-1, V] (or [bs, block-1, K] over
+        the token map's ids), or for a DFlash2 drafter its selector's scores (the walk's uniforms from `gen`)."""
         inputs = build_block_inputs(batch.bonus, batch.seq_len, block, self.cfg.mask_token_id)
         dtype = self.drafter.fc.weight.dtype
         embeds = (self.embed(inputs.input_ids) * self.cfg.input_embedding_scale).to(dtype)
-        hidden = self.drafter(embeds, inputs.positions, batch.ctx_kv, batch.pos, ctx_valid=batch.valid)
-        return self.drafter.logits(hidden[:, 1:].to(self.draft_head.dtype), self.draft_head)
+        hidden = self.drafter(embeds, inputs.positions, batch.ctx_kv, batch.pos, ctx_valid=batch.valid)[:, 1:]
+        logits = self.drafter.logits(hidden.to(self.draft_head.dtype), self.draft_head)
+        selector = self.drafter.candidate_selector
+        if selector is None:
+            return DraftLogits(logits, self.token_map)
+        return SelectorScores.of(selector, hidden, logits, batch.bonus, params.temperature, gen, self.token_map)
 
     def _target_forward(
         self, batch: _Batch, ids: Tensor, positions: Tensor, capture: bool, new_valid=None, tree_mask=None

@@ -3,8 +3,10 @@
 A step verifies T tokens per request: the root (bonus token) plus drafts. A chain takes the drafter's
 argmax at the first T-1 block positions and verifies causally; a tree (top-k per position, best-first,
 core/tree.py) verifies with an ancestor mask. The caller supplies what differs by where it runs:
-- the draft scores (`DraftScores`): one process's draft logits (`DraftLogits`, with an optional token map), or
-  the SGLang worker's vocab-parallel merge over TP ranks (adapter/tp.py);
+- the draft scores (`DraftScores`): one process's draft logits (`DraftLogits`, with an optional token map), the
+  SGLang worker's vocab-parallel merge over TP ranks (adapter/tp.py), or a DFlash2 drafter's selector
+  (`PathScores`, core/selector.py: its chain is a walk, sampled at the request's temperature with its q, and its
+  tree's children depend on their parent's token);
 - the tree kernels (`TreeKernels`): core's references here, dflash_sglang.ops (CUDA kernels) in the worker;
 - the uniforms' generator (None: torch's default one, seeded by SGLang's --random-seed).
 `kept_rows` marks which verified rows stay committed (root + accepted path), which is all the reference needs to
@@ -14,12 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-from .accept import AcceptResult, SamplingParams, draw_uniforms, greedy_accept, rejection_accept, target_probs
+from .accept import (AcceptResult, DraftQ, SamplingParams, draw_uniforms, greedy_accept, rejection_accept,
+                     target_probs)
 from .adaptive import SpecShape
 from .token_map import to_target_ids
 from .tree import DraftTree, build_tree
@@ -42,6 +45,23 @@ class DraftScores(Protocol):
         """tokens [bs, m] int64 target ids at positions 1..m -> [bs, m] int64: the drafter's rank of each (1: its
         best; vocab_parallel.NOT_RANKED: a token it cannot propose), or None where it is not measured."""
         ...
+
+
+@runtime_checkable
+class PathScores(Protocol):
+    """Scores whose proposals depend on the path drawn so far (DFlash2's selector, core/selector.py SelectorScores):
+    `argmax` is the chain's walk (sampled where the request samples), `chain_q` the distribution it was drawn from, and
+    a tree grows node by node from its parents' tokens instead of per-position top-k."""
+
+    def argmax(self, count: int) -> Tensor: ...
+
+    def chain_q(self, count: int) -> DraftQ | None:
+        """The first count drafts' proposal distribution (None: point masses)."""
+        ...
+
+    def tree(self, root: Tensor, nodes: int, topk: int) -> DraftTree: ...
+
+    def ranks(self, tokens: Tensor) -> Tensor | None: ...
 
 
 @dataclass(frozen=True)
@@ -82,6 +102,7 @@ class Proposal:
     ids: Tensor  # [bs, T] int64: root then drafts (chain order, or tree node order)
     depth: Tensor  # [bs, T] int64: position offset from the root
     tree: DraftTree | None  # None for a chain (plain causal verify)
+    q: DraftQ | None = None  # a sampled chain's proposal distribution (PathScores); None: point masses
 
     def attention_mask(self) -> Tensor:
         """[bs, T, T] bool: row i may attend to verify row j (ancestors and itself)."""
@@ -104,23 +125,30 @@ def propose(bonus: Tensor, scores: DraftScores | None, shape: SpecShape,
             kernels: TreeKernels = REFERENCE_KERNELS) -> Proposal:
     """bonus [bs] int64, scores over block positions 1..B-1 (None when shape.nodes == 1: no drafter pass).
 
-    A chain of n verifies [bonus, the first n-1 argmax drafts]: point-mass proposals, lossless for any sampling.
-    A tree verifies the best-first tree of shape.nodes nodes built from each position's top shape.topk.
+    A chain of n verifies [bonus, the first n-1 argmax drafts]: point-mass proposals, lossless for any sampling (with
+    PathScores, the first n-1 steps of the selector's walk, and the q they were drawn from where sampled).
+    A tree verifies the best-first tree of shape.nodes nodes built from each position's top shape.topk (with
+    PathScores, from each node's top shape.topk children: still point masses, deterministic given the draft).
     """
     bonus = bonus.to(torch.int64)
     bs, n = bonus.shape[0], shape.nodes
+    path = isinstance(scores, PathScores)
     if shape.is_chain:
-        drafts = bonus.new_zeros(bs, 0)
+        drafts, q = bonus.new_zeros(bs, 0), None
         if n > 1:
             assert scores is not None, "a chain of more than one row needs draft scores"
             drafts = scores.argmax(n - 1)
+            q = scores.chain_q(n - 1) if path else None
             assert drafts.shape[1] == n - 1, "block too short for the chain"
         ids = torch.cat([bonus[:, None], drafts], dim=1)
         depth = torch.arange(n, device=bonus.device).repeat(bs, 1)  # a chain is a tree of depth i at node i
-        return Proposal(ids, depth, None)
+        return Proposal(ids, depth, None, q)
     assert scores is not None
-    topk_tokens, topk_logp = scores.topk(shape.topk)
-    tree = kernels.build_tree(bonus, topk_tokens.contiguous(), topk_logp.contiguous(), n)
+    if path:  # (no kernel of its own yet: the children of a node are found when the node is)
+        tree = scores.tree(bonus, n, shape.topk)
+    else:
+        topk_tokens, topk_logp = scores.topk(shape.topk)
+        tree = kernels.build_tree(bonus, topk_tokens.contiguous(), topk_logp.contiguous(), n)
     return Proposal(tree.tokens, tree.depth, tree)
 
 
@@ -140,9 +168,9 @@ def accept(proposal: Proposal, logits: Tensor, params: SamplingParams | None, ge
     AcceptResult (a TreeAcceptResult for a tree).
 
     params None: every request greedy (longest matching prefix / path). Otherwise lossless rejection sampling of
-    the point-mass drafts against target_probs (temperature, top-k, top-p, min-p; greedy rows one-hot), uniforms
-    drawn from `generator` (None: torch's default). slots [bs, T] int64: each tree node's KV slot, split by the
-    verify into commit_loc / free_loc (trees only).
+    the drafts (point masses, or a sampled chain's proposal.q) against target_probs (temperature, top-k, top-p,
+    min-p; greedy rows one-hot), uniforms drawn from `generator` (None: torch's default). slots [bs, T] int64: each
+    tree node's KV slot, split by the verify into commit_loc / free_loc (trees only).
     """
     bs, t = proposal.ids.shape
     if proposal.tree is None:
@@ -150,7 +178,7 @@ def accept(proposal: Proposal, logits: Tensor, params: SamplingParams | None, ge
         if params is None:
             return greedy_accept(draft, logits.argmax(-1))
         coins, u = draw_uniforms(bs, t - 1, generator, logits.device)
-        return rejection_accept(draft, target_probs(logits, params), coins, u)
+        return rejection_accept(draft, target_probs(logits, params), coins, u, proposal.q)
     if params is None:
         return kernels.verify_tree_greedy(proposal.tree, logits.argmax(-1), slots)
     coins, u = draw_uniforms(bs, t, generator, logits.device)

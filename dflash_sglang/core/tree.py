@@ -8,10 +8,15 @@ depth ascending, then by the path's candidate ranks compared lexicographically. 
 a candidate once its parent is taken, the tree is prefix-closed, and node ids follow selection order, so a
 parent always precedes its children. The chain is K = 1 with N = B.
 
+`grow_tree` is the same best-first search with each node's children given by a function of the node (DFlash2's
+selector scores a node's children with the node's own token as predecessor, core/selector.py); `build_tree` is it
+with every node at depth d offered position d+1's top-K.
+
 Verification of the tree lives in core/tree_verify.py.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -76,23 +81,47 @@ def build_tree(root: Tensor, topk_tokens: Tensor, topk_logp: Tensor, num_nodes: 
         raise ValueError(f"topk_logp must be float32, got {topk_logp.dtype}")
     if bool(torch.isnan(topk_logp).any()) or bool((topk_logp > 0).any()):
         raise ValueError("topk_logp must hold log-probabilities: no NaN, all <= 0")
-    n_max, dev = num_nodes, root.device
+    rows = torch.arange(bs, device=root.device)
+
+    def children(token: Tensor, depth: Tensor) -> tuple[Tensor, Tensor]:
+        at = depth.clamp_max(depth_max - 1)  # (a node at depth D has no children; its row is never used)
+        return topk_tokens[rows, at], topk_logp[rows, at]
+
+    return grow_tree(root, children, depth_max, k, num_nodes)
+
+
+Children = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+def grow_tree(root: Tensor, children: Children, depth_max: int, k: int, num_nodes: int) -> DraftTree:
+    """Best-first draft tree of `num_nodes` nodes whose children come from `children`.
+
+    root      [bs] int64 — the bonus token (node 0)
+    children  (token [bs] int64, depth [bs] int64) of a node -> (tokens [bs, K] int64, logp [bs, K] float32): its K
+              children at depth + 1, best first (the rank breaks ties), with their log-probs given the node
+    depth_max D, the deepest a node may sit; num_nodes N, 1 <= N <= 1 + K + ... + K^D
+    """
+    bs, n_max, dev = root.shape[0], num_nodes, root.device
+    assert 1 <= n_max <= max_tree_nodes(depth_max, k) and k**depth_max < _KEY_LIMIT, "checked by the caller"
     rows = torch.arange(bs, device=dev)
     tokens = torch.full((bs, n_max), -1, dtype=torch.int64, device=dev)
     parent = torch.full_like(tokens, -1)
     depth = torch.zeros_like(tokens)
     key = torch.zeros_like(tokens)  # base-K digits = candidate ranks along the path
     score = torch.zeros(bs, n_max, dtype=torch.float32, device=dev)
+    child_tokens = torch.zeros(bs, n_max, k, dtype=torch.int64, device=dev)  # node s's K children
+    child_logp = torch.zeros(bs, n_max, k, dtype=torch.float32, device=dev)
     taken = torch.zeros(bs, n_max, k, dtype=torch.bool, device=dev)  # lattice child (s, r) already a node
     mask = torch.zeros(bs, n_max, n_max, dtype=torch.bool, device=dev)
     tokens[:, 0] = root
     mask[:, 0, 0] = True
+    child_tokens[:, 0], child_logp[:, 0] = children(root, depth[:, 0])
     ranks = torch.arange(k, device=dev)
     for n in range(1, n_max):
         # Candidates are the K lattice children (s, r) of every node s < n; one is taken per step.
         d = depth[:, :n]
         valid = (d < depth_max)[..., None] & ~taken[:, :n]
-        cand_score = score[:, :n, None] + topk_logp[rows[:, None], d.clamp_max(depth_max - 1)]  # float32 adds
+        cand_score = score[:, :n, None] + child_logp[:, :n]  # float32 adds
         cand_depth = (d + 1)[..., None].expand(-1, -1, k)
         cand_key = key[:, :n, None] * k + ranks
         best = _lexi_best(valid, (cand_score, True), (cand_depth, False), (cand_key, False)).flatten(1)
@@ -103,9 +132,11 @@ def build_tree(root: Tensor, topk_tokens: Tensor, topk_logp: Tensor, num_nodes: 
         depth[:, n] = depth[rows, s] + 1
         key[:, n] = key[rows, s] * k + r
         score[:, n] = cand_score.flatten(1)[rows, flat]
-        tokens[:, n] = topk_tokens[rows, depth[rows, s], r]
+        tokens[:, n] = child_tokens[rows, s, r]
         mask[:, n] = mask[rows, s]
         mask[:, n, n] = True
+        if n + 1 < n_max:  # (the last node's children could never be taken)
+            child_tokens[:, n], child_logp[:, n] = children(tokens[:, n], depth[:, n])
     first_child, next_sibling = _child_links(parent)
     retrive_index = rows[:, None] * n_max + torch.arange(n_max, device=dev)
     return DraftTree(tokens, parent, depth, score, mask, retrive_index, first_child, next_sibling, depth_max)
