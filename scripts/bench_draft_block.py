@@ -8,6 +8,11 @@ Why: a chain of n < B rows drafts with a block of its own length (core/speculate
 pass's work grows with its rows (a CPU, large batches) that is cheaper than the whole block. Each request gets a
 random prompt of --context tokens prefilled by the reference decoder (its captured features are the drafter's
 context). Medians of --repeats timed calls after two warm-up calls; the last stdout line is JSON.
+
+--dflash2 also times a DFlash2 draft derived from the draft (dflash_sglang/testbed/dflash2.py: the same layers inside
+block convolutions, a candidate selector over the top --selector-top-k): its layers (convolutions included), head,
+and the selector's walk over the block's positions (a greedy chain: the candidates' top-k, the pair terms, one argmax
+per position), beside the DFlash draft's pass.
 """
 from __future__ import annotations
 
@@ -27,13 +32,16 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     p.add_argument("--target", type=Path)
     p.add_argument("--draft", type=Path)
+    p.add_argument("--dflash2", action="store_true", help="also a DFlash2 draft derived from the draft")
+    p.add_argument("--selector-rank", type=int, default=256)
+    p.add_argument("--selector-top-k", type=int, default=16)
+    p.add_argument("--out", type=Path, default=Path("bench_draft_block"), help="--dflash2: the derived draft's folder")
     args = p.parse_args()
 
     import torch
 
     from dflash_sglang.cli import load_pair
     from dflash_sglang.core.accept import SamplingParams
-    from dflash_sglang.core.block import build_block_inputs
     from dflash_sglang.core.reference import ReferenceDecoder
 
     if args.threads:
@@ -43,8 +51,15 @@ def main() -> int:
 
         args.target, args.draft = default_pair()
     target, _, drafter = load_pair(args.target, args.draft, "cpu")
-    dec = ReferenceDecoder(target, drafter)
-    gen = torch.Generator().manual_seed(0)
+    drafters = {"dflash": drafter}
+    if args.dflash2:
+        from dflash_sglang.core.config import DFlash2Fields
+        from dflash_sglang.testbed.dflash2 import derive_dflash2
+
+        fields = DFlash2Fields(conv_kernel_size=2, conv_group_size=16, selector_rank=args.selector_rank,
+                               selector_top_k=args.selector_top_k)
+        out = derive_dflash2(args.draft, args.out / "dflash2", fields, dtype=drafter.fc.weight.dtype)
+        drafters["dflash2"] = load_pair(args.target, out, "cpu")[2]
 
     def median_ms(fn) -> float:
         for _ in range(2):
@@ -57,25 +72,47 @@ def main() -> int:
         return round(1e3 * statistics.median(times), 2)
 
     rows = []
-    for bs in (int(x) for x in args.batch_sizes.split(",")):
-        prompts = torch.randint(100, 5000, (bs, args.context), generator=gen).tolist()
-        params = SamplingParams.full(bs, 0.0, 0, 1.0, 0.0, device=torch.device("cpu"))
-        with torch.no_grad():
-            batch, _ = dec._prefill(prompts, params, None, capture=True, pen=None)
-            for b in (int(x) for x in args.block_sizes.split(",")):
-                inputs = build_block_inputs(batch.bonus, batch.seq_len, b, dec.cfg.mask_token_id)
-                embeds = dec.embed(inputs.input_ids) * dec.cfg.input_embedding_scale
-
-                def layers(inputs=inputs, embeds=embeds):
-                    return dec.drafter(embeds, inputs.positions, batch.ctx_kv, batch.pos, ctx_valid=batch.valid)
-
-                hidden = layers()
-                head_ms = median_ms(lambda hidden=hidden: dec.drafter.logits(hidden[:, 1:], dec.draft_head))
-                rows.append({"bs": bs, "block": b, "layers_ms": median_ms(layers), "head_ms": head_ms})
-                print(f"bs {bs:3d} block {b:2d}: layers {rows[-1]['layers_ms']:7.2f} ms, head over {b - 1} positions "
-                      f"{head_ms:7.2f} ms", flush=True)
+    for name, model in drafters.items():
+        dec = ReferenceDecoder(target, model)
+        gen = torch.Generator().manual_seed(0)  # (the same prompts for every draft)
+        for bs in (int(x) for x in args.batch_sizes.split(",")):
+            prompts = torch.randint(100, 5000, (bs, args.context), generator=gen).tolist()
+            params = SamplingParams.full(bs, 0.0, 0, 1.0, 0.0, device=torch.device("cpu"))
+            with torch.no_grad():
+                batch, _ = dec._prefill(prompts, params, None, capture=True, pen=None)
+                for b in (int(x) for x in args.block_sizes.split(",")):
+                    rows.append(time_pass(dec, batch, b, name, median_ms))
+                    r = rows[-1]
+                    walk = f", selector walk {r['selector_ms']:7.2f} ms" if r["selector_ms"] is not None else ""
+                    print(f"{name:8s} bs {bs:3d} block {b:2d}: layers {r['layers_ms']:7.2f} ms, head over {b - 1} "
+                          f"positions {r['head_ms']:7.2f} ms{walk}", flush=True)
     print(json.dumps({"context": args.context, "threads": torch.get_num_threads(), "rows": rows}))
     return 0
+
+
+def time_pass(dec, batch, b: int, name: str, median_ms) -> dict:
+    """One draft's pass over a block of b rows at this batch: its layers, its head and (DFlash2) its selector walk."""
+    import torch
+
+    from dflash_sglang.core.block import build_block_inputs
+    from dflash_sglang.core.selector import SelectorScores
+
+    inputs = build_block_inputs(batch.bonus, batch.seq_len, b, dec.cfg.mask_token_id)
+    embeds = dec.embed(inputs.input_ids) * dec.cfg.input_embedding_scale
+
+    def layers():
+        return dec.drafter(embeds, inputs.positions, batch.ctx_kv, batch.pos, ctx_valid=batch.valid)
+
+    hidden = layers()
+    logits = dec.drafter.logits(hidden[:, 1:], dec.draft_head)
+    head_ms = median_ms(lambda: dec.drafter.logits(hidden[:, 1:], dec.draft_head))
+    selector, walk_ms = dec.drafter.candidate_selector, None
+    if selector is not None:
+        greedy = torch.zeros(len(batch.bonus))
+        walk_ms = median_ms(lambda: SelectorScores.of(selector, hidden[:, 1:], logits, batch.bonus, greedy,
+                                                      None, dec.token_map).argmax(b - 1))
+    return {"draft": name, "bs": len(batch.bonus), "block": b, "layers_ms": median_ms(layers), "head_ms": head_ms,
+            "selector_ms": walk_ms}
 
 
 if __name__ == "__main__":

@@ -311,9 +311,16 @@ def test_drafter_accuracy_of_the_shipped_drafter(pair):
     assert out["labels"] > 4 * 15 and acc[1] > 0.25 and acc[1] > acc[8] and out["tau_est"] > 1.2
 
 
-def test_bench_draft_block(pair):
-    """The drafter pass by block length: one row per (batch size, block), layer and head times measured."""
+def test_bench_draft_block(pair, tmp_path):
+    """The drafter pass by block length: one row per (draft, batch size, block), layer and head times measured, and
+    with --dflash2 a derived DFlash2 draft's too, its selector walk timed."""
     lines, res = _run("bench_draft_block.py", ["--block-sizes", "2,4", "--batch-sizes", "1,2", "--context", "16",
-                                               "--repeats", "2", "--threads", "1"])
-    assert [(r["bs"], r["block"]) for r in res["rows"]] == [(1, 2), (1, 4), (2, 2), (2, 4)]
-    assert all(r["layers_ms"] > 0 and r["head_ms"] > 0 for r in res["rows"]) and len(lines) == 5
+                                               "--repeats", "2", "--threads", "1", "--dflash2", "--selector-rank", "8",
+                                               "--selector-top-k", "4", "--out", str(tmp_path)])
+    shapes = [(1, 2), (1, 4), (2, 2), (2, 4)]
+    assert [(r["draft"], r["bs"], r["block"]) for r in res["rows"]] == [(d, *s) for d in ("dflash", "dflash2")
+                                                                        for s in shapes]
+    assert all(r["layers_ms"] > 0 and r["head_ms"] > 0 for r in res["rows"]) and len(lines) == 9
+    assert all((r["selector_ms"] is not None and r["selector_ms"] > 0) == (r["draft"] == "dflash2")
+               for r in res["rows"])
+    assert (tmp_path / "dflash2" / "config.json").is_file()

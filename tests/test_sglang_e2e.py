@@ -451,29 +451,14 @@ def write_pair(root: Path, arch: str, hidden: int = 32) -> Path:
 
 
 def write_dflash2_draft(root: Path) -> Path:
-    """A DFlash2 draft derived from the pair's DFlash draft, so that its drafts are accepted as often (a random one's
-    hardly are, and the controller then rightly stops drafting): the same layers, each sublayer inside a convolution
-    near the identity, and a selector (factories.DFLASH2_DRAFT's: top 4 candidates) whose small random pair term
-    reorders the candidates now and then. core/'s tests check the arithmetic against the authors' code."""
-    from dataclasses import replace
+    """A DFlash2 draft derived from the pair's DFlash draft (dflash_sglang/testbed/dflash2.py: the same layers inside
+    near-identity convolutions, a selector over the top 4 candidates), so that its drafts are accepted about as often;
+    core/'s tests check the DFlash2 arithmetic against the authors' code."""
+    from factories import DFLASH2_DRAFT
 
-    from factories import DFLASH2_DRAFT, write_draft
+    from dflash_sglang.testbed.dflash2 import derive_dflash2
 
-    from dflash_sglang.core.checkpoint import load_drafter
-    from dflash_sglang.core.drafter import DFlashDrafter
-
-    dflash = load_drafter(root / "draft", dtype=torch.float32)
-    torch.manual_seed(3)
-    drafter = DFlashDrafter(replace(dflash.cfg, dflash2=DFLASH2_DRAFT["dflash2"]))
-    unexpected = drafter.load_state_dict(dflash.state_dict(), strict=False).unexpected_keys
-    assert not unexpected, unexpected
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if name.endswith("base_kernel"):
-                p.add_(torch.randn_like(p) * 0.05)
-            elif name.endswith(("kernel_projection.weight", "hidden_projection.weight")):
-                p.normal_(0, 0.02)
-    return write_draft(root / "dflash2", drafter.eval(), dtype=torch.float32)
+    return derive_dflash2(root / "draft", root / "dflash2", DFLASH2_DRAFT["dflash2"])
 
 
 TOKEN_MAP = [0, 1, 3, 4, 6]  # a reduced draft vocabulary: the drafter proposes only these ids
