@@ -19,6 +19,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 
 SGLANG_VERSION=0.5.23
 VENV=""
+SYSTEM_LIBS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --venv) VENV="$2"; shift 2 ;;
@@ -39,12 +40,24 @@ COMMON=(
 case "$SGLANG_VERSION" in
   0.5.23)  # requires Python >= 3.11
     NO_DEPS=("sglang==0.5.23" "xgrammar==0.2.7" "compressed-tensors==0.18.0")  # xgrammar declares triton
-    WITH_DEPS=("transformers==5.19.0" "tokenizers==0.23.2" "openai==2.8.0" "sentencepiece==0.2.1" "${COMMON[@]}") ;;
+    WITH_DEPS=("transformers==5.19.0" "tokenizers==0.23.2" "openai==2.8.0" "sentencepiece==0.2.1" "${COMMON[@]}"
+               "mooncake-transfer-engine-non-cuda==0.3.13.post1")  # PD disaggregation's KV transfer (over TCP here)
+    SYSTEM_LIBS=(libibverbs1 libnl-3-200 libnl-route-3-200) ;;  # mooncake's engine links libibverbs, even for TCP
   0.5.17)
     NO_DEPS=("sglang==0.5.17" "xgrammar==0.2.1" "compressed-tensors==0.20.0")
     WITH_DEPS=("transformers==5.12.1" "openai==2.6.1" "sentencepiece==0.2.3" "${COMMON[@]}") ;;
   *) echo "install_sglang: SGLang $SGLANG_VERSION is not supported (0.5.23 or 0.5.17)" >&2; exit 2 ;;
 esac
+
+# Debian libraries a package's binary links (root installs them; elsewhere the test that needs them says what's missing)
+for lib in "${SYSTEM_LIBS[@]:-}"; do
+  [ -n "$lib" ] || continue
+  if ! dpkg -s "$lib" >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "install_sglang: installing the system libraries ${SYSTEM_LIBS[*]} (apt-get)"
+    { apt-get update -qq && apt-get install -y -qq "${SYSTEM_LIBS[@]}" >/dev/null; } || echo "install_sglang: apt-get failed" >&2
+    break
+  fi
+done
 
 PY=python
 if [ -n "$VENV" ]; then

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Launch an SGLang server from a recipe: `python recipes/launch.py FAMILY HW [--impl ours|builtin|none] [--dry-run]
-[--target PATH] [--draft PATH] [-- EXTRA SGLANG ARGS]`.
+[--target PATH] [--draft PATH] [--pd prefill|decode [--bootstrap-port P]] [-- EXTRA SGLANG ARGS]`.
 
 FAMILY is a file stem in this directory (qwen3-8b, gpt-oss-120b, ...), HW one of h100 h200 b200 b300. The recipe's
 `measured` line is printed first; `--dry-run` prints the command instead of running it.
@@ -27,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", help="local copy of the target (default: the recipe's hub repo)")
     p.add_argument("--draft", help="local copy of the draft (default: the recipe's hub repo)")
     p.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
+    p.add_argument("--pd", choices=recipes.PD_SIDES, help="this server's side in PD disaggregation (recipes/pd.md)")
+    p.add_argument("--bootstrap-port", type=int, default=recipes.PD_BOOTSTRAP_PORT,
+                   help="--pd prefill: the port its decode peers bootstrap from")
     args = p.parse_args(argv)
     r = recipes.load(args.family)
     try:
@@ -39,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         args.impl = r.default_impl(args.hw)
         why = r.ours_refusal(args.hw)
         print(f"# impl: {args.impl}" + (f" ({why})" if why else ""), file=sys.stderr)
-    kw = dict(target=args.target, draft=args.draft, extra=extra)
+    kw = dict(target=args.target, draft=args.draft, extra=extra, pd=args.pd, bootstrap_port=args.bootstrap_port)
     try:
         argv = r.server_args(args.hw, args.impl, **kw)
     except recipes.RecipeError as e:

@@ -290,6 +290,29 @@ def test_launcher_dry_run_prints_the_recipe_command(capsys):
     assert "--speculative-num-draft-tokens 16" in cmd and cmd.endswith("--port 31000")
 
 
+def test_pd_sides_add_the_disaggregation_flags(capsys):
+    """--pd prefill / decode (recipes/pd.md): the recipe's server plus PD disaggregation over mooncake; only the
+    prefill side listens for bootstrap; anything else is refused."""
+    r = recipes.load("qwen3-8b")
+    whole = r.server_args("h100", "ours")
+    prefill = r.server_args("h100", "ours", pd="prefill", bootstrap_port=9001)
+    decode = r.server_args("h100", "ours", pd="decode")
+    assert prefill[:len(whole)] == whole == decode[:len(whole)]
+    assert prefill[len(whole):] == ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mooncake",
+                                    "--disaggregation-bootstrap-port", "9001"]
+    assert decode[len(whole):] == ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake"]
+    with pytest.raises(ValueError, match="pd must be one of"):
+        r.server_args("h100", "ours", pd="both")
+    sys.path.insert(0, str(ROOT / "recipes"))
+    try:
+        import launch
+    finally:
+        sys.path.pop(0)
+    assert launch.main(["qwen3-8b", "b200", "--pd", "decode", "--dry-run", "--", "--port", "30001"]) == 0
+    cmd = capsys.readouterr().out.strip()
+    assert "--disaggregation-mode decode --disaggregation-transfer-backend mooncake --port 30001" in cmd
+
+
 def test_launcher_names_an_omitted_table():
     sys.path.insert(0, str(ROOT / "recipes"))
     try:

@@ -1095,6 +1095,65 @@ def test_router_in_front_of_two_servers_matches_plain(runs, pair_dir, tmp_path):
             s.stop()
 
 
+def test_pd_disaggregation_over_mooncake_matches_plain(runs, pair_dir, tmp_path):
+    """PD disaggregation (0.5.23): a DFLASH prefill server and a DFLASH decode server (a chain of the block) behind
+    sglang-router --pd-disaggregation, the target and draft KV moved by SGLang's mooncake transfer engine over TCP
+    (adapter/disagg.py registers our draft pool): greedy outputs identical to the plain Engine's, and the decode
+    server's acceptance that of the whole chain Engine on the same prompts (a decode server drafting from a draft
+    pool the transfer did not fill would accept almost nothing)."""
+    import time as time_mod
+    import urllib.error
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dflash_sglang.bench.server import ROUTER, Server, cpu_env, free_port, http_json
+
+    if version("sglang") == "0.5.17":  # (this process does not import sglang: the plugin tests check the refusal)
+        pytest.skip("sglang 0.5.17 has no DFLASH path for PD disaggregation")
+    common = ["--model-path", str(pair_dir / "target"), "--device", "cpu", "--attention-backend", "torch_native",
+              "--dtype", "float32", "--random-seed", "0", "--max-total-tokens", "16384", "--chunked-prefill-size",
+              str(CHUNK), "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path",
+              str(pair_dir / "draft"), "--speculative-num-draft-tokens", str(BLOCK),
+              "--disaggregation-transfer-backend", "mooncake_tcp"]
+    bootstrap = free_port()
+    # (CPU: SGLang's prefill sender allocates CUDA events on two paths that these two switches avoid; the decode
+    # server keeps retracted requests' KV in CPU tensors instead of its pinned host pool)
+    prefill = Server(common + ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap)],
+                     {**cpu_env(REPO), "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1",
+                      "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0"}, tmp_path / "prefill.log")
+    decode = Server(common + ["--disaggregation-mode", "decode", "--disaggregation-decode-retraction-backup",
+                              "cpu_tensor"], cpu_env(REPO), tmp_path / "decode.log")
+    try:
+        for s in (prefill, decode):
+            s.start()
+        for s in (prefill, decode):
+            s.wait_ready()
+        router_argv = ["--pd-disaggregation", "--prefill", prefill.url, str(bootstrap), "--decode", decode.url,
+                       "--policy", "round_robin"]
+        with Server(router_argv, cpu_env(REPO), tmp_path / "router.log", startup_timeout=120, module=ROUTER) as router:
+            params = {"temperature": 0, "max_new_tokens": GREEDY_NEW, "ignore_eos": True}
+            deadline = time_mod.monotonic() + 60
+            while True:  # (the router answers 503 until it has registered both servers)
+                try:
+                    http_json(router.url + "/generate", {"input_ids": [1, 2], "sampling_params": params})
+                    break
+                except urllib.error.HTTPError as e:
+                    if e.code != 503 or time_mod.monotonic() > deadline:
+                        raise
+                    time_mod.sleep(1)
+            with ThreadPoolExecutor(8) as pool:
+                outs = list(pool.map(lambda p: http_json(router.url + "/generate", {
+                    "input_ids": p, "sampling_params": params}), greedy_prompts()))
+    finally:
+        for s in (prefill, decode):
+            s.stop()
+    assert [o["output_ids"] for o in outs] == [r["ids"] for r in runs["plain"]["greedy"]]
+    whole = runs["chain"]["greedy"]
+    pd_tau = sum(o["meta_info"]["completion_tokens"] for o in outs) / sum(o["meta_info"]["spec_verify_ct"]
+                                                                           for o in outs)
+    tau = sum(r["meta"]["completion_tokens"] for r in whole) / sum(r["meta"]["spec_verify_ct"] for r in whole)
+    assert pd_tau == pytest.approx(tau, rel=0.05) and tau > 1.3, (pd_tau, tau)
+
+
 def test_json_schema_on_the_testbed_pair(runs):
     """JSON-schema-constrained decoding with a real tokenizer: greedy identical to the plain Engine, and every greedy
     and sampled output parses and fits the schema."""

@@ -779,8 +779,6 @@ CONTEXT_PARALLEL = r"is not supported \(the drafter reads every context position
         (dict(enable_prefill_cp=True, cp_strategy="zigzag"), r"^--enable-prefill-cp: prefill context parallelism is "
          r"not supported"),
         # what would serve with a stale or foreign draft KV pool, or not as asked
-        (dict(disaggregation_mode="prefill"), r"^--disaggregation-mode prefill: PD disaggregation cannot transfer"),
-        (dict(disaggregation_mode="decode"), r"^--disaggregation-mode decode: PD disaggregation cannot transfer"),
         (dict(enable_hierarchical_cache=True), r"^--enable-hierarchical-cache: the draft KV pool cannot be offloaded"),
         (dict(kv_cache_dtype="fp8_e4m3"), r"^--kv-cache-dtype fp8_e4m3: the draft KV pool is kept in the model dtype"),
         (dict(speculative_draft_kv_cache_dtype="fp8_e4m3"), r"^--speculative-draft-kv-cache-dtype fp8_e4m3: the draft "
@@ -806,6 +804,60 @@ def test_refusals_through_sglangs_own_resolution(plugin, pair, monkeypatch, kw, 
     with pytest.raises(UnsupportedFlagError, match=match) as err:
         _server_args(pair, **kw)
     assert "\n" not in str(err.value) and "DFLASH_SGLANG_IMPL=builtin" in str(err.value)
+
+
+@child_only
+def test_pd_disaggregation_resolves_where_sglang_has_a_dflash_path(plugin, pair, monkeypatch):
+    """--disaggregation-mode prefill / decode: served where SGLang's decode server builds DFLASH's relayed state from
+    the transferred token (0.5.23), the side recorded in the settings; refused naming the version elsewhere."""
+    from dflash_sglang.adapter.args import UnsupportedFlagError
+    from dflash_sglang.adapter.settings import settings_of
+    from dflash_sglang.adapter.versions import pd_disaggregation_supported
+
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    assert pd_disaggregation_supported() == (version("sglang") != "0.5.17")
+    for mode in ("prefill", "decode"):
+        kw = dict(disaggregation_mode=mode, disaggregation_transfer_backend="mooncake")
+        if not pd_disaggregation_supported():
+            with pytest.raises(UnsupportedFlagError, match=rf"^--disaggregation-mode {mode}: SGLang 0\.5\.17 has no "
+                                                           r"DFLASH path for PD disaggregation"):
+                _server_args(pair, **kw)
+            continue
+        assert settings_of(_server_args(pair, **kw)).disaggregation == mode
+    assert settings_of(_server_args(pair)).disaggregation is None
+
+
+@child_only
+def test_transferred_draft_pool_is_laid_out_as_sglangs_kv_pool(plugin):
+    """The entries the transfer engine reads off our draft pool (adapter/disagg.py) have the layout of SGLang's own
+    MHATokenToKVPool of the same shape: K of every layer then V, one buffer each, the same byte lengths and bytes per
+    page; page g of an entry starts at its pointer + g x bytes per page: target slots g*page.. of that layer."""
+    import ctypes
+
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from dflash_sglang.adapter.disagg import TransferredDraftPool
+    from dflash_sglang.adapter.model import DraftKVPool
+
+    size, layers, heads, dim = 16, 3, 2, 8
+    for page in (1, 4):
+        theirs = MHATokenToKVPool(size=size, page_size=page, dtype=torch.float32, head_num=heads, head_dim=dim,
+                                  layer_num=layers, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+        pool = DraftKVPool(layers, size + page, heads, dim, torch.float32, "cpu")
+        ours = TransferredDraftPool(pool, page)
+        ptrs, lens, item_lens = ours.get_contiguous_buf_infos()
+        _, their_lens, their_item_lens = theirs.get_contiguous_buf_infos()
+        assert (lens, item_lens, ours.layer_num) == (their_lens, their_item_lens, theirs.layer_num)
+        assert ptrs == [pool.k[i].data_ptr() for i in range(layers)] + [pool.v[i].data_ptr() for i in range(layers)]
+        slot, layer = 6, 1
+        pool.k[layer, slot] = torch.arange(heads * dim, dtype=torch.float32).view(heads, dim) + 100
+        pool.v[layer, slot] = -5.0
+        g, offset = divmod(slot, page)
+        row = item_lens[0] // page
+        k_at = ptrs[layer] + g * item_lens[layer] + offset * row
+        assert ctypes.c_float.from_address(k_at).value == 100.0
+        assert ctypes.c_float.from_address(k_at + row - 4).value == 100.0 + heads * dim - 1
+        assert ctypes.c_float.from_address(ptrs[layers + layer] + g * item_lens[0] + offset * row).value == -5.0
 
 
 @child_only

@@ -50,7 +50,7 @@ from .adaptive import AdaptiveConfigError, adaptive_limits
 from .settings import (DRAFT_ATTENTION, DRAFT_GRAPHS, IMPL_ENV, PLUGIN_DEFAULTS, DFlashSettings, plugin_flags_of,
                        refuse_retired_env)
 from .simulate import STEP_COST_ENV, SimulatedAcceptance, simulated_step_cost
-from .versions import attention_dp, declare, model_config, view
+from .versions import SGLANG_VERSION, attention_dp, declare, model_config, pd_disaggregation_supported, view
 
 if TYPE_CHECKING:
     from sglang.srt.server_args import ServerArgs
@@ -86,9 +86,7 @@ def check_supported_flags(cfg) -> None:
          "EAGLE's adaptive tuning file; DFLASH's adaptive shapes are --speculative-dflash-adaptive-table"),
         ("--speculative-use-block-verification", "speculative_use_block_verification", (None, False),
          "block verification is not supported (sampled drafts are verified by lossless rejection sampling)"),
-        # We expose no draft KV pool to transfer or offload: the draft KV would go stale (lossless, but tau drops).
-        ("--disaggregation-mode", "disaggregation_mode", (None, "null"),
-         "PD disaggregation cannot transfer the draft KV pool yet"),
+        # The draft KV pool is not offloaded with the target's: it would go stale (lossless, but tau drops).
         ("--enable-hierarchical-cache", "enable_hierarchical_cache", (None, False),
          "the draft KV pool cannot be offloaded yet"),
         # sampling_seed is read only in this mode; our rejection sampling draws its own randomness, and the verify is
@@ -102,6 +100,10 @@ def check_supported_flags(cfg) -> None:
         value = getattr(cfg, name, None)
         if value not in ok:
             _refuse(flag, "" if value is True else value, why)
+    mode = getattr(cfg, "disaggregation_mode", None)
+    if mode not in (None, "null") and not pd_disaggregation_supported():
+        _refuse("--disaggregation-mode", mode, f"SGLang {SGLANG_VERSION} has no DFLASH path for PD disaggregation "
+                "(0.5.23 has: prefill and decode servers transfer the draft KV pool)")
     kv_dtype = str(getattr(cfg, "kv_cache_dtype", "auto") or "auto")
     if kv_dtype not in ("auto", "bfloat16", "float16", "float32"):
         _refuse("--kv-cache-dtype", kv_dtype, "the draft KV pool is kept in the model dtype (quantized KV not yet)")
@@ -200,7 +202,7 @@ def handle_dflash_args(server_args: ServerArgs) -> DFlashSettings:
         dummy_draft=dummy, adaptive_table=table,
         token_map=token_map_path(cfg.speculative_token_map, str(cfg.speculative_draft_model_path), draft),
         adaptive_token_budget=flags["speculative_dflash_adaptive_token_budget"] if mode != "chain" else None,
-        simulation=simulation, step_cost=step_cost,
+        simulation=simulation, step_cost=step_cost, disaggregation=disaggregation(cfg),
         hybrid=recurrent_layers(model_config(server_args).hf_config) is not None,
     )
     if simulation is not None and not simulation.serves(mode):
@@ -259,6 +261,12 @@ def draft_attention(flag_value: str | None, device: str) -> str:
 
 
 EXPERIMENTAL = "--speculative-dflash-experimental"
+
+
+def disaggregation(cfg) -> str | None:
+    """The PD side this server runs ("prefill" / "decode"), None for a whole server."""
+    mode = getattr(cfg, "disaggregation_mode", None)
+    return None if mode in (None, "null") else str(mode)
 
 
 def check_draft_fits(server_args: ServerArgs, cfg: DraftConfig, experimental: bool = False) -> DraftConfig:

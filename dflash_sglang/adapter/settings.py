@@ -126,6 +126,7 @@ class DFlashSettings:
     simulation: SimulatedAcceptance | None = None  # SGLANG_SIMULATE_ACC_* (chain only)
     step_cost: FixedStepCost | None = None  # DFLASH_SIMULATE_STEP_COST (goodput only): the step time observed
     hybrid: bool = False  # the target has Gated DeltaNet layers: each verify's recurrent state is committed
+    disaggregation: str | None = None  # PD: "prefill" or "decode" (adapter/disagg.py), None: a whole server
 
     def __post_init__(self) -> None:
         assert self.mode in MODES and (self.mode == "adaptive") == (self.adaptive_table is not None)

@@ -17,6 +17,7 @@ upstream symbol it adapts and what changed (0.5.17 -> 0.5.23):
   `eos_token_ids` (the model's generation-config EOS) to the stop token ids and the tokenizer's EOS ids;
 - the server's hidden-states mode, `forward_batch_info.get_server_return_hidden_states_mode`: from `server_args` ->
   from the exec features (no argument);
+- PD disaggregation (`pd_disaggregation_supported`): no DFLASH path -> `speculative/dflash_disaggregation.py`;
 - DP attention (`attention_dp`): `--enable-dp-attention` with `--dp-size` groups -> `--attn-dp-size` groups (the
   old spelling rewritten before any other resolution step);
 - a hybrid target's prefix-cache state-tracking grid (`mamba_track_interval`): `get_exec().mamba.mamba_track_interval`
@@ -154,6 +155,16 @@ def attention_dp(cfg: Any) -> tuple[str, int] | None:
 
         return ("--attn-dp-size", int(cfg.attn_dp_size)) if attn_dp_enabled_of(cfg) else None
     return ("--enable-dp-attention --dp-size", int(cfg.dp_size or 1)) if cfg.enable_dp_attention else None
+
+
+def pd_disaggregation_supported() -> bool:
+    """Whether this SGLang can serve DFLASH across PD disaggregation: its decode server builds the relayed DFLASH state
+    from the transferred first token (`speculative/dflash_disaggregation.py`, reached from
+    `SpeculativeAlgorithm.build_disagg_draft_input`; 0.5.17's builds EAGLE's and DSpark's only) and reads the spec
+    worker's draft pool for the transfer. Decided by what the installed SGLang has."""
+    import importlib.util
+
+    return importlib.util.find_spec("sglang.srt.speculative.dflash_disaggregation") is not None
 
 
 FINISH_STATE = "sglang.srt.managers.schedule_batch.Req.update_finish_state"

@@ -53,6 +53,7 @@ from dflash_sglang.core.speculate import DraftScores, accept, committed_ranks, d
 from dflash_sglang.core.token_map import read_token_map
 
 from .adaptive import ShapeSchedule
+from .disagg import TransferredDraftPool
 from .args import TREE_ATTENTION_BACKENDS, UnsupportedFlagError
 from .draft_graphs import DraftGraphs, default_sizes, graph_mode
 from .hidden import FinalHiddenStates, decode_rows, prefill_rows
@@ -178,9 +179,11 @@ class DFlashWorker(BaseSpecWorker):
         return self.schedule.current.nodes if self.schedule.current is not None else self.stride
 
     @property
-    def primary_draft_kv_pool(self) -> None:
-        # SGLang 0.5.23 reads it for PD transfer / HiCache (both refused at start-up); we have no SGLang KV pool.
-        return None
+    def primary_draft_kv_pool(self) -> TransferredDraftPool | None:
+        # SGLang 0.5.23 reads it for PD transfer (adapter/disagg.py) and HiCache (refused at start-up)
+        if not self.settings.disaggregation or getattr(self, "drafter", None) is None:
+            return None
+        return TransferredDraftPool(self.drafter.pool, int(self.model_runner.token_to_kv_pool.page_size))
 
     @property
     def preloaded_weights_bytes(self) -> int:

@@ -21,6 +21,8 @@ RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 IMPL_ENV = "DFLASH_SGLANG_IMPL"
 OURS_DRAFT_BACKEND = "flashinfer"  # our drafter's paged attention on GPU (adapter/draft_attention.py)
 IMPLS = ("ours", "builtin", "none")
+PD_SIDES = ("prefill", "decode")  # PD disaggregation: one server of each behind sglang-router (recipes/pd.md)
+PD_BOOTSTRAP_PORT = 8998  # SGLang's default --disaggregation-bootstrap-port
 HARDWARE = ("h100", "h200", "b200", "b300")
 _HW_KEYS = {"tp", "attention_backend", "draft_attention_backend", "mem_fraction_static", "cuda_graph_bs",
             "max_running_requests", "args", "env", "measured", "builtin_only"}
@@ -75,9 +77,11 @@ class Recipe:
         return "builtin" if self.ours_refusal(hw) else "ours"
 
     def server_args(self, hw: str, impl: str | None = None, target: str | None = None, draft: str | None = None,
-                    extra: list[str] | tuple[str, ...] = (), max_running_requests: int | None = None) -> list[str]:
+                    extra: list[str] | tuple[str, ...] = (), max_running_requests: int | None = None,
+                    pd: str | None = None, bootstrap_port: int = PD_BOOTSTRAP_PORT) -> list[str]:
         """`sglang.launch_server` arguments for this recipe on `hw` (model paths and the request cap overridable);
-        impl None: `default_impl(hw)`."""
+        impl None: `default_impl(hw)`; pd: this server's PD side (its KV moved by the mooncake transfer engine, the
+        prefill side listening on `bootstrap_port` for its decode peers), None: a whole server."""
         impl = impl or self.default_impl(hw)
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -96,6 +100,11 @@ class Recipe:
                      "--speculative-draft-attention-backend",
                      OURS_DRAFT_BACKEND if impl == "ours" else h.draft_attention_backend]
         ours = [EXPERIMENTAL_FLAG] if impl == "ours" and self.experimental else []
+        if pd is not None:
+            if pd not in PD_SIDES:
+                raise ValueError(f"pd must be one of {PD_SIDES}, got {pd!r}")
+            argv += ["--disaggregation-mode", pd, "--disaggregation-transfer-backend", "mooncake"]
+            argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)] if pd == "prefill" else []
         return argv + list(self.args) + list(h.args) + ours + list(extra)
 
     def server_env(self, hw: str, impl: str | None = None) -> dict[str, str]:
