@@ -214,7 +214,7 @@ def run_generate(args: argparse.Namespace) -> int:
     import torch
 
     from dflash_sglang.core.adaptive import SpecShape
-    from dflash_sglang.core.goodput import DEFAULT_TREE_TOPK, GoodputConfig, GoodputController, describe
+    from dflash_sglang.core.goodput import DEFAULT_TREE_TOPK, GoodputConfig, GoodputController
     from dflash_sglang.core.reference import ReferenceDecoder
 
     if args.max_new_tokens < 1:
@@ -280,7 +280,11 @@ def run_generate(args: argparse.Namespace) -> int:
                 extra = f"  lossless={record['lossless']}" if plain is not None else ""
                 print(f"[{record['index']}] tau={record['mean_accept_length']:.2f}{extra}\n{record['text']}\n")
     if controller is not None and not args.json:
-        print(f"goodput controller: {describe(controller.summary(min(args.batch_size, len(ids))))}")
+        from dflash_sglang.testbed.demo import controller_verdict
+
+        # What it chose, in words, before its numbers. No speed ratio: generate times one way once, and a single
+        # timing is noise as often as speed (`dflash-sglang demo` times ways interleaved, with an interval).
+        print(f"goodput {controller_verdict(controller.summary(min(args.batch_size, len(ids))))}")
     return 0
 
 

@@ -807,6 +807,21 @@ def test_refusals_through_sglangs_own_resolution(plugin, pair, monkeypatch, kw, 
 
 
 @child_only
+def test_post_capture_kv_sizing_is_refused(plugin, pair, monkeypatch):
+    """SGLANG_ENABLE_POST_CAPTURE_KV_SIZING would grow the target KV pool past our draft pool (sized with it at
+    start-up): refused at start-up, naming the variable; off, the server resolves."""
+    from dflash_sglang.adapter.args import UnsupportedFlagError
+
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    monkeypatch.setenv("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING", "0")
+    _server_args(pair)
+    monkeypatch.setenv("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING", "1")
+    with pytest.raises(UnsupportedFlagError, match=r"^SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1: the target KV pool "
+                                                   r"resized after CUDA-graph capture would outgrow our draft KV pool"):
+        _server_args(pair)
+
+
+@child_only
 def test_pd_disaggregation_resolves_where_sglang_has_a_dflash_path(plugin, pair, monkeypatch):
     """--disaggregation-mode prefill / decode: served where SGLang's decode server builds DFLASH's relayed state from
     the transferred token (0.5.23), the side recorded in the settings; refused naming the version elsewhere."""

@@ -74,6 +74,24 @@ def _refuse(flag: str, value, why: str) -> None:
     raise UnsupportedFlagError(f"{shown}: {why} (dflash-sglang DFLASH; set {IMPL_ENV}=builtin for SGLang's own)")
 
 
+# SGLang environment switches our worker cannot follow: name -> why (refused when truthy, at start-up).
+UNSUPPORTED_ENV = {
+    # (0.5.20+: the scheduler grows the target KV pool after graph capture and asks the spec worker for its draft
+    # runners to grow theirs; ours is sized with the target's pool at start-up and has no SGLang runner to grow)
+    "SGLANG_ENABLE_POST_CAPTURE_KV_SIZING": "the target KV pool resized after CUDA-graph capture would outgrow our "
+                                            "draft KV pool, which is sized with it at start-up",
+}
+
+
+def check_supported_env(env=None) -> None:
+    """One line for an SGLang environment switch our worker does not serve."""
+    env = os.environ if env is None else env
+    for name, why in UNSUPPORTED_ENV.items():
+        if env.get(name, "").strip().lower() in ("1", "true", "yes", "on"):
+            raise UnsupportedFlagError(f"{name}={env[name]}: {why} (dflash-sglang DFLASH; unset it, or set "
+                                       f"{IMPL_ENV}=builtin for SGLang's own)")
+
+
 def check_supported_flags(cfg) -> None:
     """One line per flag our worker does not serve. cfg: a read view of the server args."""
     device = str(cfg.device)
@@ -163,6 +181,7 @@ def precheck(server_args: ServerArgs) -> None:
     """Before SGLang's own speculative handling: refuse what we do not serve, fetch a hub draft, fail on an
     unreadable draft config, and keep our raw inputs that SGLang's handling would rewrite."""
     refuse_retired_env()
+    check_supported_env()
     cfg = view(server_args)
     check_supported_flags(cfg)
     resolve_draft_path(server_args)

@@ -1,10 +1,16 @@
 """CPU `sgl.Engine` decoding throughput per speculation arm on the SmolLM2 testbed pair, one Engine at a time.
 
-Measured: each arm is a child process running one Engine (never two at once); per concurrency c, a warm-up, then
-`repeats` rounds of one greedy `engine.generate` call with c prompts (all concurrent, N new tokens, `ignore_eos`):
-wall seconds, output tokens, tokens/s, per request `spec_accept_length` / `spec_verify_ct`. Arms: `plain`, DFLASH
-`default`, `chain16`, `static` (the static adaptive table), `floor` (adaptive `inf:1x1`: every step a plain step
-through our worker), `adaptive`, or `name:key=value;...` (DFLASH plus those Engine kwargs; `none` drops a key).
+Measured: each arm is a child process running one Engine (never two at once); per concurrency c, a warm-up, then one
+greedy `engine.generate` call with c prompts (all concurrent, N new tokens, `ignore_eos`): wall seconds, output
+tokens, tokens/s, per request `spec_accept_length` / `spec_verify_ct`. Arms: `plain`, DFLASH `default`, `chain16`,
+`static` (the static adaptive table), `floor` (adaptive `inf:1x1`: every step a plain step through our worker),
+`adaptive`, or `name:key=value;...` (DFLASH plus those Engine kwargs; `none` drops a key).
+Repeats are interleaved: repeat r is a pass over every arm in turn (plain, default, ..., plain, default, ...), each
+arm's Engine starting, decoding round r (eval: its own c prompts per concurrency; switch: the whole stream) and
+stopping before the next arm's, so slow drift of the shared machine hits every arm alike (the price: an Engine
+start per arm and repeat). Each row reports the median of the per-repeat ratios to plain (same round, same prompts)
+and a 95% interval (`RatioSpread`): a ratio is called a speedup or slower only when the interval excludes 1.0, else
+"same as plain within noise"; one repeat gives no interval and no such word.
 Why: where speculation stops paying over plain decoding as the batch grows, what our worker's floor costs against
 plain SGLang, and what the adaptive policy recovers: the adaptive tables come from this. Every arm decodes the same
 prompts and must be token-identical to plain (lossless): a mismatch is printed loudly and exits 1. `--workload
@@ -19,12 +25,15 @@ import contextlib
 import csv
 import datetime
 import json
+import math
 import os
 import signal
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +58,70 @@ PREDICTABLE = (
     "Write the alphabet from A to Z ten times, separated by spaces.", "Print the even numbers from 2 to 600.",
 )
 WARMUP_NEW, WARMUP_PROMPTS, KV_MARGIN = 8, 4, 80  # KV_MARGIN: tokens per request beyond prompt + new (verify rows)
+
+# Student t's 97.5% quantile for 1..30 degrees of freedom; more repeats use the last (a slightly wide interval, never
+# a narrow one).
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+FASTER, SLOWER, SAME, ONE_REPEAT = "speedup", "slower", "same as plain within noise", "one repeat"
+
+
+@dataclass(frozen=True)
+class RatioSpread:
+    """An arm's speed over plain's: one ratio per interleaved repeat (the arm's tok/s / plain's tok/s in the same
+    repeat, so drift of a shared machine between repeats cancels), their median, and a 95% interval of the ratio
+    (Student t over the log ratios: repeats are few, and timing noise scales a speed rather than adding to it).
+    The demo (testbed/demo.py) words its ratios with this too."""
+
+    ratios: tuple[float, ...]  # [repeats] arm tok/s / plain tok/s
+
+    @classmethod
+    def paired(cls, arm: Sequence[float], base: Sequence[float]) -> RatioSpread:
+        """arm, base: [repeats] tokens/s of the arm and of plain, repeat by repeat."""
+        if len(arm) != len(base) or not arm:
+            raise ValueError(f"paired speeds need the same number (>= 1) of repeats, got {len(arm)} and {len(base)}")
+        if min(*arm, *base) <= 0:
+            raise ValueError("speeds must be > 0 tokens/s")
+        return cls(tuple(a / b for a, b in zip(arm, base)))
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.ratios)
+
+    @property
+    def interval(self) -> tuple[float, float] | None:
+        """(low, high) 95% interval of the ratio, rounded as printed (2 decimals); None from one repeat."""
+        n = len(self.ratios)
+        if n < 2:
+            return None
+        logs = [math.log(r) for r in self.ratios]
+        half = T975[min(n - 1, len(T975)) - 1] * statistics.stdev(logs) / math.sqrt(n)
+        mid = statistics.fmean(logs)
+        return round(math.exp(mid - half), 2), round(math.exp(mid + half), 2)
+
+    @property
+    def verdict(self) -> str:
+        """FASTER / SLOWER only when the (printed) interval excludes 1.0 and the median lies on the same side; SAME
+        when the interval covers 1.0; ONE_REPEAT without an interval."""
+        ci = self.interval
+        if ci is None:
+            return ONE_REPEAT
+        if ci[0] > 1.0 and self.median > 1.0:
+            return FASTER
+        if ci[1] < 1.0 and self.median < 1.0:
+            return SLOWER
+        return SAME
+
+    def words(self) -> str:
+        """e.g. 'same as plain within noise: 0.97x (95% interval 0.85-1.10x, per repeat 0.85-1.09x, 6 interleaved
+        repeats)' or 'speedup 1.35x (...)'; never a speedup or slower where the interval covers 1.0."""
+        ci, verdict, m = self.interval, self.verdict, self.median
+        if ci is None:
+            return f"{m:.2f}x from one repeat: no interval, so no verdict on speed"
+        spread = (f"95% interval {ci[0]:.2f}-{ci[1]:.2f}x, per repeat {min(self.ratios):.2f}-{max(self.ratios):.2f}x, "
+                  f"{len(self.ratios)} interleaved repeats")
+        head = {FASTER: f"speedup {m:.2f}x", SLOWER: f"slower than plain: {m:.2f}x"}.get(verdict, f"{SAME}: {m:.2f}x")
+        return f"{head} ({spread})"
 
 
 def parse_value(text: str) -> Any:
@@ -92,23 +165,30 @@ def take(pool: list[list[int]], start: int, n: int) -> list[list[int]]:
 
 def build_plan(workload: str, concurrency: list[int], repeats: int, evals: list[list[int]],
                predictable: list[list[int]], phases: str = "ABA", phase_rounds: int = 2) -> list[dict]:
-    """The generate calls every arm makes, in order: warm-ups (`warmup`) and timed rounds (key, group, c, phase,
-    ids). eval: per c, round r takes eval prompts r*c .. r*c+c-1 (cycling); switch: phase A eval prompts, B the
-    predictable ones, each phase continuing where its last round stopped."""
+    """The generate calls every arm makes, in order, each in its repeat's pass (`pass`: one Engine per arm and
+    pass): warm-ups (`warmup`) and timed rounds (key, group, c, phase, ids). eval: pass r holds round r of every c,
+    eval prompts r*c .. r*c+c-1 (cycling), each after its c's warm-up; switch: every pass the whole stream, phase A
+    eval prompts, B the predictable ones, each phase continuing where its last round stopped."""
     plan: list[dict] = []
-    if workload == "eval":
-        for c in concurrency:
-            plan.append({"warmup": True, "c": c, "ids": take(evals, 0, min(c, WARMUP_PROMPTS))})
-            plan += [{"key": f"c{c}.r{r}", "group": f"c={c}", "c": c, "phase": "eval", "ids": take(evals, r * c, c)}
-                     for r in range(repeats)]
-        return plan
-    c, used = concurrency[0], {"A": 0, "B": 0}
-    plan.append({"warmup": True, "c": c, "ids": take(evals, 0, min(c, WARMUP_PROMPTS))})
-    for i, phase in switch_schedule(phases, phase_rounds):
-        ids = take(evals if phase == "A" else predictable, used[phase] * c, c)
-        plan.append({"key": f"s{i}", "group": f"{i}:{phase}", "c": c, "phase": phase, "ids": ids})
-        used[phase] += 1
+    for r in range(repeats):
+        if workload == "eval":
+            for c in concurrency:
+                plan.append({"warmup": True, "pass": r, "c": c, "ids": take(evals, 0, min(c, WARMUP_PROMPTS))})
+                plan.append({"key": f"c{c}.r{r}", "pass": r, "group": f"c={c}", "c": c, "phase": "eval",
+                             "ids": take(evals, r * c, c)})
+            continue
+        c, used = concurrency[0], {"A": 0, "B": 0}
+        plan.append({"warmup": True, "pass": r, "c": c, "ids": take(evals, 0, min(c, WARMUP_PROMPTS))})
+        for i, phase in switch_schedule(phases, phase_rounds):
+            ids = take(evals if phase == "A" else predictable, used[phase] * c, c)
+            plan.append({"key": f"s{i}", "pass": r, "group": f"{i}:{phase}", "c": c, "phase": phase, "ids": ids})
+            used[phase] += 1
     return plan
+
+
+def round_id(x: dict) -> tuple[int, str]:
+    """A timed round's identity across passes: (pass, key) of a plan step or of a child's round."""
+    return x.get("pass", 0), x["key"]
 
 
 def run_child(job_path: Path) -> None:
@@ -129,7 +209,8 @@ def run_child(job_path: Path) -> None:
             wall, metas = time.perf_counter() - t0, [o["meta_info"] for o in outs]
             print(f"[{job['arm']}] {step.get('key', 'warmup')} c={step['c']} {wall:.2f}s", file=sys.stderr, flush=True)
             if not step.get("warmup"):
-                res["rounds"].append({"key": step["key"], "wall_s": wall, "ids": [o["output_ids"] for o in outs],
+                res["rounds"].append({"key": step["key"], "pass": step.get("pass", 0), "wall_s": wall,
+                                      "ids": [o["output_ids"] for o in outs],
                                       "accept": [m.get("spec_accept_length") for m in metas],
                                       "verify_ct": [m.get("spec_verify_ct") for m in metas]})
     finally:
@@ -137,39 +218,63 @@ def run_child(job_path: Path) -> None:
         Path(job["result"]).write_text(json.dumps(res))
 
 
-def mismatches(arm: dict | None, base: dict | None, keys: list[str]) -> int | None:
-    """Requests of rounds `keys` whose output ids differ from the baseline's (None without a baseline)."""
+def mismatches(arm: dict | None, base: dict | None, ids: list[tuple[int, str]]) -> int | None:
+    """Requests of rounds `ids` (`round_id`) whose output ids differ from the baseline's (None without a baseline)."""
     if arm is None or base is None:
         return None
-    a, b = ({r["key"]: r["ids"] for r in res["rounds"]} for res in (arm, base))
-    return sum(x != y for k in keys if k in a and k in b for x, y in zip(a[k], b[k]))
+    a, b = ({round_id(r): r["ids"] for r in res["rounds"]} for res in (arm, base))
+    return sum(x != y for k in ids if k in a and k in b for x, y in zip(a[k], b[k]))
+
+
+def _tps(rounds: list[dict]) -> float | None:
+    tokens, wall = sum(len(i) for r in rounds for i in r["ids"]), sum(r["wall_s"] for r in rounds)
+    return tokens / wall if wall and tokens else None
+
+
+def ratio_spread(steps: list[dict], mine: dict, base: dict | None) -> RatioSpread | None:
+    """The arm's per-pass tokens/s over the baseline's on the same steps (`round_id` -> round), passes both ran."""
+    if base is None:
+        return None
+    arm_tps, base_tps = [], []
+    for k in sorted({s.get("pass", 0) for s in steps}):
+        ids = [round_id(s) for s in steps if s.get("pass", 0) == k]
+        if all(i in mine for i in ids) and all(i in base for i in ids):
+            a, b = _tps([mine[i] for i in ids]), _tps([base[i] for i in ids])
+            if a and b:
+                arm_tps.append(a)
+                base_tps.append(b)
+    return RatioSpread.paired(arm_tps, base_tps) if arm_tps else None
 
 
 def summarize(plan: list[dict], results: dict[str, dict | None], baseline: str = "plain") -> list[dict]:
-    """One row per arm x group: tokens/s (tokens / wall over its rounds), ratio to the baseline's, mean accept
-    length over requests, mismatches vs the baseline."""
+    """One row per arm x group: tokens/s (tokens / wall over its rounds), the median of its per-repeat ratios to the
+    baseline's with their range and 95% interval and the verdict (`RatioSpread`), mean accept length over requests,
+    mismatches vs the baseline."""
     timed = [s for s in plan if not s.get("warmup")]
     groups = list(dict.fromkeys(s["group"] for s in timed))
+    by_arm = {arm: {round_id(r): r for r in res["rounds"]} for arm, res in results.items() if res is not None}
     rows = []
-    for arm, res in results.items():
-        if res is None:
-            continue
-        by_key = {r["key"]: r for r in res["rounds"]}
+    for arm, mine in by_arm.items():
         for g in groups:
-            steps = [s for s in timed if s["group"] == g and s["key"] in by_key]
-            rounds = [by_key[s["key"]] for s in steps]
-            tokens, wall = sum(len(i) for r in rounds for i in r["ids"]), sum(r["wall_s"] for r in rounds)
+            steps = [s for s in timed if s["group"] == g and round_id(s) in mine]
+            rounds = [mine[round_id(s)] for s in steps]
+            wall = sum(r["wall_s"] for r in rounds)
             acc = [a for r in rounds for a in r["accept"] if a]
             steps_per_round = [max(v or 0 for v in r["verify_ct"]) for r in rounds]  # (decode steps of the round)
+            spread = ratio_spread(steps, mine, by_arm.get(baseline))
+            ci = spread.interval if spread is not None else None
             rows.append({"arm": arm, "group": g, "c": steps[0]["c"] if steps else None,
-                         "phase": steps[0]["phase"] if steps else None, "rounds": len(rounds), "tokens": tokens,
-                         "wall_s": _r(wall), "tok_s": _r(tokens / wall) if wall else None,
+                         "phase": steps[0]["phase"] if steps else None, "rounds": len(rounds),
+                         "tokens": sum(len(i) for r in rounds for i in r["ids"]), "wall_s": _r(wall),
+                         "tok_s": _r(_tps(rounds)) if rounds else None,
+                         "ratio": _r(spread.median) if spread else None,
+                         "ratio_min": _r(min(spread.ratios)) if spread else None,
+                         "ratio_max": _r(max(spread.ratios)) if spread else None,
+                         "ratio_ci95": list(ci) if ci else None, "repeats": len(spread.ratios) if spread else 0,
+                         "verdict": spread.verdict if spread and arm != baseline else None,
                          "accept_mean": _r(statistics.fmean(acc)) if acc else None,
                          "ms_per_step": _r(1e3 * wall / sum(steps_per_round), 1) if all(steps_per_round) else None,
-                         "mismatches": mismatches(res, results.get(baseline), [s["key"] for s in steps])})
-    base = {r["group"]: r["tok_s"] for r in rows if r["arm"] == baseline}
-    for r in rows:
-        r["ratio"] = _r(r["tok_s"] / base[r["group"]]) if r["tok_s"] and base.get(r["group"]) else None
+                         "mismatches": mismatches(results[arm], results.get(baseline), [round_id(s) for s in steps])})
     return rows
 
 
@@ -177,16 +282,19 @@ def _r(x: float | None, nd: int = 3) -> float | None:
     return None if x is None else round(float(x), nd)
 
 
-def run_arm(name: str, kwargs: dict, plan: list[dict], args: argparse.Namespace, common: dict) -> dict | None:
-    """One arm's child process (its own session, killed as a group on timeout / Ctrl-C); its result or None."""
+def run_arm(name: str, kwargs: dict, plan: list[dict], args: argparse.Namespace, common: dict,
+            stem: str | None = None) -> dict | None:
+    """One arm's child process (its own session, killed as a group on timeout / Ctrl-C) on the plan's steps; its
+    result or None. Its job, result and log files are `<stem>.*` in --out (default stem: the arm's name)."""
+    stem = stem or name
     job = {"arm": name, "plan": plan, "new_tokens": args.new_tokens, "engine_kwargs": {**common, **kwargs},
            "sampling": parse_kv(args.sampling),
-           "result": str(args.out / f"{name}.result.json")}
-    (args.out / f"{name}.job.json").write_text(json.dumps(job))
+           "result": str(args.out / f"{stem}.result.json")}
+    (args.out / f"{stem}.job.json").write_text(json.dumps(job))
     Path(job["result"]).unlink(missing_ok=True)
     env = {**os.environ, **cpu_env(REPO), **args.env}
-    cmd = [sys.executable, "-m", "dflash_sglang.bench.engine", "--child", str(args.out / f"{name}.job.json")]
-    with open(args.out / f"{name}.log", "w") as log:
+    cmd = [sys.executable, "-m", "dflash_sglang.bench.engine", "--child", str(args.out / f"{stem}.job.json")]
+    with open(args.out / f"{stem}.log", "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
         try:
             rc = proc.wait(timeout=args.child_timeout)
@@ -196,10 +304,39 @@ def run_arm(name: str, kwargs: dict, plan: list[dict], args: argparse.Namespace,
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)  # the Engine's scheduler / detokenizer, if left behind
     if rc != 0 or not Path(job["result"]).is_file():
-        tail = (args.out / f"{name}.log").read_text()[-3000:]
-        print(f"[{name}] FAILED ({rc}), log {args.out / f'{name}.log'}:\n{tail}", file=sys.stderr, flush=True)
+        tail = (args.out / f"{stem}.log").read_text()[-3000:]
+        print(f"[{name}] FAILED ({rc}), log {args.out / f'{stem}.log'}:\n{tail}", file=sys.stderr, flush=True)
         return None
     return json.loads(Path(job["result"]).read_text())
+
+
+def run_passes(arms: dict[str, dict], plan: list[dict], args: argparse.Namespace,
+               common: dict) -> tuple[dict[str, dict | None], dict[str, dict]]:
+    """Every repeat a pass over the arms in turn, one Engine at a time (the training job paused before each): the
+    arms' results, their rounds merged over passes (None: an arm that failed in any pass, not run after), and per
+    arm what each pass's child did (busy share before it, startup, child seconds, rounds)."""
+    results: dict[str, dict | None] = {name: {"rounds": []} for name in arms}
+    info: dict[str, dict] = {name: {"kwargs": kwargs, "passes": []} for name, kwargs in arms.items()}
+    with training_paused() as job:
+        for k in range(args.repeats):
+            steps = [s for s in plan if s.get("pass", 0) == k]
+            for name, kwargs in arms.items():
+                if results[name] is None:
+                    continue
+                job.pause()
+                seen = {"pass": k, "busy_share_before": _r(busy_share(2.0))}
+                print(f"[{name}] pass {k + 1}/{args.repeats}: starting Engine {kwargs} (machine busy "
+                      f"{seen['busy_share_before']})", flush=True)
+                t0 = time.perf_counter()
+                res = run_arm(name, kwargs, steps, args, common, stem=f"{name}.p{k}")
+                seen.update(child_s=_r(time.perf_counter() - t0), startup_s=_r((res or {}).get("startup_s")),
+                            failed=res is None, rounds=[{"key": r["key"], "wall_s": _r(r["wall_s"]),
+                                                         "tokens": sum(map(len, r["ids"]))}
+                                                        for r in (res or {}).get("rounds", [])])
+                info[name]["passes"].append(seen)
+                print(f"[{name}] Engine startup {seen['startup_s']}s, child {seen['child_s']}s", flush=True)
+                results[name] = None if res is None else {"rounds": results[name]["rounds"] + res["rounds"]}
+    return results, info
 
 
 def plot_switch(rows: list[dict], path: Path) -> str | None:
@@ -225,7 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arms", default="plain,default,chain16,static,floor")
     p.add_argument("--concurrency", default="1,4,16,64")
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="interleaved passes over the arms (a fresh Engine per arm and pass): the ratios' median "
+                        "and 95%% interval come from them; 1 reports a ratio with no interval, never a speedup or "
+                        "slower")
     p.add_argument("--workload", choices=("eval", "switch"), default="eval")
     p.add_argument("--phases", default="ABA", help="switch: phase order (A eval chat, B predictable)")
     p.add_argument("--phase-rounds", type=int, default=2, help="switch: rounds per phase")
@@ -236,14 +376,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling params added to every request (e.g. frequency_penalty=0.5)")
     p.add_argument("--trace", action="store_true",
                    help="switch: log the goodput controller's every step and plot its choices (<arm>.trace.png); "
-                        "the logging costs a little, so do not quote a traced run's timings")
+                        "the logging costs a little, so do not quote a traced run's timings; the plot is the first "
+                        "pass's")
     p.add_argument("--child-timeout", type=float, default=3600.0)
     p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.child:
         run_child(args.child)
         return 0
@@ -269,29 +413,17 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.trace:
         args.env["SGLANG_LOGGING_CONFIG_PATH"] = str(logging_config(args.out / "trace_logging.json"))
-    info: dict[str, dict] = {}
-    results: dict[str, dict | None] = {}
-    with training_paused() as job:
-        for name, kwargs in arms.items():
-            job.pause()
-            info[name] = {"kwargs": kwargs, "busy_share_before": _r(busy_share(2.0))}
-            print(f"[{name}] starting Engine {kwargs} (machine busy {info[name]['busy_share_before']})", flush=True)
-            t0 = time.perf_counter()
-            results[name] = run_arm(name, kwargs, plan, args, common)
-            res = results[name] or {}
-            info[name].update(child_s=_r(time.perf_counter() - t0), startup_s=_r(res.get("startup_s")),
-                              failed=results[name] is None, rounds=[
-                                  {"key": r["key"], "wall_s": _r(r["wall_s"]), "tokens": sum(map(len, r["ids"]))}
-                                  for r in res.get("rounds", [])])
-            print(f"[{name}] Engine startup {info[name]['startup_s']}s, child {info[name]['child_s']}s", flush=True)
+    results, info = run_passes(arms, plan, args, common)
     rows = summarize(plan, results)
-    cols = ["arm", "group", "c", "phase", "rounds", "tokens", "wall_s", "tok_s", "ratio", "accept_mean", "ms_per_step",
-            "mismatches"]
-    print(f"\n{'arm':<12}{'group':>8}{'tok/s':>9}{'ratio':>7}{'accept':>8}{'ms/step':>9}{'mism':>6}")
+    cols = ["arm", "group", "c", "phase", "rounds", "tokens", "wall_s", "tok_s", "ratio", "ratio_min", "ratio_max",
+            "ratio_ci95", "repeats", "verdict", "accept_mean", "ms_per_step", "mismatches"]
+    print(f"\n{'arm':<12}{'group':>8}{'tok/s':>9}{'ratio':>7}{'95% interval':>14}{'accept':>8}{'ms/step':>9}"
+          f"{'mism':>6}  verdict (ratio: median of {args.repeats} interleaved repeats)")
     for r in rows:
-        print(f"{r['arm']:<12}{r['group']:>8}{r['tok_s'] or '-':>9}{r['ratio'] or '-':>7}"
+        ci = "-" if not r["ratio_ci95"] else "{:.2f}-{:.2f}x".format(*r["ratio_ci95"])
+        print(f"{r['arm']:<12}{r['group']:>8}{r['tok_s'] or '-':>9}{r['ratio'] or '-':>7}{ci:>14}"
               f"{r['accept_mean'] or '-':>8}{r['ms_per_step'] or '-':>9}"
-              f"{'-' if r['mismatches'] is None else r['mismatches']:>6}")
+              f"{'-' if r['mismatches'] is None else r['mismatches']:>6}  {r['verdict'] or '-'}")
     with open(args.out / "bench_engine.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols)
         w.writeheader()
@@ -303,13 +435,13 @@ def main(argv: list[str] | None = None) -> int:
     failed = [a for a, res in results.items() if res is None]
     summary = {"script": "bench_engine", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                "cpu_model": cpu_model(), "cpus": os.cpu_count(), "workload": args.workload,
-               "new_tokens": args.new_tokens, "concurrency": concurrency, "engine_kwargs": common, "env": args.env,
-               "sampling": parse_kv(args.sampling),
+               "new_tokens": args.new_tokens, "concurrency": concurrency, "repeats": args.repeats,
+               "engine_kwargs": common, "env": args.env, "sampling": parse_kv(args.sampling),
                "arms": info, "rows": rows, "mismatches": total, "failed": failed, "out": str(args.out),
                "png": plot_switch(rows, args.out / "switch.png") if args.workload == "switch" else None}
     if args.trace and args.workload == "switch":
         phases = [phase for _, phase in switch_schedule(args.phases, args.phase_rounds)]
-        summary["traces"] = {name: plot_trace(parse_trace((args.out / f"{name}.log").read_text()), phases,
+        summary["traces"] = {name: plot_trace(parse_trace((args.out / f"{name}.p0.log").read_text()), phases,
                                               args.out / f"{name}.trace.png")
                              for name, kwargs in arms.items() if kwargs is not None}
     (args.out / "bench_engine.json").write_text(json.dumps(summary, indent=1))

@@ -1,27 +1,39 @@
 """`dflash-sglang demo`: speculative decoding on the SmolLM2 testbed, on CPU, with the core reference decoder.
 
-Sets up the target (converting the packaged GGUF on first use), loads the shipped drafter, and decodes a few held-out
+Sets up the target (converting the packaged GGUF on first use), loads the shipped drafter, and decodes held-out
 ShareGPT prompts one at a time three ways: plainly, with a fixed chain of the drafter's block every step (no
 controller), and with the goodput controller (core/goodput.py, the server's default: each step's chain or tree, a
 chain of 1 = a plain step, from measured acceptance and step cost). One controller serves the warm-up and every
-prompt, as in a server, so it learns over the run. Prints per prompt the text, tokens/s of each way, tau, the
-controller's shapes and where a step's time goes (drafter pass / target verify / the rest); then a table of the three
-(tokens/s, ratio to plain, tau), what the controller chose and why, and the headline: the controller's speedup over
-plain (the product's speed; a fixed chain slower than plain is only a row of the table). Greedy outputs must equal
-plain output token for token. Other processes' CPU use during the timed runs is measured (/proc/stat): when it is
-large, the ratio is printed as not meaningful instead of as a result.
+decode, as in a server, so it learns over the run.
+
+What is repeated: `--repeats` (6) repeats, repeat r decoding prompt r mod `--num-prompts` (3) for up to
+`--max-new-tokens` (48) tokens with each way in turn (plain, fixed, controller, plain, fixed, controller, ...), so a
+slow spell of the shared machine hits all three alike; 6 x 48 tokens per way is the work of the 3 x 96 timed once each
+before (52 s in all on a quiet 2-core machine, target set up). A single timing of each way is noise as often as speed
+(two runs minutes apart printed 1.09x and 0.85x while the controller ran plain steps 93% of the time), so each way's
+speed is the median of its per-repeat ratios to plain with a 95% interval (bench/engine.py `RatioSpread`), and is
+called a speedup or slower only when that interval excludes 1.0, else "same as plain within noise".
+
+Prints per repeat tokens/s of each way, tau, the controller's shapes and where a step's time goes (drafter pass /
+target verify / the rest), and each prompt's text once; then what the controller chose and why, first, a table of
+the three (tokens/s median and per-repeat range, ratio to plain with its interval and verdict, tau), and the
+headline: the controller's choice and the product's speed against plain (a fixed chain slower than plain is only a
+row of the table). Greedy outputs must equal plain output token for token. Other processes' CPU use during the timed
+runs is measured (/proc/stat): when it is large, the ratio is printed as not a measurement instead of as a result.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from ..bench.engine import RatioSpread
 from ..core.goodput import DEFAULT_TREE_TOPK, Decision, GoodputConfig, GoodputController, describe
 
 BUSY_SHARE = 0.15  # other processes' share of the machine's CPU above which timings are not reported as results
@@ -31,7 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", type=Path, default=None, help="HF target dir (default: the testbed target)")
     p.add_argument("--draft", type=Path, default=None, help="draft dir (default: the shipped testbed drafter)")
     p.add_argument("--num-prompts", type=int, default=3)
-    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--max-new-tokens", type=int, default=48, help="per repeat and way")
+    p.add_argument("--repeats", type=int, default=6,
+                   help="each decodes the next prompt (cycling) plainly, with the fixed chain and with the controller, "
+                        "in turn; the speed ratios' median and 95%% interval come from them")
     p.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--threads", type=int, default=None)
@@ -89,28 +104,42 @@ class CountingController(GoodputController):
         return decision
 
 
+def _priced(summary: dict) -> bool:
+    """Whether the controller has priced plain and drafted shapes (its cost model is ready) and took steps."""
+    pred = summary.get("predicted_tps") or {}
+    return "1" in pred and len(pred) > 1 and sum(summary["steps"].values()) > 0
+
+
+def controller_choice(summary: dict) -> str:
+    """What the goodput controller chose, in a user's words: the clause `controller_verdict` and the demo's headline
+    start with."""
+    if not _priced(summary):
+        return "no verdict yet: too few steps to price plain and drafted steps"
+    if summary["best"] == "1":
+        return "drafting does not pay on this machine with this drafter: ran plain steps"
+    return f"drafting pays on this machine with this drafter: drafted (best a {spoken(summary['best'])})"
+
+
 def controller_verdict(summary: dict, reasons: Counter | None = None) -> str:
-    """One line: what the goodput controller chose over the run and why, from its `summary` (core/goodput.py) and,
-    when known, its decisions by reason."""
-    steps = summary["steps"]
-    total = sum(steps.values())
-    pred = summary.get("predicted_tps")
-    drafted = {s: g for s, g in (pred or {}).items() if s != "1"}
-    if not pred or not drafted or not total:
+    """One line: what the goodput controller chose over the run (first, `controller_choice`), how often, and why, from
+    its `summary` (core/goodput.py) and, when known, its decisions by reason."""
+    if not _priced(summary):
         return f"controller: {describe(summary)}"
-    best = summary["best"]
+    steps, pred, best = summary["steps"], summary["predicted_tps"], summary["best"]
+    total = sum(steps.values())
+    drafted = {s: g for s, g in pred.items() if s != "1"}
     top = max(drafted, key=drafted.get)
     plain_share = steps.get("1", 0) / total
     how = "" if reasons is None else (f"; {reasons['warmup']} warm-up steps (longest chain, plain, middle chain), "
                                       f"{reasons['probe']} probes of a longer chain")
     if best == "1":
-        why = (f"drafting does not pay on this machine with this drafter: a plain step is predicted {pred['1']} "
-               f"tok/s, the best drafted shape (a {spoken(top)}) {drafted[top]} tok/s, so it ran plain steps "
-               f"({plain_share:.0%} of its {total} steps{how})")
+        share = f"{plain_share:.0%} of its {total} steps{how}"
+        why = (f"a plain step is predicted {pred['1']} tok/s, the best drafted shape (a {spoken(top)}) "
+               f"{drafted[top]} tok/s")
     else:
-        why = (f"drafting pays: a {spoken(best)} is predicted {pred[best]} tok/s vs plain {pred['1']} tok/s, so "
-               f"{1 - plain_share:.0%} of its {total} steps drafted{how}")
-    return f"controller: {why} ({describe(summary)})"
+        share = f"{1 - plain_share:.0%} of its {total} steps drafted{how}"
+        why = f"a {spoken(best)} is predicted {pred[best]} tok/s vs plain {pred['1']} tok/s"
+    return f"controller: {controller_choice(summary)} ({share}): {why} ({describe(summary)})"
 
 
 def spoken(shape: str) -> str:
@@ -125,6 +154,29 @@ def _step_split(times) -> str:
             f"rest {times.other * per:.0f}")
 
 
+WAYS = ("plain", "fixed", "controller")  # the decode order within every repeat
+
+
+@dataclass
+class Way:
+    """One way of decoding over the run: per repeat its tokens/s and tau, and the CPU meter of its timed decodes."""
+
+    name: str  # as printed in the table
+    tps: list[float] = field(default_factory=list)  # [repeats] tokens / wall seconds of the repeat's decode
+    taus: list[float] = field(default_factory=list)  # [repeats] mean accept length (empty for plain)
+    meter: CpuMeter = field(default_factory=CpuMeter)
+
+    def row(self, spread: RatioSpread | None, width: int) -> str:
+        """Its table row: median tok/s and per-repeat range, ratio to plain with its 95% interval, tau, verdict."""
+        tps = f"{statistics.median(self.tps):7.1f}  {min(self.tps):6.1f}-{max(self.tps):<6.1f}"
+        tau = f"{statistics.fmean(self.taus):5.2f}" if self.taus else f"{'-':>5}"
+        if spread is None:  # plain itself
+            return f"{self.name:{width}}  {tps}  {1:7.2f}x  {'-':>12}  {tau}  -"
+        ci = spread.interval
+        interval = "-" if ci is None else f"{ci[0]:.2f}-{ci[1]:.2f}x"
+        return f"{self.name:{width}}  {tps}  {spread.median:7.2f}x  {interval:>12}  {tau}  {spread.verdict}"
+
+
 def run(args: argparse.Namespace) -> int:
     from ..core.checkpoint import load_drafter
     from ..core.reference import ReferenceDecoder, StepTimes
@@ -132,6 +184,8 @@ def run(args: argparse.Namespace) -> int:
     from .data import eval_prompts
     from .target import load_target
 
+    if args.repeats < 1 or args.num_prompts < 1:
+        raise ValueError("--repeats and --num-prompts must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.draft is None and args.target is None:
@@ -143,76 +197,84 @@ def run(args: argparse.Namespace) -> int:
     block = args.block_size or decoder.cfg.block_size
     # one for the whole run, as in a server
     controller = CountingController(GoodputConfig(max_nodes=block, max_depth=block - 1, max_topk=DEFAULT_TREE_TOPK))
-    eos = tok.eos_token_id
-    kw = dict(temperature=args.temperature, eos_token_id=eos)
+    kw = dict(temperature=args.temperature, eos_token_id=tok.eos_token_id)
     prompts = eval_prompts(tok, args.num_prompts)
     warm = [list(prompts[0].ids)]
     decoder.generate(warm, 4, block_size=block, **kw)  # warm-up (first-call allocations), untimed
     decoder.generate(warm, 4, block_size=block, controller=controller, **kw)  # the controller's first steps
-    fixed_name = f"fixed block {block} (no controller)"
-    ways = ("plain", "fixed", "controller")
-    meters = {w: CpuMeter() for w in ways}
-    tokens = dict.fromkeys(ways, 0)
-    taus: dict[str, list[float]] = {"fixed": [], "controller": []}
+    ways = {"plain": Way("plain"), "fixed": Way(f"fixed block {block} (no controller)"),
+            "controller": Way("goodput controller")}
+    greedy = args.temperature == 0
     mismatches = 0
-    for i, p in enumerate(prompts):
-        ids = [list(p.ids)]
-        with meters["plain"]:
-            t = time.perf_counter()
-            (plain,) = decoder.plain_generate(ids, args.max_new_tokens, **kw)
-            dt_p = time.perf_counter() - t
-        fixed_times, ctrl_times = StepTimes(), StepTimes()
-        with meters["fixed"]:
-            t = time.perf_counter()
-            (fixed,) = decoder.generate(ids, args.max_new_tokens, block_size=block, times=fixed_times, **kw)
-            dt_f = time.perf_counter() - t
-        before = dict(controller.counts)
-        with meters["controller"]:
-            t = time.perf_counter()
-            (gen,) = decoder.generate(ids, args.max_new_tokens, block_size=block, times=ctrl_times,
-                                      controller=controller, **kw)
-            dt_c = time.perf_counter() - t
-        chosen = controller.steps_since(before)
-        for way, out in (("plain", plain), ("fixed", fixed.tokens), ("controller", gen.tokens)):
-            tokens[way] += len(out)
-        taus["fixed"].append(fixed.mean_accept_length)
-        taus["controller"].append(gen.mean_accept_length)
-        greedy = args.temperature == 0
-        mismatches += greedy * ((fixed.tokens != plain) + (gen.tokens != plain))
+    for r in range(args.repeats):
+        i = r % len(prompts)
+        p, ids = prompts[i], [list(prompts[i].ids)]
+        runs = {}
+        for way in WAYS:  # interleaved: every repeat decodes the three ways in turn
+            times, before = StepTimes(), dict(controller.counts)
+            spec = {} if way == "plain" else dict(block_size=block, times=times,
+                                                  controller=controller if way == "controller" else None)
+            with ways[way].meter:
+                t = time.perf_counter()
+                if way == "plain":
+                    (out,) = decoder.plain_generate(ids, args.max_new_tokens, **kw)
+                else:
+                    (out,) = decoder.generate(ids, args.max_new_tokens, **spec, **kw)
+                dt = time.perf_counter() - t
+            tokens = out if way == "plain" else out.tokens
+            ways[way].tps.append(len(tokens) / dt)
+            if way != "plain":
+                ways[way].taus.append(out.mean_accept_length)
+            runs[way] = (out, times, controller.steps_since(before))
+        plain = runs["plain"][0]
+        mismatches += greedy * sum(runs[w][0].tokens != plain for w in ("fixed", "controller"))
+        _print_repeat(r, i, p, tok, ways, runs, first=r < len(prompts), greedy=greedy)
+    return _print_summary(args, block, len(prompts), ways, controller, mismatches)
 
-        def same(out) -> str:
-            return f"; identical to plain: {out.tokens == plain}]" if greedy else "]"
 
-        print(f"--- prompt {i} ({p.conv_id}): {p.text[:100]!r}")
-        print(tok.decode(gen.tokens, skip_special_tokens=True))
-        print(f"[plain: {len(plain) / dt_p:.1f} tok/s, {len(plain)} tokens]")
-        print(f"[{fixed_name}: tau {fixed.mean_accept_length:.2f} over {len(fixed.accept_lengths)} steps, "
-              f"{len(fixed.tokens) / dt_f:.1f} tok/s; {_step_split(fixed_times)}" + same(fixed))
-        print(f"[goodput controller: tau {gen.mean_accept_length:.2f} over {len(gen.accept_lengths)} steps, "
-              f"{len(gen.tokens) / dt_c:.1f} tok/s; steps per shape {chosen}; {_step_split(ctrl_times)}"
-              + same(gen))
-    tps = {w: tokens[w] / meters[w].wall for w in ways}
-    tau = {w: sum(v) / len(v) for w, v in taus.items()}
-    ratio = tps["controller"] / tps["plain"]
-    shares = [s for s in (m.others_share() for m in meters.values()) if s is not None]
+def _print_repeat(r: int, i: int, prompt, tok, ways: dict[str, Way], runs: dict, first: bool, greedy: bool) -> None:
+    """A repeat's lines: its prompt (with the controller's text the first time), then each way's speed and steps."""
+    plain = runs["plain"][0]
+    print(f"--- repeat {r}: prompt {i} ({prompt.conv_id}): {prompt.text[:100]!r}")
+    if first:
+        print(tok.decode(runs["controller"][0].tokens, skip_special_tokens=True))
+    print(f"[plain: {ways['plain'].tps[-1]:.1f} tok/s, {len(plain)} tokens]")
+    for way in ("fixed", "controller"):
+        out, times, chosen = runs[way]
+        shapes = f"; steps per shape {chosen}" if way == "controller" else ""
+        same = f"; identical to plain: {out.tokens == plain}]" if greedy else "]"
+        label = "goodput controller" if way == "controller" else ways[way].name
+        print(f"[{label}: tau {out.mean_accept_length:.2f} over {len(out.accept_lengths)} steps, "
+              f"{ways[way].tps[-1]:.1f} tok/s{shapes}; {_step_split(times)}" + same)
+
+
+def _print_summary(args: argparse.Namespace, block: int, n_prompts: int, ways: dict[str, Way],
+                   controller: CountingController, mismatches: int) -> int:
+    """What the controller chose, first; the table of the three ways; the headline (last line). The exit status."""
+    spreads = {w: RatioSpread.paired(ways[w].tps, ways["plain"].tps) for w in ("fixed", "controller")}
+    shares = [s for s in (way.meter.others_share() for way in ways.values()) if s is not None]
     busy = bool(shares) and max(shares) > BUSY_SHARE
-    setting = (f"CPU, batch 1, {torch.get_num_threads()} threads, {len(prompts)} prompts x up to "
-               f"{args.max_new_tokens} tokens")
+    summary = controller.summary(1)
+    setting = (f"CPU, batch 1, {torch.get_num_threads()} threads; {args.repeats} repeats x up to "
+               f"{args.max_new_tokens} tokens over {n_prompts} prompts, each repeat plain, fixed, controller in turn")
     print(f"=== block {block}, temperature {args.temperature} ({setting})"
           + ("; the machine was busy, so the tok/s below are not measurements" if busy else ""))
-    width = len(fixed_name)
-    print(f"{'':{width}}  {'tok/s':>8}  {'vs plain':>8}  {'tau':>5}")
-    for way, name in (("plain", "plain"), ("fixed", fixed_name), ("controller", "goodput controller")):
-        print(f"{name:{width}}  {tps[way]:8.1f}  {tps[way] / tps['plain']:7.2f}x  "
-              + (f"{tau[way]:5.2f}" if way in tau else f"{'-':>5}"))
-    print(controller_verdict(controller.summary(1), controller.reasons))
+    print(controller_verdict(summary, controller.reasons))
+    width = len(ways["fixed"].name)
+    print(f"{'':{width}}  {'tok/s':>7}  {'per repeat':^13}  {'vs plain':>8}  {'95% interval':>12}  {'tau':>5}  "
+          f"verdict")
+    print(ways["plain"].row(None, width))
+    for w in ("fixed", "controller"):
+        print(ways[w].row(spreads[w], width))
+    ctrl = spreads["controller"]
+    tau = statistics.fmean(ways["controller"].taus)
+    head = f"=== block {block}, temperature {args.temperature}, goodput controller: {controller_choice(summary)}"
     if busy:
-        print(f"=== mean tau {tau['controller']:.2f}; machine busy: other processes used {max(shares):.0%} of the CPU "
-              f"while timing, so the speed ratio ({ratio:.2f}x) is not a measurement of this decoder")
+        print(f"{head}; machine busy: other processes used {max(shares):.0%} of the CPU while timing, so its speed "
+              f"({ctrl.median:.2f}x of plain) is not a measurement of this decoder; mean tau {tau:.2f}")
     else:
-        print(f"=== block {block}, temperature {args.temperature}: mean tau {tau['controller']:.2f}; speedup "
-              f"{ratio:.2f}x with the goodput controller ({tps['controller']:.1f} vs plain {tps['plain']:.1f} tok/s; "
-              f"{setting})")
+        print(f"{head}; {ctrl.words()}; {statistics.median(ways['controller'].tps):.1f} vs plain "
+              f"{statistics.median(ways['plain'].tps):.1f} tok/s (medians); mean tau {tau:.2f}")
     if mismatches:
         print(f"ERROR: {mismatches} greedy outputs differ from plain decoding")
         return 1
