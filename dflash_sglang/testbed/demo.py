@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ..bench.engine import RatioSpread
+from ..bench.noise import RatioSpread
 from ..core.goodput import DEFAULT_TREE_TOPK, Decision, GoodputConfig, GoodputController, describe
 
 BUSY_SHARE = 0.15  # other processes' share of the machine's CPU above which timings are not reported as results
