@@ -18,7 +18,9 @@ from dflash_sglang.core.checkpoint import load_drafter, save_drafter
 from dflash_sglang.core.config import DFlash2Fields
 from dflash_sglang.core.drafter import DFlashDrafter
 
-CONV_NOISE, PAIR_SCALE = 0.05, 0.02  # convolution taps around the identity; the selector's hidden projection
+# Perturbation sizes, independent of the hidden size H and selector rank r: convolution taps and their dynamic
+# coefficients ~0.05 around the identity, a selector pair term ~0.5 logits (codebooks N(0, 1): W entries 0.5/sqrt(H r))
+CONV_NOISE, PAIR_LOGITS = 0.05, 0.5
 
 
 def derive_dflash2(draft_dir: str | Path, out_dir: str | Path, fields: DFlash2Fields, seed: int = 3,
@@ -32,12 +34,15 @@ def derive_dflash2(draft_dir: str | Path, out_dir: str | Path, fields: DFlash2Fi
     drafter = DFlashDrafter(replace(dflash.cfg, dflash2=fields))
     unexpected = drafter.load_state_dict(dflash.state_dict(), strict=False).unexpected_keys
     assert not unexpected, unexpected
+    hidden, rank = drafter.cfg.hidden_size, fields.selector_rank
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             if name.endswith("base_kernel"):
                 p.add_(torch.randn_like(p) * CONV_NOISE)
-            elif name.endswith(("kernel_projection.weight", "hidden_projection.weight")):
-                p.normal_(0, PAIR_SCALE)
+            elif name.endswith("kernel_projection.weight"):
+                p.normal_(0, CONV_NOISE / hidden**0.5)
+            elif name.endswith("hidden_projection.weight"):
+                p.normal_(0, PAIR_LOGITS / (hidden * rank) ** 0.5)
     if dflash.token_map is not None:
         drafter.token_map = dflash.token_map
     return save_drafter(drafter.eval(), out_dir, dtype=dtype)
