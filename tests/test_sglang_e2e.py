@@ -643,7 +643,10 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
         jobs = [job for job in jobs if job["name"] in selected.split(",")]
     for job in jobs:
         job["out"] = str(Path(job["root"]) / f"{job['name']}.json")
-    return run_children(jobs)
+    # Two waves: the multi-process Engines (TP and DP: a scheduler per rank or replica) after the others, so that the
+    # machine's memory (24 GB on CI's 2-core machine) holds one wave's processes at a time
+    multi = [job for job in jobs if job["name"].startswith(("tp2_", "dp2_"))]
+    return {**run_children([job for job in jobs if job not in multi]), **(run_children(multi) if multi else {})}
 
 
 # ---------------------------------------------------------------------------------------------- tests
