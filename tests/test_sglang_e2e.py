@@ -1066,6 +1066,24 @@ def test_data_parallel_replicas_match_plain(runs, mode):
     assert all(a is not None and a > 1.0 for a in spec["replica_avg_accept"]), spec["replica_avg_accept"]
 
 
+def _await_router_workers(url: str, params: dict, timeout: float = 120.0) -> None:
+    """sglang-router answers /health before it has registered its workers, and 503 to requests until then: wait for
+    a request to go through."""
+    import urllib.error
+
+    from dflash_sglang.bench.server import http_json
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            http_json(url + "/generate", {"input_ids": [1, 2], "sampling_params": params})
+            return
+        except urllib.error.HTTPError as e:
+            if e.code != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
 def test_router_in_front_of_two_servers_matches_plain(runs, pair_dir, tmp_path):
     """sglang-router (round robin) in front of two DFLASH HTTP servers (goodput controller, one each), as users scale
     out: every greedy prompt, sent through the router at once, comes back identical to the plain Engine's, and both
@@ -1087,6 +1105,7 @@ def test_router_in_front_of_two_servers_matches_plain(runs, pair_dir, tmp_path):
         router_argv = ["--worker-urls", *[s.url for s in servers], "--policy", "round_robin"]
         with Server(router_argv, env, tmp_path / "router.log", startup_timeout=120, module=ROUTER) as router:
             params = {"temperature": 0, "max_new_tokens": GREEDY_NEW, "ignore_eos": True}
+            _await_router_workers(router.url, params)
             with ThreadPoolExecutor(8) as pool:
                 outs = list(pool.map(lambda p: http_json(router.url + "/generate", {
                     "input_ids": p, "sampling_params": params}), greedy_prompts()))
@@ -1104,8 +1123,6 @@ def test_pd_disaggregation_over_mooncake_matches_plain(runs, pair_dir, tmp_path)
     (adapter/disagg.py registers our draft pool): greedy outputs identical to the plain Engine's, and the decode
     server's acceptance that of the whole chain Engine on the same prompts (a decode server drafting from a draft
     pool the transfer did not fill would accept almost nothing)."""
-    import time as time_mod
-    import urllib.error
     from concurrent.futures import ThreadPoolExecutor
 
     from dflash_sglang.bench.server import ROUTER, Server, cpu_env, free_port, http_json
@@ -1134,15 +1151,7 @@ def test_pd_disaggregation_over_mooncake_matches_plain(runs, pair_dir, tmp_path)
                        "--policy", "round_robin"]
         with Server(router_argv, cpu_env(REPO), tmp_path / "router.log", startup_timeout=120, module=ROUTER) as router:
             params = {"temperature": 0, "max_new_tokens": GREEDY_NEW, "ignore_eos": True}
-            deadline = time_mod.monotonic() + 60
-            while True:  # (the router answers 503 until it has registered both servers)
-                try:
-                    http_json(router.url + "/generate", {"input_ids": [1, 2], "sampling_params": params})
-                    break
-                except urllib.error.HTTPError as e:
-                    if e.code != 503 or time_mod.monotonic() > deadline:
-                        raise
-                    time_mod.sleep(1)
+            _await_router_workers(router.url, params)
             with ThreadPoolExecutor(8) as pool:
                 outs = list(pool.map(lambda p: http_json(router.url + "/generate", {
                     "input_ids": p, "sampling_params": params}), greedy_prompts()))
