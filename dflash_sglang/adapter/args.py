@@ -118,9 +118,9 @@ def check_supported_flags(cfg) -> None:
         value = getattr(cfg, name, None)
         if value not in ok:
             _refuse(flag, "" if value is True else value, why)
-    mode = getattr(cfg, "disaggregation_mode", None)
-    if mode not in (None, "null") and not pd_disaggregation_supported():
-        _refuse("--disaggregation-mode", mode, f"SGLang {SGLANG_VERSION} has no DFLASH path for PD disaggregation "
+    pd = disaggregation(cfg)
+    if pd is not None and not pd_disaggregation_supported():
+        _refuse("--disaggregation-mode", pd, f"SGLang {SGLANG_VERSION} has no DFLASH path for PD disaggregation "
                 "(0.5.23 has: prefill and decode servers transfer the draft KV pool)")
     kv_dtype = str(getattr(cfg, "kv_cache_dtype", "auto") or "auto")
     if kv_dtype not in ("auto", "bfloat16", "float16", "float32"):

@@ -476,7 +476,7 @@ class DFlashWorker(BaseSpecWorker):
             return self.vocab.scores(self._draft_pass(batch, bonus, block))
         hidden, logits = self.eager_pass.with_hidden(bonus, batch.seq_lens, batch.seq_lens_cpu,
                                                      batch.req_pool_indices, block)
-        temperature = params.temperature if params is not None else torch.zeros(bonus.shape[0], device=bonus.device)
+        temperature = params.temperature if params is not None else None  # (None: all greedy, no host sync)
         return SelectorScores.of(self.selector, hidden, logits, bonus, temperature, None, self.token_map)
 
     def _draft_pass(self, batch: ScheduleBatch, bonus: Tensor, block: int) -> Tensor:

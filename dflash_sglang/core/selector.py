@@ -130,11 +130,16 @@ class SelectorScores:
     uniforms: Tensor | None  # [bs, D] float32 for the sampled rows' walk; None: every row greedy
 
     @classmethod
-    def of(cls, selector: CandidateSelector, hidden: Tensor, logits: Tensor, anchor: Tensor, temperature: Tensor,
-           generator: torch.Generator | None = None, token_map: Tensor | None = None) -> SelectorScores:
-        """hidden [bs, D, H], logits [bs, D, V | K] of one drafter pass; the walk's uniforms come from `generator`
-        (None: torch's default) when some request samples."""
-        sampled = bool((temperature > 0).any())
+    def of(cls, selector: CandidateSelector, hidden: Tensor, logits: Tensor, anchor: Tensor,
+           temperature: Tensor | None, generator: torch.Generator | None = None,
+           token_map: Tensor | None = None) -> SelectorScores:
+        """hidden [bs, D, H], logits [bs, D, V | K] of one drafter pass; temperature [bs] (None: every request greedy,
+        known without looking at the device: no host sync); the walk's uniforms come from `generator` (None: torch's
+        default) when some request samples."""
+        if temperature is None:
+            temperature, sampled = torch.zeros(anchor.shape[0], device=logits.device), False
+        else:
+            sampled = bool((temperature > 0).any())
         u = torch.rand(logits.shape[:2], generator=generator, device=logits.device) if sampled else None
         return cls(selector.candidates(hidden, logits, token_map), anchor.to(torch.int64), temperature.float(), u)
 
