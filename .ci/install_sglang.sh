@@ -3,9 +3,10 @@
 #
 #   bash .ci/install_sglang.sh [VERSION] [--venv DIR]
 #
-# VERSION: 0.5.23 (default, the newest supported) or 0.5.17. --venv DIR: install into a virtualenv at DIR layered over
-# the *current* environment (the base interpreter, an activated virtualenv or a conda env: .ci/layered_venv.py), so
-# it shares the CPU torch, the test packages and the project, and shadows only SGLang's pins.
+# VERSION: any SGLang release 0.5.17 .. 0.5.23 (default 0.5.23, the newest supported). --venv DIR: install into a
+# virtualenv at DIR layered over the *current* environment (the base interpreter, an activated virtualenv or a conda
+# env: .ci/layered_venv.py), so it shares the CPU torch, the test packages and the project, and shadows only SGLang's
+# pins.
 #
 # SGLang's own requirements pin a CUDA torch, flashinfer, triton and other GPU packages, so sglang is installed
 # --no-deps and then exactly the pure-Python packages its import chain and a CPU `sgl.Engine(device="cpu",
@@ -24,11 +25,12 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --venv) VENV="$2"; shift 2 ;;
     0.5.*) SGLANG_VERSION="$1"; shift ;;
-    *) echo "install_sglang: unknown argument $1 (usage: install_sglang.sh [0.5.23|0.5.17] [--venv DIR])" >&2; exit 2 ;;
+    *) echo "install_sglang: unknown argument $1 (usage: install_sglang.sh [0.5.17..0.5.23] [--venv DIR])" >&2
+       exit 2 ;;
   esac
 done
 
-# Pure-Python (or CPU wheel) imports of both releases on the Engine and HTTP-server paths; versions as tested.
+# Pure-Python (or CPU wheel) imports of every release on the Engine and HTTP-server paths; versions as tested.
 COMMON=(
   "apache-tvm-ffi==0.1.11" "fastapi==0.165.0" "uvicorn==0.54.0" "aiohttp==3.14.5" "pyzmq==27.3.0" "msgspec==0.22.0"
   "dill==0.4.1" "uvloop==0.23.0" "pybase64==1.5.1" "psutil==7.2.2" "pillow==13.0.0" "partial_json_parser==0.2.1.1.post7"
@@ -37,17 +39,27 @@ COMMON=(
   "prometheus-client==0.23.1"  # --enable-metrics (SGLang's collectors and ours, adapter/metrics.py)
   "sglang-router==0.3.2"  # the load balancer users put in front of several servers (the router e2e test)
 )
+# Each release's own pins (its wheel's METADATA); where a release leaves a package unpinned, the version tested with
+# the release before it. The patch number N of 0.5.N picks the pins (0.5.17 .. 0.5.23).
 case "$SGLANG_VERSION" in
-  0.5.23)  # requires Python >= 3.11
-    NO_DEPS=("sglang==0.5.23" "xgrammar==0.2.7" "compressed-tensors==0.18.0")  # xgrammar declares triton
-    WITH_DEPS=("transformers==5.19.0" "tokenizers==0.23.2" "openai==2.8.0" "sentencepiece==0.2.1" "${COMMON[@]}"
-               "mooncake-transfer-engine-non-cuda==0.3.13.post1")  # PD disaggregation's KV transfer (over TCP here)
-    SYSTEM_LIBS=(libibverbs1 libnl-3-200 libnl-route-3-200) ;;  # mooncake's engine links libibverbs, even for TCP
-  0.5.17)
-    NO_DEPS=("sglang==0.5.17" "xgrammar==0.2.1" "compressed-tensors==0.20.0")
-    WITH_DEPS=("transformers==5.12.1" "openai==2.6.1" "sentencepiece==0.2.3" "${COMMON[@]}") ;;
-  *) echo "install_sglang: SGLang $SGLANG_VERSION is not supported (0.5.23 or 0.5.17)" >&2; exit 2 ;;
+  0.5.1[7-9]|0.5.2[0-3]) n=${SGLANG_VERSION##*.} ;;  # (0.5.22 and 0.5.23 require Python >= 3.11)
+  *) echo "install_sglang: SGLang $SGLANG_VERSION is not supported (0.5.17 .. 0.5.23)" >&2; exit 2 ;;
 esac
+pick() { [ "$n" -ge "$2" ] && echo "$3" || echo "$1"; }  # pick OLD FROM NEW: NEW from release 0.5.FROM on
+XGRAMMAR=$(pick 0.2.1 21 0.2.7)
+COMPRESSED=$(pick 0.20.0 19 0.18.0)  # unpinned by 0.5.17 and 0.5.18 (0.20.0 as tested), 0.18.0 from 0.5.19
+TRANSFORMERS=$(pick 5.12.1 22 5.19.0)
+OPENAI=$(pick 2.6.1 23 2.8.0)
+SENTENCEPIECE=$(pick 0.2.3 21 0.2.1)  # unpinned before 0.5.21 (0.2.3 as tested)
+NO_DEPS=("sglang==$SGLANG_VERSION" "xgrammar==$XGRAMMAR" "compressed-tensors==$COMPRESSED")  # xgrammar declares triton
+WITH_DEPS=("transformers==$TRANSFORMERS" "openai==$OPENAI" "sentencepiece==$SENTENCEPIECE" "${COMMON[@]}")
+if [ "$n" -ge 19 ]; then  # unpinned before 0.5.19 (transformers picks it)
+  WITH_DEPS+=("tokenizers==$(pick 0.22.2 22 0.23.2)")
+fi
+if [ "$n" -ge 20 ]; then  # releases with a DFLASH path for PD disaggregation (adapter/versions.py)
+  WITH_DEPS+=("mooncake-transfer-engine-non-cuda==0.3.13.post1")  # its KV transfer (over TCP here)
+  SYSTEM_LIBS=(libibverbs1 libnl-3-200 libnl-route-3-200)  # mooncake's engine links libibverbs, even for TCP
+fi
 
 # Debian libraries a package's binary links (root installs them; elsewhere the test that needs them says what's missing)
 for lib in "${SYSTEM_LIBS[@]:-}"; do
@@ -112,7 +124,7 @@ EOF
 
 # pip reports sglang's undeclared-on-purpose requirements (CUDA torch, flashinfer, ...) as conflicts: expected.
 quiet_conflicts() { grep -v -e "^sglang ${SGLANG_VERSION} requires" -e "dependency resolver does not currently" \
-                            -e "^WARNING: Location" >&2 || true; }
+                            -e "^WARNING: Location" -e "requires triton" >&2 || true; }
 "$PY" -m pip install -q -c "$constraints" --no-deps "${NO_DEPS[@]}" 2> >(quiet_conflicts)
 "$PY" -m pip install -q -c "$constraints" "${WITH_DEPS[@]}" 2> >(quiet_conflicts)
 check 2>/dev/null || { echo "install_sglang: sglang still does not import:" >&2; check; }

@@ -11,7 +11,12 @@ Pairs whose draft config.json we could not read from the hub directly (gated rep
 added) cite the model card for the serving facts and, for the config fields, the public code that transcribes the
 published config.json; each such source is named in `source`. A pair being listed does not mean our worker serves
 it: the recipe's `builtin_only` field says where it does not, `experimental` where it needs
---speculative-dflash-experimental (hybrid Gated DeltaNet targets, soft-capped Gemma 4 drafts).
+--speculative-dflash-experimental (hybrid Gated DeltaNet targets, soft-capped Gemma 4 drafts, DFlash2 drafts).
+
+A fact we could not read from a published source is None, never a guess (`Pair.unverified` names them; the recipe
+header and the launcher repeat them): the server reads the target's shape and the draft's target layer ids from the
+checkpoints at start-up and checks the pair there (core/checkpoint.py `check_fit`), so a recipe does not need them;
+only the checks made here without downloading (TP dividing the heads, the roofline's weight bytes) are then not made.
 
 Pure data, no torch or sglang import.
 """
@@ -23,12 +28,12 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Target:
     repo: str
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
+    num_layers: int | None  # None (here and below): not published where we could read it (module docstring)
+    num_heads: int | None
+    num_kv_heads: int | None
     hidden_size: int
-    vocab_size: int
-    decode_gb: float  # weight GB read per batch-1 decode step (see module docstring)
+    vocab_size: int | None
+    decode_gb: float | None  # weight GB read per batch-1 decode step (see module docstring)
     note: str = ""
 
 
@@ -37,17 +42,29 @@ class Pair:
     draft: str
     target: Target
     block_size: int  # B: the anchor (bonus) + B-1 drafted tokens, as trained
-    target_layer_ids: tuple[int, ...]
-    layer_ids_source: str  # "config" (read from the published config.json) or "rule"
-    draft_params_b: float  # billions, from the model card
-    draft_num_heads: int  # z-lab drafts copy the target's attention shape
+    target_layer_ids: tuple[int, ...] | None  # None: the server reads them from the draft's config.json
+    layer_ids_source: str  # "config" (read from the published config.json), "rule", or "checkpoint" (ids None)
+    draft_params_b: float | None  # billions, from the model card
+    draft_num_heads: int | None  # z-lab drafts copy the target's attention shape
     source: str
 
     @property
-    def draft_gb(self) -> float:
-        """Weight GB one draft pass reads: the drafter (bf16) plus the target lm_head it borrows."""
+    def draft_gb(self) -> float | None:
+        """Weight GB one draft pass reads: the drafter (bf16) plus the target lm_head it borrows (None: unknown)."""
+        if self.draft_params_b is None or self.target.vocab_size is None:
+            return None
         head = self.target.vocab_size * self.target.hidden_size * 2 / 1e9
         return self.draft_params_b * 2 + head
+
+    @property
+    def unverified(self) -> list[str]:
+        """The facts of this pair not read from a published source (None fields), by name."""
+        t = self.target
+        facts = {"target num_layers": t.num_layers, "target num_heads": t.num_heads,
+                 "target num_kv_heads": t.num_kv_heads, "target vocab_size": t.vocab_size,
+                 "target decode_gb": t.decode_gb, "target_layer_ids": self.target_layer_ids,
+                 "draft_params_b": self.draft_params_b, "draft_num_heads": self.draft_num_heads}
+        return [name for name, value in facts.items() if value is None]
 
 
 _QWEN3_4B = Target("Qwen/Qwen3-4B", 36, 32, 8, 2560, 151936, 8.0, "4.0B bf16, tied embeddings (lm_head read)")
@@ -73,6 +90,13 @@ _QWEN36_27B = Target("Qwen/Qwen3.6-27B", 64, 24, 4, 5120, 248320, 51.5,
 
 _QWEN35_27B = Target("Qwen/Qwen3.5-27B", 64, 24, 4, 5120, 248320, 51.5,
                      "the Qwen3.6-27B architecture: 48 Gated DeltaNet + 16 gated full-attention layers")
+
+# The target of z-lab/Qwen3.8-27B-DFlash2: a Gated DeltaNet hybrid with hidden size 5120 (the draft's); its repo id is
+# the draft's name without the suffix, as for every z-lab pair, and the rest of its shape is not published where we
+# could read it
+_QWEN38_27B = Target("Qwen/Qwen3.8-27B", None, None, None, 5120, None, None,
+                     "Gated DeltaNet hybrid (the draft card); layer count, heads, vocabulary and weight bytes "
+                     "unverified")
 
 _CARD = "https://huggingface.co/{}"
 
@@ -110,6 +134,11 @@ PAIRS: dict[str, Pair] = {
         Pair("z-lab/Qwen3.5-27B-DFlash", _QWEN35_27B, 16, (1, 16, 31, 46, 61), "rule", 1.7, 32,
              _CARD.format("z-lab/Qwen3.5-27B-DFlash") + " (z-lab/dflash README: Qwen3.5-27B; card: TP 1, fa3, "
              "--mamba-scheduler-strategy extra_buffer)"),
+        # DFlash2 (convolutions + candidate selector): block 8, 5 layers, hidden 5120, is_causal false, sliding window
+        # 2048, selector rank 256 top-16; served by ours with --speculative-dflash-experimental
+        Pair("z-lab/Qwen3.8-27B-DFlash2", _QWEN38_27B, 8, None, "checkpoint", None, None,
+             _CARD.format("z-lab/Qwen3.8-27B-DFlash2") + " (block 8, 5 layers, hidden 5120, selector rank 256 / "
+             "top-16; target layer ids, heads and parameter count not read: unverified)"),
     )
 }
 
@@ -145,10 +174,11 @@ def check_deployment(draft: str, target: str, block_size: int | None, tp_size: i
     if tp_size < 1:
         problems.append(f"tp size must be >= 1, got {tp_size}")
         return problems
-    if t.num_heads % tp_size:
+    # (a head count that is unknown here (None) is checked by SGLang when it loads the model)
+    if t.num_heads is not None and t.num_heads % tp_size:
         problems.append(f"tp {tp_size} does not divide the {t.num_heads} query heads of {t.repo}")
-    if pair.draft_num_heads % tp_size:
+    if pair.draft_num_heads is not None and pair.draft_num_heads % tp_size:
         problems.append(f"tp {tp_size} does not divide the {pair.draft_num_heads} query heads of {pair.draft}")
-    if t.num_kv_heads % tp_size and tp_size % t.num_kv_heads:
+    if t.num_kv_heads is not None and t.num_kv_heads % tp_size and tp_size % t.num_kv_heads:
         problems.append(f"tp {tp_size} neither divides nor is a multiple of the {t.num_kv_heads} KV heads of {t.repo}")
     return problems

@@ -12,6 +12,7 @@ import os
 import sys
 
 from dflash_sglang.bench import recipe as recipes
+from dflash_sglang.pairs import pair_for
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         omitted = [ln for ln in r.header.splitlines() if ln.strip().startswith(f"{args.hw}: omitted")]
         raise SystemExit(f"{e}" + (f" ({omitted[0].strip()})" if omitted else "")) from None
     print(f"# {r.name} on {args.hw}: measured: {measured}", file=sys.stderr)
+    unverified = pair_for(r.draft).unverified
+    if unverified:  # facts of the pair no published source gave us: the server reads them from the checkpoints
+        print(f"# unverified in dflash_sglang.pairs (the server reads the shapes from the checkpoints at start-up): "
+              f"{', '.join(unverified)}", file=sys.stderr)
     if args.impl is None:
         args.impl = r.default_impl(args.hw)
         why = r.ours_refusal(args.hw)

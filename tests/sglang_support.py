@@ -1,18 +1,45 @@
-"""Shared by the SGLang test files: the skip condition (sglang 0.5.17 must be installed)."""
+"""Shared by the SGLang test files: the skip condition (a supported sglang must be installed) and what the version
+seam's probes say about it, for test processes that do not import sglang."""
 from __future__ import annotations
 
+import functools
 import importlib.util
-from importlib.metadata import version
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+
+SHIMS = Path(__file__).resolve().parent / "sglang_shims"
+REPO = Path(__file__).resolve().parents[1]
 
 
 def sglang_skip_reason() -> str | None:
     if importlib.util.find_spec("sglang") is None:
         return "sglang is not installed (bash .ci/install_sglang.sh)"
-    if version("sglang") not in ("0.5.17", "0.5.23"):
-        return f"needs sglang 0.5.17, found {version('sglang')}"
+    try:  # (metadata only: the version gate imports no sglang)
+        import dflash_sglang.adapter.versions  # noqa: F401  (refuses a release outside the range)
+    except ImportError as err:  # the adapter's own one-line refusal
+        return str(err)
     return None
+
+
+def in_child_env() -> dict[str, str]:
+    """The environment of a child process that imports sglang: the import shims first, then this checkout."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(SHIMS), str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+@functools.cache
+def seam_probes() -> dict[str, bool]:
+    """adapter/versions.py's probes of the installed SGLang, by name, asked in a child process (importing sglang
+    changes the process it runs in)."""
+    code = ("import json; from dflash_sglang.adapter import versions as v; "
+            "print(json.dumps({name: getattr(v, name)() for name in v.PROBES}))")
+    out = subprocess.run([sys.executable, "-c", code], env=in_child_env(), cwd=REPO, capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 requires_sglang = pytest.mark.skipif(sglang_skip_reason() is not None, reason=str(sglang_skip_reason()))

@@ -108,3 +108,65 @@ def test_sampled_draft_q_rejection_is_exact(support):
                          draft_q=draft_q)
     counts = torch.bincount(r.out_tokens[:, 0], minlength=V).double()
     assert chisquare(counts.numpy(), (p.double() * bs).numpy()).pvalue > 1e-3
+
+
+def _mixed_params(bs: int, top_p_rows: bool, seed: int = 0) -> tuple[SamplingParams, list, list, list]:
+    """A batch mixing greedy rows, temperature-only rows, top-k rows and (optionally) top-p rows, with min-p."""
+    g = torch.Generator().manual_seed(seed)
+    temperature = [0.0 if i % 3 == 0 else 0.5 + (i % 4) / 4 for i in range(bs)]
+    top_k = [(0, 5, 40, 0)[i % 4] for i in range(bs)]
+    top_p = [(0.6 if top_p_rows and i % 5 == 1 else 1.0) for i in range(bs)]
+    min_p = torch.where(torch.rand(bs, generator=g) < 0.3, 0.1, 0.0)
+    return (SamplingParams(torch.tensor(temperature), torch.tensor(top_k), torch.tensor(top_p), min_p),
+            temperature, top_k, top_p)
+
+
+@pytest.mark.parametrize("top_p_rows", [False, True])
+def test_host_hints_give_the_same_target_probs(top_p_rows):
+    """With hints, target_probs skips the sort where no row asks for top-p (the k-th largest from a partial top-k):
+    the same distribution, ties with the k-th logit kept, greedy rows one-hot. With a top-p row it sorts as before."""
+    from dflash_sglang.core.accept import HostHints
+
+    torch.manual_seed(1)
+    bs, n, V = 40, 3, 97
+    logits = torch.randn(bs, n, V).round(decimals=1)  # coarse values: ties at the k-th logit happen
+    params, t, k, p = _mixed_params(bs, top_p_rows)
+    hinted = SamplingParams(params.temperature, params.top_k, params.top_p, params.min_p, HostHints.of(t, k, p))
+    assert hinted.hints.top_p == top_p_rows and hinted.hints.top_k == 40 and hinted.hints.sampled.numel() == 26
+    general, fast = target_probs(logits, params), target_probs(logits, hinted)
+    # the general path's top-p = 1 test drops tail tokens whose preceding mass rounds to 1: equal up to that
+    torch.testing.assert_close(fast, general, atol=1e-6, rtol=0)
+    assert torch.equal(fast > 1e-6, general > 1e-6)
+    if top_p_rows:
+        assert torch.equal(fast, general)
+    only = target_probs(logits[hinted.hints.sampled], hinted.sampling_rows())  # every row samples: no one-hot
+    torch.testing.assert_close(only, general[hinted.hints.sampled], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_mixed_batch_accept_verifies_greedy_rows_greedily_with_the_same_result(with_q):
+    """core's chain accept with host hints (greedy rows by greedy acceptance, the sampling rows alone by rejection
+    sampling) commits exactly what rejection sampling every row (greedy rows one-hot) commits, uniform for uniform."""
+    from dflash_sglang.core.accept import HostHints
+    from dflash_sglang.core.speculate import Proposal, accept
+
+    torch.manual_seed(2)
+    bs, T, V = 60, 5, 50
+    logits = torch.randn(bs, T, V) * 3
+    argmax = logits.argmax(-1)
+    draft = torch.where(torch.rand(bs, T - 1) < 0.6, argmax[:, :-1], torch.randint(0, V, (bs, T - 1)))
+    ids = torch.cat([torch.randint(0, V, (bs, 1)), draft], 1)
+    q = None
+    if with_q:  # a sampled proposal over 4 candidates per position, the draft among them
+        cand = torch.stack([draft, (draft + 1) % V, (draft + 2) % V, (draft + 3) % V], -1)
+        q = DraftQ(cand, torch.softmax(torch.randn(bs, T - 1, 4), -1))
+    proposal = Proposal(ids, torch.arange(T).expand(bs, T), None, q)
+    params, t, k, p = _mixed_params(bs, top_p_rows=True)
+    hinted = SamplingParams(params.temperature, params.top_k, params.top_p, params.min_p, HostHints.of(t, k, p))
+    general = accept(proposal, logits, params, torch.Generator().manual_seed(5))
+    fast = accept(proposal, logits, hinted, torch.Generator().manual_seed(5))
+    assert torch.equal(fast.accept_len, general.accept_len) and torch.equal(fast.out_tokens, general.out_tokens)
+    assert torch.equal(fast.bonus, general.bonus)
+    greedy = torch.tensor(t) == 0
+    assert torch.equal(fast.accept_len[greedy], greedy_accept(draft, argmax).accept_len[greedy])
+    assert len(set(fast.accept_len.tolist())) > 2  # rows accept different lengths: the merge is exercised

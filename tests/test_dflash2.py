@@ -13,7 +13,7 @@ from dflash_sglang.core.drafter import dense_attend
 from dflash_sglang.core.goodput import GoodputConfig, GoodputController
 from dflash_sglang.core.reference import ReferenceDecoder
 from dflash_sglang.core.selector import SelectorScores
-from dflash_sglang.core.vocab_parallel import NOT_RANKED
+from dflash_sglang.core.vocab_parallel import NOT_RANKED, VocabShard, local_top, merge_top
 from factories import DFLASH2_DRAFT, STEP_COST, draft_config_for, mixed_prompts, sampled_fit_pvalue, tiny_drafter, \
     tiny_target
 from test_reference import TOKEN_MAP, _exact_joint, hf_greedy
@@ -230,3 +230,38 @@ def test_convolutions_stay_within_a_block():
     attends = [dense_attend(layer_kv, mask[:, None], drafter.attention, 0.5) for layer_kv in kv]
     with pytest.raises(ValueError, match="DFlash2 drafter: run_layers needs `block`"):
         drafter.run_layers(blocks, pos, attends)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("mapped", [False, True], ids=["vocab", "token_map"])
+def test_candidates_merged_over_vocab_shards_equal_one_process(ranks, mapped):
+    """Tensor parallelism: each rank's top-k of its lm_head shard, merged (core/vocab_parallel.py `merge_top`, as
+    adapter/tp.py runs it over the ranks), gives the candidates of one process over the whole vocabulary (or token map)
+    exactly, ties included (logits on a bf16-like grid), so the walk, its q and the tree are the same."""
+    target = tiny_target("qwen3", vocab=16, seed=2)
+    drafter = tiny_drafter(draft_config_for(target, block_size=8, **DFLASH2_DRAFT), seed=3)
+    token_map = torch.tensor(TOKEN_MAP) if mapped else None
+    ids = token_map if mapped else torch.arange(16)
+    hidden, anchor = torch.randn(3, 7, 32, generator=torch.Generator().manual_seed(0)), torch.tensor([3, 5, 1])
+    logits = (drafter.logits(hidden, target.lm_head.weight[ids]) * 2).round() / 2  # [3, 7, len(ids)], ties
+    per = -(-16 // ranks)
+
+    def merged(_, k):  # what adapter/tp.py DraftVocab.top answers on every rank
+        parts = []
+        for r in range(ranks):
+            inside = (ids >= r * per) & (ids < (r + 1) * per)
+            shard = VocabShard(r * per, int(inside.sum()), ids[inside] if mapped else None)
+            parts.append(local_top(logits[..., inside], shard, k))
+        tokens, values = merge_top(torch.stack([v for v, _ in parts]), torch.stack([t for _, t in parts]), k)
+        return values, tokens
+
+    temperature = torch.tensor([0.0, 0.8, 1.5])
+    one, split = (SelectorScores.of(drafter.candidate_selector, hidden, logits, anchor, temperature,
+                                    torch.Generator().manual_seed(4), token_map, top)
+                  for top in (None, merged))
+    assert torch.equal(one.candidates.tokens, split.candidates.tokens)
+    assert torch.equal(one.candidates.unary, split.candidates.unary)
+    assert (one.candidates.unary[..., :-1] == one.candidates.unary[..., 1:]).any()  # ties among the candidates
+    assert torch.equal(one.argmax(7), split.argmax(7)) and torch.equal(one.chain_q(7).probs, split.chain_q(7).probs)
+    trees = [s.tree(anchor, 10, 3) for s in (one, split)]
+    assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].parent, trees[1].parent)

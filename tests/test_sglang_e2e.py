@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 import torch
 from factories import STEP_COST_ENV
-from sglang_support import requires_sglang
+from sglang_support import requires_sglang, seam_probes
 
 HERE = Path(__file__).resolve().parent
 SHIMS = HERE / "sglang_shims"
@@ -75,14 +75,15 @@ SIM_ACC_LEN = 3  # an integer mean: match-expected then commits exactly this man
 SHAREGPT_PROMPTS, SHAREGPT_NEW = 32, 32  # testbed jobs: ShareGPT eval prompts x new tokens (greedy)
 CHILD_TIMEOUT_S = 900
 ENGINES_ENV = "DFLASH_E2E_ENGINES"  # comma-separated Engine (job) names to start; default: all
+SERIAL_ENV = "DFLASH_E2E_SERIAL"  # 1: one Engine at a time (a shared machine; scripts/check_sglang.sh); default: waves
 # SGLang's CPU tensor parallelism binds each rank to a NUMA node unless told which cores each rank gets
 TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 
 
 def dp_env() -> dict[str, str]:
-    """... and for data-parallel replicas: one core each on 0.5.23 (one entry per rank of dp x tp); 0.5.17 wants one
-    entry per TP rank, which every replica then shares."""
-    return {"SGLANG_CPU_OMP_THREADS_BIND": "0-1" if version("sglang") == "0.5.17" else "0|1"}
+    """... and for data-parallel replicas: one core each where SGLang takes one entry per rank of dp x tp (0.5.19 on);
+    before, one entry per TP rank, which every replica then shares (adapter/versions.py `cpu_bind_entry_per_rank`)."""
+    return {"SGLANG_CPU_OMP_THREADS_BIND": "0|1" if seam_probes()["cpu_bind_entry_per_rank"] else "0-1"}
 
 
 # TP-2 Engines' shape flags (goodput: none; its chain length is TP rank 0's, broadcast)
@@ -187,7 +188,8 @@ def _dflash_metrics() -> list[str]:
 
 def run_child(job: dict) -> None:
     """Child process body: one Engine, the scenario, results as JSON. job: name, root, out, spec, block (the
-    --speculative-num-draft-tokens value), topk, full, device, dtype, attention_backend."""
+    --speculative-num-draft-tokens value), topk, full (every scenario) or sampled (greedy and sampled only), device,
+    dtype, attention_backend."""
     import sglang as sgl
 
     root = job["root"]
@@ -225,6 +227,8 @@ def run_child(job: dict) -> None:
         res["replica_avg_accept"] = [s.get("avg_spec_accept_length") for s in states]
         if job["full"]:
             _full_scenario(engine, job, res)
+        elif job.get("sampled"):  # the distribution tests only
+            _sampled_scenario(engine, res)
         if job.get("json"):
             res["json"] = _json_scenario(engine)
         if job.get("engine_kwargs", {}).get("enable_metrics"):
@@ -258,18 +262,23 @@ def _full_scenario(engine, job: dict, res: dict) -> None:
     res["timings"]["stops_abort_s"] = time.perf_counter() - t0
     if job["spec"]:
         res["refusal"] = engine.loop.run_until_complete(_refusal_scenario(engine))
-        t0 = time.perf_counter()
-        for i, (key, n, settings) in enumerate(SAMPLED):
-            params = [{**settings, "max_new_tokens": SAMPLE_NEW, "ignore_eos": True}] * n
-            prompts = [SAMPLE_PROMPT] * n
-            if i == 0:  # greedy requests mixed into a sampled batch
-                prompts += greedy_prompts()[:N_MIXED_GREEDY]
-                params += [{"temperature": 0, "max_new_tokens": GREEDY_NEW, "ignore_eos": True}] * N_MIXED_GREEDY
-            out = engine.generate(input_ids=prompts, sampling_params=params)
-            res[f"sampled_{key}"] = [o["output_ids"] for o in out[:n]]
-            if i == 0:
-                res["greedy_in_sampled_batch"] = [o["output_ids"] for o in out[n:]]
-        res["timings"]["sampled_s"] = time.perf_counter() - t0
+        _sampled_scenario(engine, res)
+
+
+def _sampled_scenario(engine, res: dict) -> None:
+    """The SAMPLED requests (the distribution tests), greedy requests riding in the first batch."""
+    t0 = time.perf_counter()
+    for i, (key, n, settings) in enumerate(SAMPLED):
+        params = [{**settings, "max_new_tokens": SAMPLE_NEW, "ignore_eos": True}] * n
+        prompts = [SAMPLE_PROMPT] * n
+        if i == 0:  # greedy requests mixed into a sampled batch
+            prompts += greedy_prompts()[:N_MIXED_GREEDY]
+            params += [{"temperature": 0, "max_new_tokens": GREEDY_NEW, "ignore_eos": True}] * N_MIXED_GREEDY
+        out = engine.generate(input_ids=prompts, sampling_params=params)
+        res[f"sampled_{key}"] = [o["output_ids"] for o in out[:n]]
+        if i == 0:
+            res["greedy_in_sampled_batch"] = [o["output_ids"] for o in out[n:]]
+    res["timings"]["sampled_s"] = time.perf_counter() - t0
 
 
 async def _refusal_scenario(engine) -> dict:
@@ -601,6 +610,7 @@ def sharegpt_jobs(root: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
     """All Engines of this module, run once in parallel child processes."""
+    dflash2_draft = str(write_dflash2_draft(pair_dir))
     jobs = [
         dict(name="chain", root=str(pair_dir), spec=True, full=True, block=BLOCK),  # pinned: a chain of the block
         # no shape flag: the goodput controller picks each step's chain length (plain steps included)
@@ -608,7 +618,7 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
              engine_kwargs={"enable_metrics": True}),  # (and the controller's metrics beside SGLang's)
         # a DFlash2 draft (--speculative-dflash-experimental), no shape flag: the controller over the selector's
         # chains (its walk, sampled where a request samples) and trees
-        dict(name="dflash2", root=str(pair_dir), spec=True, full=True, draft=str(write_dflash2_draft(pair_dir)),
+        dict(name="dflash2", root=str(pair_dir), spec=True, full=True, draft=dflash2_draft,
              env={**debug_env(pair_dir), **FIXED_COST}, engine_kwargs={"speculative_dflash_experimental": True}),
         dict(name="tree", root=str(pair_dir), spec=True, full=True, block=TREE_NODES, topk=TREE_TOPK,
              env=debug_env(pair_dir), engine_kwargs=dict(STATIC_GRAPHS)),
@@ -631,6 +641,15 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
                env={**TP_ENV, **(FIXED_COST if mode == "goodput" else {})},
                engine_kwargs={"tp_size": 2}, **TP_SHAPES.get(mode, {}))
           for mode in ("chain", "tree", "goodput", "plain")],
+        # the DFlash2 draft at TP 2: its selector's candidates merged over the vocab shards, every rank walking the
+        # same chain and growing the same tree. Under the controller (greedy: chains and selector trees), and as a
+        # pinned chain, which drafts at every step of the large sampled batches too (the controller runs plain steps
+        # there): each rank's sampled walk from a generator seeded alike
+        *[dict(name=name, root=str(pair_dir), spec=True, full=False, sampled=chain, draft=dflash2_draft,
+               env={**TP_ENV, **debug_env(pair_dir), **({} if chain else FIXED_COST)},
+               engine_kwargs={"tp_size": 2, "speculative_dflash_experimental": True},
+               **({"block": BLOCK} if chain else {}))
+          for name, chain in (("tp2_dflash2", False), ("tp2_dflash2_chain", True))],
         # --dp-size 2: SGLang's DataParallelController, one scheduler (and one DFLASH worker) per replica
         *[dict(name=f"dp2_{mode}", root=str(pair_dir), spec=mode != "plain", full=False,
                env={**dp_env(), **(FIXED_COST if mode == "goodput" else {})},
@@ -643,10 +662,13 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
         jobs = [job for job in jobs if job["name"] in selected.split(",")]
     for job in jobs:
         job["out"] = str(Path(job["root"]) / f"{job['name']}.json")
-    # Two waves: the multi-process Engines (TP and DP: a scheduler per rank or replica) after the others, so that the
-    # machine's memory (24 GB on CI's 2-core machine) holds one wave's processes at a time
-    multi = [job for job in jobs if job["name"].startswith(("tp2_", "dp2_"))]
-    return {**run_children([job for job in jobs if job not in multi]), **(run_children(multi) if multi else {})}
+    # Three waves: the multi-process Engines (a scheduler per rank or replica, ~2.5 GB each) after the others, the TP
+    # ones then the DP ones, so that the machine's memory (24 GB on CI's 2-core machine) holds one wave's processes
+    tp = [job for job in jobs if job["name"].startswith("tp2_")]
+    dp = [job for job in jobs if job["name"].startswith("dp2_")]
+    waves = ([[job] for job in jobs] if os.environ.get(SERIAL_ENV) == "1"
+             else [wave for wave in ([job for job in jobs if job not in tp + dp], tp, dp) if wave])
+    return {name: result for wave in waves for name, result in run_children(wave).items()}
 
 
 # ---------------------------------------------------------------------------------------------- tests
@@ -699,9 +721,9 @@ def test_penalties_and_min_new_tokens_match_plain_engine(runs, pair_dir, mode):
     for (prompt, params), r in zip(requests, plain):
         if any(k in params for k in PENALTIES):  # the penalty changed the output, so the check means something
             assert r["ids"] != unpenalized[tuple(prompt)], params
-        if params.get("min_new_tokens") and version("sglang") != "0.5.17":
-            # (0.5.17's min_new_tokens does not hold back the generation config's EOS, id 2 here, on which it still
-            # ends a request: both Engines end such a request early there)
+        if params.get("min_new_tokens") and seam_probes()["min_new_tokens_holds_eos"]:
+            # (before 0.5.19 min_new_tokens does not hold back the generation config's EOS, id 2 here, on which it
+            # still ends a request: both Engines end such a request early there)
             assert len(r["ids"]) >= params["min_new_tokens"]
     # drafts accepted (a request that ended at its first token, from the prefill, reports no verify count), where the
     # shapes are pinned; a controller's choice here follows the scenarios before (the context-limit requests accept
@@ -905,11 +927,16 @@ def _exact_joint(target, prompt: list[int], n: int, settings: dict) -> dict[tupl
 @pytest.mark.parametrize("mode", FULL_MODES)
 @pytest.mark.parametrize("key,n,settings", SAMPLED, ids=[k for k, _, _ in SAMPLED])
 def test_sampling_matches_target_distribution(runs, pair_dir, key, n, settings, mode):
+    assert_target_distribution(runs[mode][f"sampled_{key}"], pair_dir, n, settings)
+
+
+def assert_target_distribution(sampled: list[list[int]], pair_dir: Path, n: int, settings: dict) -> None:
+    """n sampled SAMPLE_NEW-token continuations of SAMPLE_PROMPT fit the target's exact distribution (chi-square)."""
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(pair_dir / "target", dtype=torch.float32).eval()
     exact = _exact_joint(target, SAMPLE_PROMPT, SAMPLE_NEW, settings)
-    samples = [tuple(s) for s in runs[mode][f"sampled_{key}"]]
+    samples = [tuple(s) for s in sampled]
     assert len(samples) == n
     assert sum(exact.get(s, 0.0) == 0.0 for s in samples) == 0  # nothing outside the top-p support
     obs = torch.tensor([samples.count(s) for s in exact], dtype=torch.float64)
@@ -1042,17 +1069,35 @@ def test_token_map_greedy_matches_plain(runs):
     assert max(r["meta"]["spec_accept_length"] for r in spec) >= 2
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree", "goodput"])
+@pytest.mark.parametrize("mode", ["chain", "tree", "goodput", "dflash2", "dflash2_chain"])
 def test_tensor_parallel_greedy_matches_plain(runs, mode):
     """--tp-size 2 (two scheduler processes, gloo): the drafter replicated, its proposals merged over the two halves of
-    the vocab-parallel lm_head, the accept decision broadcast from rank 0; greedy output identical to a plain TP-2
-    Engine, with drafts accepted."""
+    the vocab-parallel lm_head (dflash2: its selector's candidates, under the controller or as a pinned chain), the
+    accept decision broadcast from rank 0; greedy output identical to a plain TP-2 Engine, with drafts accepted."""
     spec, plain = runs[f"tp2_{mode}"]["greedy"], runs["tp2_plain"]["greedy"]
     assert [r["ids"] for r in spec] == [r["ids"] for r in plain]
     assert all(len(r["ids"]) == GREEDY_NEW for r in spec)
     ct = [r["meta"]["spec_verify_ct"] for r in spec]
     assert sum(ct) < len(spec) * (GREEDY_NEW - 1)
-    assert max(r["meta"]["spec_accept_length"] for r in spec) >= (1.1 if mode == "goodput" else 2)
+    assert max(r["meta"]["spec_accept_length"] for r in spec) >= (1.1 if mode in CONTROLLED else 2)
+
+
+@pytest.mark.parametrize("key,n,settings", SAMPLED, ids=[k for k, _, _ in SAMPLED])
+def test_tensor_parallel_dflash2_sampling_matches_target_distribution(runs, pair_dir, key, n, settings):
+    """The DFlash2 draft at TP 2, a pinned chain: sampled continuations (the selector's sampled walk at every step, the
+    same on both ranks, accepted against its q) follow the target's exact distribution; greedy requests in the sampled
+    batch equal plain TP-2's."""
+    assert_target_distribution(runs["tp2_dflash2_chain"][f"sampled_{key}"], pair_dir, n, settings)
+    plain = [r["ids"] for r in runs["tp2_plain"]["greedy"][:N_MIXED_GREEDY]]
+    assert runs["tp2_dflash2_chain"]["greedy_in_sampled_batch"] == plain
+
+
+def test_tensor_parallel_dflash2_controller_grows_selector_trees(runs, pair_dir):  # runs: the Engines have run
+    """The controller's DFlash2 Engine at TP 2 verified selector trees as well as chains (rank 0's choice)."""
+    import re
+
+    shapes = set(re.findall(r"DFLASH goodput step: shape=(\d+(?:x\d+)?) ", (pair_dir / "tp2_dflash2.log").read_text()))
+    assert any("x" in s for s in shapes) and any("x" not in s and s != "1" for s in shapes), shapes
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree", "goodput"])
@@ -1118,7 +1163,7 @@ def test_router_in_front_of_two_servers_matches_plain(runs, pair_dir, tmp_path):
 
 
 def test_pd_disaggregation_over_mooncake_matches_plain(runs, pair_dir, tmp_path):
-    """PD disaggregation (0.5.23): a DFLASH prefill server and a DFLASH decode server (a chain of the block) behind
+    """PD disaggregation (0.5.20 on): a DFLASH prefill server and a DFLASH decode server (a chain of the block) behind
     sglang-router --pd-disaggregation, the target and draft KV moved by SGLang's mooncake transfer engine over TCP
     (adapter/disagg.py registers our draft pool): greedy outputs identical to the plain Engine's, and the decode
     server's acceptance that of the whole chain Engine on the same prompts (a decode server drafting from a draft
@@ -1127,8 +1172,8 @@ def test_pd_disaggregation_over_mooncake_matches_plain(runs, pair_dir, tmp_path)
 
     from dflash_sglang.bench.server import ROUTER, Server, cpu_env, free_port, http_json
 
-    if version("sglang") == "0.5.17":  # (this process does not import sglang: the plugin tests check the refusal)
-        pytest.skip("sglang 0.5.17 has no DFLASH path for PD disaggregation")
+    if not seam_probes()["pd_disaggregation_supported"]:  # (the plugin tests check the refusal)
+        pytest.skip(f"sglang {version('sglang')} has no DFLASH path for PD disaggregation")
     common = ["--model-path", str(pair_dir / "target"), "--device", "cpu", "--attention-backend", "torch_native",
               "--dtype", "float32", "--random-seed", "0", "--max-total-tokens", "16384", "--chunked-prefill-size",
               str(CHUNK), "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path",

@@ -103,10 +103,10 @@ def test_register_is_idempotent(plugin):
 
 
 @child_only
-@pytest.mark.parametrize("found", ["0.5.20", "0.5.24"])
+@pytest.mark.parametrize("found", ["0.5.16", "0.5.24", "0.6.0"])
 def test_unsupported_sglang_version_fails_at_import(monkeypatch, found):
     """Importing the entry point module (what SGLang's plugin loader does) fails with one line naming the supported
-    set on any other SGLang (then SGLang logs it and keeps its builtin DFLASH)."""
+    range on any SGLang outside it (then SGLang logs it and keeps its builtin DFLASH)."""
     import importlib
     import importlib.metadata
     import sys
@@ -115,7 +115,7 @@ def test_unsupported_sglang_version_fails_at_import(monkeypatch, found):
     monkeypatch.setattr(importlib.metadata, "version", lambda name: found if name == "sglang" else real(name))
     for name in [m for m in sys.modules if m == "dflash_sglang.adapter" or m.startswith("dflash_sglang.adapter.")]:
         monkeypatch.delitem(sys.modules, name)  # restored after the test
-    with pytest.raises(ImportError, match=rf"^dflash_sglang\.adapter supports sglang==0\.5\.17 or sglang==0\.5\.23 "
+    with pytest.raises(ImportError, match=rf"^dflash_sglang\.adapter supports sglang 0\.5\.17 \.\. 0\.5\.23 "
                                           rf"only, found sglang=={found}: install sglang==0\.5\.23, "
                                           rf"or uninstall") as err:
         importlib.import_module("dflash_sglang.adapter.plugin")
@@ -172,7 +172,14 @@ def test_server_args_resolution(plugin, pair, monkeypatch):
         env.setenv("DFLASH_SIMULATE_ACC_RATE", "0.8")
         assert _shape(_server_args(pair)) == ("goodput", 6, 6, 1)
     assert resolved_value(args, "disable_overlap_schedule")  # synchronous spec worker on CPU
-    assert resolved_value(args, "max_running_requests") == 48 == settings_of(args).max_running_requests
+    # the controller leaves the batch cap to SGLang (as plain decoding) and bounds each step's verify rows instead;
+    # a pinned shape keeps the builtin's 48, and an explicit cap is the operator's (no default budget then)
+    assert resolved_value(args, "max_running_requests") is None and settings_of(args).max_running_requests is None
+    assert settings_of(args).adaptive_token_budget == 48 * 6
+    pinned = _server_args(pair, speculative_num_draft_tokens=4)
+    assert resolved_value(pinned, "max_running_requests") == 48 == settings_of(pinned).max_running_requests
+    capped = settings_of(_server_args(pair, max_running_requests=256))
+    assert (capped.mode, capped.max_running_requests, capped.adaptive_token_budget) == ("goodput", 256, None)
     s = settings_of(args)
     assert (s.draft_attention, s.draft_graphs, s.tree_cuda_graph, s.dummy_draft) == ("torch", "auto", False, False)
     assert s.draft.block_size == 6 and s.draft_dir == str(pair / "draft") and s.device == "cpu"
@@ -185,8 +192,8 @@ def test_server_args_resolution(plugin, pair, monkeypatch):
 @child_only
 def test_dflash2_draft_is_gated(plugin, pair, monkeypatch, tmp_path):
     """A DFlash2 draft (convolutions and a candidate selector) is served behind --speculative-dflash-experimental until
-    a GPU run validates it, at TP 1 (the selector reads one rank's whole vocabulary); refused otherwise, naming the
-    file, the flag and the builtin."""
+    a GPU run validates it, at any TP size (its candidates merged over the ranks' vocab shards); refused otherwise,
+    naming the file, the flag and the builtin."""
     from factories import DFLASH2_DRAFT, draft_config_for, tiny_drafter, tiny_target, write_draft
 
     from dflash_sglang.adapter.args import UnsupportedFlagError
@@ -197,14 +204,12 @@ def test_dflash2_draft_is_gated(plugin, pair, monkeypatch, tmp_path):
     write_draft(tmp_path / "dflash2", tiny_drafter(draft_config_for(target, block_size=6, **DFLASH2_DRAFT)),
                 dtype=torch.float32)
     draft = str(tmp_path / "dflash2")
-    with pytest.raises(UnsupportedFlagError, match=r"dflash2/config.json: a DFlash2 draft .* not yet validated end to "
-                                                   r"end on a GPU .* pass --speculative-dflash-experimental"):
-        _server_args(pair, speculative_draft_model_path=draft)
-    with pytest.raises(UnsupportedFlagError, match=r"a DFlash2 draft .* with --tp-size 2: the selector runs on one "
-                                                   r"rank's whole vocabulary only yet; set DFLASH_SGLANG_IMPL=builtin"):
-        _server_args(pair, speculative_draft_model_path=draft, speculative_dflash_experimental=True, tp_size=2)
-    args = _server_args(pair, speculative_draft_model_path=draft, speculative_dflash_experimental=True)
-    assert settings_of(args).draft.dflash2 is not None and settings_of(args).mode == "goodput"
+    for tp in (1, 2):
+        with pytest.raises(UnsupportedFlagError, match=r"dflash2/config.json: a DFlash2 draft .* not yet validated end "
+                                                       r"to end on a GPU .* pass --speculative-dflash-experimental"):
+            _server_args(pair, speculative_draft_model_path=draft, tp_size=tp)
+        args = _server_args(pair, speculative_draft_model_path=draft, speculative_dflash_experimental=True, tp_size=tp)
+        assert settings_of(args).draft.dflash2 is not None and settings_of(args).mode == "goodput"
 
 
 @child_only
@@ -345,7 +350,8 @@ BUDGET = "--speculative-dflash-adaptive-token-budget"
          rf"^{TABLE} '4:10x3,inf:4x1' has a 10x3 row .* more than --speculative-num-draft-tokens 8"),
         (dict(speculative_dflash_adaptive_table="4:10x17,inf:4x1"), rf"^{TABLE} .* top-k 17 is larger than"),
         (dict(speculative_dflash_adaptive_token_budget=-3), rf"^{BUDGET} -3: expected a positive"),
-        (dict(speculative_dflash_adaptive_token_budget=40), rf"^{BUDGET} 40 is below --max-running"),
+        (dict(speculative_dflash_adaptive_token_budget=40, max_running_requests=48),
+         rf"^{BUDGET} 40 is below --max-running-requests 48"),
         (dict(speculative_eagle_topk=0), r"^--speculative-eagle-topk 0: with --speculative-adaptive it is the "
                                          r"controller's largest tree top-k"),
         (dict(speculative_eagle_topk=2, page_size=4),
@@ -824,17 +830,17 @@ def test_post_capture_kv_sizing_is_refused(plugin, pair, monkeypatch):
 @child_only
 def test_pd_disaggregation_resolves_where_sglang_has_a_dflash_path(plugin, pair, monkeypatch):
     """--disaggregation-mode prefill / decode: served where SGLang's decode server builds DFLASH's relayed state from
-    the transferred token (0.5.23), the side recorded in the settings; refused naming the version elsewhere."""
+    the transferred token (0.5.20 on), the side recorded in the settings; refused naming the release elsewhere."""
     from dflash_sglang.adapter.args import UnsupportedFlagError
     from dflash_sglang.adapter.settings import settings_of
     from dflash_sglang.adapter.versions import pd_disaggregation_supported
 
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
-    assert pd_disaggregation_supported() == (version("sglang") != "0.5.17")
     for mode in ("prefill", "decode"):
         kw = dict(disaggregation_mode=mode, disaggregation_transfer_backend="mooncake")
-        if not pd_disaggregation_supported():
-            with pytest.raises(UnsupportedFlagError, match=rf"^--disaggregation-mode {mode}: SGLang 0\.5\.17 has no "
+        if not pd_disaggregation_supported():  # (tests/test_sglang_versions.py checks the probe itself)
+            with pytest.raises(UnsupportedFlagError, match=rf"^--disaggregation-mode {mode}: SGLang "
+                                                           rf"{re.escape(version('sglang'))} has no "
                                                            r"DFLASH path for PD disaggregation"):
                 _server_args(pair, **kw)
             continue
@@ -936,7 +942,7 @@ def test_worker_answers_the_draft_runner_members_itself(plugin, pair, monkeypatc
     assert worker.primary_draft_kv_pool is None and worker.preloaded_weights_bytes == 0
     assert worker.stride == 6
     assert worker.schedule.describe() == ("goodput controller over chains of 1/2/3/4/6 rows (1: a plain step) and "
-                                          "trees of 4/6 nodes over top-2/4")
+                                          "trees of 4/6 nodes over top-2/4, token budget 288")  # 48 x N
     assert DFlashWorker(server_args=args, gpu_id=0, nccl_port=0, target_worker=target, ps=object()).stride == 6
 
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from dflash_sglang.core.speculate import draft_topk
-from dflash_sglang.core.vocab_parallel import VocabShard, local_candidates, merge_candidates
+from dflash_sglang.core.vocab_parallel import VocabShard, local_candidates, local_top, merge_candidates, merge_top, \
+    ordered_topk
 
 
 def shards(logits: torch.Tensor, ranks: int, pad: int):
@@ -20,6 +21,43 @@ def shards(logits: torch.Tensor, ranks: int, pad: int):
         garbage = torch.full((*logits.shape[:-1], pad + per - (stop - start)), 1e4)  # must never win
         out.append((torch.cat([local, garbage], dim=-1), VocabShard(start, stop - start)))
     return out
+
+
+def tied_logits(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Logits on a coarse grid (as bf16 logits are): most positions' top-k hold ties, some across shards; -0.0 beside
+    +0.0 and -inf rows (past a soft cap, masked) too."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(shape, generator=g) * 2).round() / 2
+    logits[logits == 0] = torch.where(torch.rand(int((logits == 0).sum()), generator=g) < 0.5, -0.0, 0.0)
+    logits[..., 5] = float("-inf")
+    return logits
+
+
+def lowest_id_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition: a stable descending sort (ties keep id order), its first k -> (values, ids)."""
+    values, ids = torch.sort(logits + 0.0, dim=-1, descending=True, stable=True)
+    return values[..., :k], ids[..., :k]
+
+
+def test_ordered_topk_breaks_ties_to_the_lowest_index():
+    logits = tied_logits((4, 6, 37), seed=1)
+    for k in (2, 4, 16, 37):
+        values, ids = ordered_topk(logits, k)
+        want_values, want_ids = lowest_id_topk(logits, k)
+        assert torch.equal(ids, want_ids) and torch.equal(values, want_values)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 8])
+@pytest.mark.parametrize("k", [1, 4, 16])
+def test_merged_top_logits_equal_one_process_including_ties(ranks, k):
+    """`merge_top` (a DFlash2 selector's candidates under TP): the same ids and logits, in the same order, as one
+    process's top-k over the whole vocabulary, ties to the lowest id, whatever the split."""
+    logits = tied_logits((3, 5, 37), seed=ranks + k)
+    parts = [local_top(local, shard, k) for local, shard in shards(logits, ranks, pad=3)]
+    ids, values = merge_top(torch.stack([v for v, _ in parts]), torch.stack([i for _, i in parts]), k)
+    want_values, want_ids = lowest_id_topk(logits, k)
+    assert torch.equal(ids, want_ids) and torch.equal(values, want_values)
+    assert torch.equal(ids, local_top(logits, VocabShard(0, 37), k)[1])  # one process: the shard of everything
 
 
 def merged(logits: torch.Tensor, ranks: int, k: int, pad: int = 3):

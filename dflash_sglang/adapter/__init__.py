@@ -1,6 +1,6 @@
 """The SGLang adapter: the only code in dflash_sglang that imports sglang.
 
-Importing this package checks the installed SGLang version first (adapter/versions.py: 0.5.17 or 0.5.23), so an
+Importing this package checks the installed SGLang version first (adapter/versions.py: 0.5.17 .. 0.5.23), so an
 unsupported SGLang fails at plugin import with one clear line (SGLang logs it and keeps its builtin DFLASH)
 instead of failing later inside the scheduler. Modules: versions (the version seam: everything that differs between
 supported SGLang releases), settings (every setting, its flag and default; the resolved `DFlashSettings`), plugin

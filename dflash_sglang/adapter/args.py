@@ -58,7 +58,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEVICES = ("cuda", "cpu")
-DEFAULT_MAX_RUNNING_REQUESTS = 48  # same default as SGLang's builtin DFLASH
+# --max-running-requests when unset, for pinned shapes (chain, tree, a table): the builtin DFLASH's default. The goodput
+# controller leaves it to SGLang (as plain decoding: it shrinks the verify as the batch grows, down to plain steps)
+# and instead bounds each step's verify rows by this many requests' worth of N rows (`controller_budget`).
+DEFAULT_MAX_RUNNING_REQUESTS = 48
 # Target attention backends that take the tree mask: torch_native through adapter/tree_attention.py, the GPU
 # ones through the verify input's `custom_mask` (the layout EAGLE's tree verify uses).
 TREE_ATTENTION_BACKENDS = ("torch_native", "flashinfer", "triton")
@@ -121,7 +124,7 @@ def check_supported_flags(cfg) -> None:
     pd = disaggregation(cfg)
     if pd is not None and not pd_disaggregation_supported():
         _refuse("--disaggregation-mode", pd, f"SGLang {SGLANG_VERSION} has no DFLASH path for PD disaggregation "
-                "(0.5.23 has: prefill and decode servers transfer the draft KV pool)")
+                "(0.5.20 and later have: prefill and decode servers transfer the draft KV pool)")
     kv_dtype = str(getattr(cfg, "kv_cache_dtype", "auto") or "auto")
     if kv_dtype not in ("auto", "bfloat16", "float16", "float32"):
         _refuse("--kv-cache-dtype", kv_dtype, "the draft KV pool is kept in the model dtype (quantized KV not yet)")
@@ -205,9 +208,10 @@ def handle_dflash_args(server_args: ServerArgs) -> DFlashSettings:
     dummy = cfg.speculative_draft_load_format == "dummy"
     if not dummy:
         check_weight_headers(cfg.speculative_draft_model_path, draft)
-    max_running = int(cfg.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS)
+    requested = None if cfg.max_running_requests is None else int(cfg.max_running_requests)
     simulation = SimulatedAcceptance.from_env()
-    mode, block, nodes, topk, table = resolve_shape(server_args, draft, flags, max_running, simulation)
+    mode, block, nodes, topk, table = resolve_shape(server_args, draft, flags, requested, simulation)
+    max_running, budget = running_limits(mode, nodes, requested, flags["speculative_dflash_adaptive_token_budget"])
     step_cost = simulated_step_cost()
     if step_cost is not None and mode != "goodput":
         raise UnsupportedFlagError(f"{STEP_COST_ENV}: a simulated step cost feeds the goodput controller, which this "
@@ -220,7 +224,7 @@ def handle_dflash_args(server_args: ServerArgs) -> DFlashSettings:
         tree_cuda_graph=bool(flags["speculative_dflash_tree_cuda_graph"]) and topk > 1,
         dummy_draft=dummy, adaptive_table=table,
         token_map=token_map_path(cfg.speculative_token_map, str(cfg.speculative_draft_model_path), draft),
-        adaptive_token_budget=flags["speculative_dflash_adaptive_token_budget"] if mode != "chain" else None,
+        adaptive_token_budget=budget,
         simulation=simulation, step_cost=step_cost, disaggregation=disaggregation(cfg),
         hybrid=recurrent_layers(model_config(server_args).hf_config) is not None,
     )
@@ -232,7 +236,9 @@ def handle_dflash_args(server_args: ServerArgs) -> DFlashSettings:
                        cfg.speculative_num_steps)
     # SGLang sizes the KV reservation and buffers from N (the most any step verifies) and num_steps.
     decisions = dict(speculative_num_draft_tokens=nodes, speculative_dflash_block_size=block,
-                     speculative_eagle_topk=topk, speculative_num_steps=1, max_running_requests=max_running)
+                     speculative_eagle_topk=topk, speculative_num_steps=1)
+    if max_running is not None:  # (None: SGLang sizes it from the KV pool, as for plain decoding)
+        decisions["max_running_requests"] = max_running
     if cfg.enable_mixed_chunk:
         decisions["enable_mixed_chunk"] = False
         logger.warning("DFLASH (dflash-sglang): --enable-mixed-chunk is turned off (decode and prefill run as "
@@ -290,7 +296,7 @@ def disaggregation(cfg) -> str | None:
 
 def check_draft_fits(server_args: ServerArgs, cfg: DraftConfig, experimental: bool = False) -> DraftConfig:
     """The draft's config against the target's (and a target we can serve at all); raises CheckpointError.
-    Hybrid Gated DeltaNet targets, soft-capped (Gemma 4) drafts and DFlash2 drafts (TP 1) are served with
+    Hybrid Gated DeltaNet targets, soft-capped (Gemma 4) drafts and DFlash2 drafts are served with
     `experimental` only, until a GPU end-to-end run validates them."""
     v = view(server_args)
     source = f"{v.speculative_draft_model_path}/config.json"
@@ -312,9 +318,6 @@ def check_draft_fits(server_args: ServerArgs, cfg: DraftConfig, experimental: bo
         if not experimental:
             raise UnsupportedFlagError(f"{what} is not yet validated end to end on a GPU with dflash-sglang: pass "
                                        f"{EXPERIMENTAL} to serve it with ours, or set {IMPL_ENV}=builtin")
-        if int(v.tp_size or 1) > 1:  # (each rank would need the selector's candidates merged over vocab shards)
-            raise UnsupportedFlagError(f"{what} with --tp-size {v.tp_size}: the selector runs on one rank's whole "
-                                       f"vocabulary only yet; set {IMPL_ENV}=builtin to serve it with SGLang's")
     if cfg.final_logit_softcapping is not None and not experimental:
         raise UnsupportedFlagError(
             f"{source}: field '{cfg.field_name('final_logit_softcapping')}' (a soft-capped Gemma 4 draft) is not yet "
@@ -327,9 +330,23 @@ def check_draft_fits(server_args: ServerArgs, cfg: DraftConfig, experimental: bo
     return cfg
 
 
-def resolve_shape(server_args: ServerArgs, cfg: DraftConfig, flags: dict, max_running: int,
+def running_limits(mode: str, nodes: int, requested: int | None, budget: int | None) -> tuple[int | None, int | None]:
+    """(--max-running-requests to declare, the verify token budget per step) of a resolved mode.
+
+    Pinned shapes verify N rows for every running request, so they keep the builtin's default of 48 requests. The
+    goodput controller chooses each step's rows from the batch size (plain steps where drafting does not pay), so a
+    cap at 48 would only queue requests that plain decoding serves at once: it leaves the cap to SGLang (None), and
+    bounds the rows a step verifies by what 48 requests of N rows would (the verify's logits and buffers stay the
+    size the builtin's default allows) unless the operator set a budget or the cap."""
+    if mode == "goodput" and requested is None:
+        return None, budget if budget is not None else DEFAULT_MAX_RUNNING_REQUESTS * nodes
+    return (requested if requested is not None else DEFAULT_MAX_RUNNING_REQUESTS), (budget if mode != "chain" else None)
+
+
+def resolve_shape(server_args: ServerArgs, cfg: DraftConfig, flags: dict, max_running: int | None,
                   simulation: SimulatedAcceptance | None = None) -> tuple[str, int, int, int, str | None]:
-    """(mode, B, N, k, adaptive table or None) from the flags (see the module docstring)."""
+    """(mode, B, N, k, adaptive table or None) from the flags (see the module docstring); max_running: the operator's
+    --max-running-requests (None: unset)."""
     v = view(server_args)
     topk_flag = v.speculative_eagle_topk
     table, budget = flags["speculative_dflash_adaptive_table"], flags["speculative_dflash_adaptive_token_budget"]
@@ -355,7 +372,7 @@ def resolve_shape(server_args: ServerArgs, cfg: DraftConfig, flags: dict, max_ru
         block = draft_block_size(v, cfg)
         try:
             _, largest = adaptive_limits(table, budget, block, None if explicit is None else int(explicit),
-                                         cfg.vocab_size, max_running)
+                                         cfg.vocab_size, max_running or DEFAULT_MAX_RUNNING_REQUESTS)
         except AdaptiveConfigError as e:
             raise UnsupportedFlagError(str(e)) from None
         if largest.topk > 1:
@@ -391,13 +408,15 @@ def resolve_shape(server_args: ServerArgs, cfg: DraftConfig, flags: dict, max_ru
     return "tree", block, nodes, topk, None
 
 
-def check_token_budget(budget, max_running: int) -> None:
-    """--speculative-dflash-adaptive-token-budget for the goodput controller (a static table checks its own)."""
+def check_token_budget(budget, max_running: int | None) -> None:
+    """--speculative-dflash-adaptive-token-budget for the goodput controller (a static table checks its own);
+    max_running None: --max-running-requests unset (SGLang's own cap; a step over more requests than the budget
+    runs plain)."""
     flag = "--speculative-dflash-adaptive-token-budget"
     if budget is not None and (not isinstance(budget, int) or budget < 1):
         raise UnsupportedFlagError(f"{flag} {budget!r}: expected a positive integer (verify tokens per step over the "
                                    f"batch)")
-    if budget is not None and budget < max_running:
+    if budget is not None and max_running is not None and budget < max_running:
         raise UnsupportedFlagError(f"{flag} {budget} is below --max-running-requests {max_running}: every running "
                                    f"request verifies at least one token per step")
 

@@ -45,20 +45,40 @@ def attach_logprobs(batch, logits_output, logits: Tensor, tokens: Tensor, accept
     """Write the step's logprobs into SGLang's LogitsProcessorOutput the way its result processor reads them.
 
     logits [bs, n, V], tokens [bs, N] int64 (committed tokens, then -1: the result rows), accept_nodes as in
-    `predicting_rows`.
+    `predicting_rows`. A step commits at most n tokens per request (a chain's rows, a tree path's nodes), so only
+    m = min(n, N) distributions per request are computed: a plain step under the goodput controller (n = 1, N = the
+    block) costs one log_softmax per request, as plain decoding's, not N. Slots past m are never read by the
+    scheduler: their logprob is 0 and their top / asked-id lists empty.
     """
     from sglang.srt.layers.logprob_processor import get_token_ids_logprobs, get_top_logprobs
 
     bs, n, vocab = logits.shape
     stride = tokens.shape[1]
-    logprobs = step_logprobs(logits, predicting_rows(accept_nodes, bs, n, stride, logits.device), batch.sampling_info)
-    logits_output.next_token_logprobs = logprobs.gather(2, tokens.clamp_min(0)[:, :, None]).squeeze(2)
-    flat = logprobs.view(bs * stride, vocab)
+    m = min(n, stride)
+    logprobs = step_logprobs(logits, predicting_rows(accept_nodes, bs, n, m, logits.device), batch.sampling_info)
+    picked = logprobs.gather(2, tokens[:, :m].clamp_min(0)[:, :, None]).squeeze(2)  # [bs, m]
+    logits_output.next_token_logprobs = torch.nn.functional.pad(picked, (0, stride - m))
+    flat = logprobs.view(bs * m, vocab)
     if batch.top_logprobs_nums and any(k > 0 for k in batch.top_logprobs_nums):
-        nums = [k for k in batch.top_logprobs_nums for _ in range(stride)]
-        logits_output.next_token_top_logprobs_val, logits_output.next_token_top_logprobs_idx = get_top_logprobs(
-            flat, nums, no_copy_to_cpu=True)
+        vals, idxs = get_top_logprobs(flat, [k for k in batch.top_logprobs_nums for _ in range(m)],
+                                      no_copy_to_cpu=True)
+        logits_output.next_token_top_logprobs_val = _strided(vals, bs, m, stride, flat)
+        logits_output.next_token_top_logprobs_idx = _strided(idxs, bs, m, stride, flat, torch.int64)
     if batch.token_ids_logprobs and any(ids is not None for ids in batch.token_ids_logprobs):
-        ids = [t for t in batch.token_ids_logprobs for _ in range(stride)]
-        logits_output.next_token_token_ids_logprobs_val, logits_output.next_token_token_ids_logprobs_idx = (
-            get_token_ids_logprobs(flat, ids, no_copy_to_cpu=True))
+        vals, idxs = get_token_ids_logprobs(flat, [t for t in batch.token_ids_logprobs for _ in range(m)],
+                                            no_copy_to_cpu=True)
+        logits_output.next_token_token_ids_logprobs_val = _strided(vals, bs, m, stride, flat)
+        logits_output.next_token_token_ids_logprobs_idx = _strided(idxs, bs, m, stride, None)
+
+
+def _strided(rows: list, bs: int, m: int, stride: int, like: Tensor | None, dtype=None) -> list:
+    """Per-slot entries of bs requests x m slots -> bs x stride (flat index i * stride + j, as the scheduler reads
+    them), the unread slots past m empty: an empty tensor (SGLang calls .tolist() on every entry) or list."""
+    if m == stride:
+        return rows
+    empty = [] if like is None else like.new_empty((0,), dtype=dtype)
+    out = []
+    for i in range(bs):
+        out += rows[i * m:(i + 1) * m]
+        out += [empty] * (stride - m)
+    return out

@@ -80,13 +80,14 @@ SETTINGS: tuple[Setting, ...] = (
             "(not yet validated on a GPU)", ours=True),
     Setting("speculative_dflash_experimental", "--speculative-dflash-experimental", bool, False,
             "serve what is not yet validated end to end on a GPU: hybrid Gated DeltaNet targets (Qwen3.5 / Qwen3.6 / "
-            "Qwen3-Next), soft-capped Gemma 4 drafts and DFlash2 drafts at TP 1 (docs/sglang.md)", ours=True),
+            "Qwen3-Next), soft-capped Gemma 4 drafts and DFlash2 drafts (docs/sglang.md)", ours=True),
     Setting("speculative_token_map", "--speculative-token-map", str, None,
             "a reduced draft vocabulary: token_map.safetensors (one int64 tensor 'token_map' of target ids, as "
             "`dflash-sglang train --draft-vocab K` writes); default: the checkpoint's own, if it has one"),
     Setting("speculative_draft_load_format", "--speculative-draft-load-format", str, None,
             "dummy: random draft weights of the checkpoint's shapes (capacity planning)"),
-    Setting("max_running_requests", "--max-running-requests", int, 48, "default 48 with DFLASH, as the builtin"),
+    Setting("max_running_requests", "--max-running-requests", int, None,
+            "pinned shapes: default 48, as the builtin; the goodput controller: SGLang's own, as plain decoding"),
 )
 PLUGIN_FLAGS = tuple(s for s in SETTINGS if s.ours)
 PLUGIN_DEFAULTS = {s.name: s.default for s in PLUGIN_FLAGS}
@@ -114,7 +115,7 @@ class DFlashSettings:
     block_size: int  # B: the drafter block [bonus, MASK x (B-1)], one drafter pass per step
     nodes: int  # N: the most verify rows per request and step (the result row stride)
     topk: int  # k: the largest top-k a step uses (1: chain)
-    max_running_requests: int
+    max_running_requests: int | None  # None: SGLang's own, as for plain decoding (the goodput controller, flag unset)
     device: str
     draft_attention: str  # "flashinfer" | "torch"
     draft_graphs: str  # one of DRAFT_GRAPHS

@@ -7,7 +7,10 @@ So the draft pass's logits on rank r cover only r's vocabulary shard, and the st
 
 1. the proposal merge (core/vocab_parallel.py): per draft position each rank's k best candidates and its log-sum-exp
    are all-gathered (k + 1 numbers instead of the shard's logits) and merged to the exact full-vocabulary argmax (a
-   chain) or top-k with log-probabilities (a tree);
+   chain) or top-k with log-probabilities (a tree); a DFlash2 selector's candidates are the merged top-k logits
+   (k numbers, `top`), which every rank then scores alike: the selector (hidden_projection, the [V, r] codebooks) is
+   part of the replicated drafter, so every rank walks the same chain and grows the same tree (a sampled walk's
+   uniforms from a generator seeded alike on every rank, adapter/worker.py);
 2. the accept decision broadcast from TP rank 0, so every rank commits the same tokens and KV slots whatever the
    floating-point details of its sampler (the target's verify logits are all-gathered by SGLang and identical).
 
@@ -20,7 +23,8 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from dflash_sglang.core.vocab_parallel import VocabShard, local_candidates, local_ranks, merge_candidates
+from dflash_sglang.core.vocab_parallel import VocabShard, local_candidates, local_ranks, local_top, merge_candidates, \
+    merge_top
 
 
 class DraftVocab:
@@ -54,12 +58,19 @@ class DraftVocab:
     def topk(self, logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Local draft logits [bs, D, rows] -> (token ids [bs, D, k] int64, log-probs [bs, D, k] float32) over the
         whole vocabulary (k = 1: the argmax)."""
-        values, ids, lse = local_candidates(logits, self.shard, k)
-        if self.world_size > 1:
-            values, ids, lse = (self._gather(t) for t in (values, ids, lse))
-        else:
-            values, ids, lse = values[None], ids[None], lse[None]
-        return merge_candidates(values, ids, lse, k)
+        return merge_candidates(*self._over_ranks(local_candidates(logits, self.shard, k)), k)
+
+    def top(self, logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """Local draft logits [bs, D, rows] -> (values [bs, D, k] float32: the logits, token ids [bs, D, k] int64): the
+        k best over the whole draft vocabulary, ties to the lowest id (a DFlash2 selector's candidates)."""
+        tokens, values = merge_top(*self._over_ranks(local_top(logits, self.shard, k)), k)
+        return values, tokens
+
+    def _over_ranks(self, parts: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """This rank's [...] tensors -> every rank's, [R, ...] in rank order."""
+        if self.world_size == 1:
+            return tuple(t[None] for t in parts)
+        return tuple(self._gather(t) for t in parts)
 
     def argmax(self, logits: Tensor) -> Tensor:
         """Local draft logits [bs, D, rows] -> the drafts [bs, D] int64."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from dflash_sglang.core.accept import SamplingParams
+from dflash_sglang.core.accept import HostHints, SamplingParams
 
 from .tree_attention import TreeMaskAttention, flat_custom_mask
 
@@ -133,19 +133,28 @@ def _without_verify_graph(runner):
         runner.decode_cuda_graph_runner = graphs
 
 
-def sampling_params(sampling_info, bs: int) -> SamplingParams | None:
+def sampling_params(sampling_info, bs: int, reqs=None) -> SamplingParams | None:
     """SGLang's per-request SamplingBatchInfo -> core SamplingParams (min-p where a request asks for it), or None
-    when every request is greedy (core's accept then takes the greedy path with no host sync).
+    when every request is greedy (core's accept then takes the greedy path with no host sync). reqs: the batch's
+    requests, whose host-side params give core the `HostHints` (which rows sample, whether any asks for top-p, the
+    largest top-k), so a mixed batch verifies its greedy rows greedily and sorts the vocabulary only for top-p.
 
     SGLang encodes greedy as top_k == 1 (temperature 0 is rewritten to top_k 1) and "no top-k" as a
     huge top_k.
     """
     if sampling_info is None or sampling_info.is_all_greedy:
         return None
+    hints = None
+    if reqs is not None:
+        vocab = sampling_info.vocab_size
+        params = [r.sampling_params for r in reqs]
+        hints = HostHints.of([0.0 if p.top_k <= 1 else 1.0 for p in params],  # (only greedy vs sampling matters)
+                             [0 if p.top_k >= vocab else int(p.top_k) for p in params], [p.top_p for p in params],
+                             sampling_info.temperatures.device)
     top_k = sampling_info.top_ks.reshape(bs).to(torch.int64)
     greedy = top_k <= 1
     vocab = sampling_info.vocab_size
     temperature = torch.where(greedy, 0.0, sampling_info.temperatures.reshape(bs).float())
     top_k = torch.where((top_k >= vocab) | greedy, 0, top_k)
     min_p = sampling_info.min_ps.reshape(bs).float() if getattr(sampling_info, "need_min_p_sampling", False) else None
-    return SamplingParams(temperature, top_k, sampling_info.top_ps.reshape(bs).float(), min_p)
+    return SamplingParams(temperature, top_k, sampling_info.top_ps.reshape(bs).float(), min_p, hints)

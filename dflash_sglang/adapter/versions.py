@@ -1,38 +1,48 @@
 """The SGLang version seam: every difference between the SGLang releases we serve on lives here, nowhere else.
 
-Supported: SGLang 0.5.17 and 0.5.23 (see docs/sglang.md, "Supported versions"). Each function below names the
-upstream symbol it adapts and what changed (0.5.17 -> 0.5.23):
+Admitted: SGLang 0.5.17 .. 0.5.23, the seven releases (see docs/sglang.md, "Supported versions"). The version string
+only admits the release; every difference is decided by probing what the installed SGLang has (a symbol, a signature,
+a stand-in call), each probe named after the form it detects and cached (one SGLang per process). Release by
+release, what each function adapts (upstream symbol, and the first release with the newer form):
 
-- ServerArgs resolution: inside `ServerArgs.__post_init__`, plain assignment -> `ServerArgs.resolve_once()`, the
-  record sealed while resolving: decisions go through `arg_groups.overrides.declare_resolution`;
-- reading a resolved value: the field itself (declarations are materialized at the end) ->
-  `overrides.resolution_result` (the fields keep the operator's raw input);
-- a live read view while resolving: `overrides.resolved_view` -> `arg_groups.model_override_base.resolving_view`;
-- the target's ModelConfig: `ServerArgs.get_model_config()` -> `model_override_base.model_config_of(server_args)`;
-- the simulated-acceptance sampler: `spec_utils._sample_simulated_acc_len` -> `spec_utils.sample_simulated_acc_len`;
-- finishing a multi-token commit, `schedule_batch.Req.update_finish_state`: 0.5.17 checks max_new_tokens before stop
-  strings and stop tokens, so a step that reaches the cap keeps the tokens after a stop it accepted earlier (plain
-  decoding, one token a step, stops there); 0.5.23 checks stops first. `finish_like_plain` hooks 0.5.17's;
-- the tokens min_new_tokens holds back (`penaltylib.BatchedMinNewTokensPenalizer`): 0.5.23 adds the request's
-  `eos_token_ids` (the model's generation-config EOS) to the stop token ids and the tokenizer's EOS ids;
-- the server's hidden-states mode, `forward_batch_info.get_server_return_hidden_states_mode`: from `server_args` ->
-  from the exec features (no argument);
-- PD disaggregation (`pd_disaggregation_supported`): no DFLASH path -> `speculative/dflash_disaggregation.py`;
-- DP attention (`attention_dp`): `--enable-dp-attention` with `--dp-size` groups -> `--attn-dp-size` groups (the
-  old spelling rewritten before any other resolution step);
-- a hybrid target's prefix-cache state-tracking grid (`mamba_track_interval`): `get_exec().mamba.mamba_track_interval`
-  -> `runtime_context.mamba_track_grid(page_size)`.
+- ServerArgs resolution (`sealed_resolution`, 0.5.19: `ServerArgs.resolve_once`): inside `ServerArgs.__post_init__`,
+  plain assignment -> `ServerArgs.resolve_once()`, the record sealed while resolving: decisions go through
+  `arg_groups.overrides.declare_resolution`; reading a resolved value: the field itself -> `overrides.
+  resolution_result` (the fields keep the operator's raw input); a live read view: `overrides.resolved_view` ->
+  `arg_groups.model_override_base.resolving_view`; the target's ModelConfig: `ServerArgs.get_model_config()` ->
+  `model_override_base.model_config_of(server_args)`;
+- the simulated-acceptance sampler (`public_acc_len_sampler`, 0.5.18): `spec_utils._sample_simulated_acc_len` ->
+  `spec_utils.sample_simulated_acc_len`;
+- finishing a multi-token commit, `schedule_batch.Req.update_finish_state` (`stops_before_cap`, 0.5.18, which added
+  `Req._cap_finished_len_at_max_new_tokens` with the reorder): 0.5.17 checks max_new_tokens before stop strings and
+  stop tokens, so a step that reaches the cap keeps the tokens after a stop it accepted earlier (plain decoding, one
+  token a step, stops there); later releases check stops first. `finish_like_plain` hooks the length-first form;
+- the tokens min_new_tokens holds back, `penaltylib.BatchedMinNewTokensPenalizer._prepare` (`min_new_tokens_holds_eos`,
+  0.5.19; no symbol marks it, so a stand-in request asks): adds the request's `eos_token_ids` (the model's
+  generation-config EOS) to the stop token ids and the tokenizer's EOS ids;
+- the server's hidden-states mode, `forward_batch_info.get_server_return_hidden_states_mode` (its signature, 0.5.18):
+  `(server_args)` -> `()` (reads the exec features);
+- a hybrid target's prefix-cache state-tracking grid (`mamba_track_interval`, 0.5.19: `runtime_context.
+  mamba_track_grid`): `get_exec().mamba.mamba_track_interval` -> `mamba_track_grid(page_size)`;
+- DP attention (`attention_dp`, 0.5.22: the `attn_dp_size` field): `--enable-dp-attention` with `--dp-size` groups ->
+  `--attn-dp-size` groups (the old spelling rewritten before any other resolution step);
+- PD disaggregation (`pd_disaggregation_supported`, 0.5.20: `speculative/dflash_disaggregation.py` gains
+  `build_dflash_disagg_draft_input`, which `SpeculativeAlgorithm.build_disagg_draft_input` calls for DFLASH; 0.5.18
+  and 0.5.19 ship the module without a DFLASH caller): none -> the decode server relays DFLASH's state.
 
-What did not change (checked against both wheels): the plugin entry-point group and `HookRegistry`, the hooked
+What did not change (checked against the seven wheels): the plugin entry-point group and `HookRegistry`, the hooked
 symbols (adapter/plugin.py), `DFlashDraftInputV2` / `DFlashVerifyInput`, `get_context().server_args`, and the
-spec-worker constructor keywords (0.5.17 adds `ps`, which the worker takes as an optional keyword).
+spec-worker constructor keywords (0.5.17 .. 0.5.20 add `ps`, which the worker takes as an optional keyword).
 """
 from __future__ import annotations
 
+import importlib.util
+from functools import cache
 from importlib.metadata import PackageNotFoundError, version
+from inspect import signature
 from typing import Any
 
-SUPPORTED = ("0.5.17", "0.5.23")
+SUPPORTED = tuple(f"0.5.{n}" for n in range(17, 24))  # the admitted range only: differences are probed, below
 NEWEST = SUPPORTED[-1]
 
 
@@ -43,7 +53,7 @@ class UnsupportedSGLangError(ImportError):
 def require_supported_sglang() -> str:
     """The installed SGLang version, or one line naming the supported set (raised at plugin import, so SGLang logs
     it and keeps its builtin DFLASH)."""
-    supported = " or ".join(f"sglang=={v}" for v in SUPPORTED)
+    supported = f"sglang {SUPPORTED[0]} .. {NEWEST}"
     try:
         found = version("sglang")
     except PackageNotFoundError:
@@ -59,21 +69,114 @@ def require_supported_sglang() -> str:
     return found
 
 
-SGLANG_VERSION = require_supported_sglang()
-_SEALED_RESOLUTION = SGLANG_VERSION != "0.5.17"  # 0.5.23: resolve_once(), declare_resolution, raw fields
+SGLANG_VERSION = require_supported_sglang()  # for messages (a refused feature names the release), never a branch
+
+
+@cache
+def sealed_resolution() -> bool:
+    """ServerArgs resolves in `ServerArgs.resolve_once()`, sealed (declare_resolution, raw fields); else inside
+    `__post_init__` by plain assignment."""
+    from sglang.srt.server_args import ServerArgs
+
+    return hasattr(ServerArgs, "resolve_once")
+
+
+@cache
+def public_acc_len_sampler() -> bool:
+    """The simulated-acceptance sampler is `spec_utils.sample_simulated_acc_len` (else `_sample_simulated_acc_len`)."""
+    from sglang.srt.speculative import spec_utils
+
+    return hasattr(spec_utils, "sample_simulated_acc_len")
+
+
+@cache
+def stops_before_cap() -> bool:
+    """`Req.update_finish_state` checks stop strings and tokens before max_new_tokens; the helper that caps a stop's
+    finish at max_new_tokens came with that order."""
+    from sglang.srt.managers.schedule_batch import Req
+
+    return hasattr(Req, "_cap_finished_len_at_max_new_tokens")
+
+
+@cache
+def min_new_tokens_holds_eos() -> bool:
+    """SGLang's min_new_tokens penalizer also holds back the request's `eos_token_ids`: asked of its `_prepare` on a
+    stand-in request whose only such id is in `eos_token_ids` (no symbol marks the change)."""
+    from types import SimpleNamespace
+
+    import torch
+    from sglang.srt.sampling.penaltylib.min_new_tokens import BatchedMinNewTokensPenalizer
+
+    eos, other, vocab = 1, 2, 4
+
+    class Orchestrator:  # (the penalizer holds it by weak reference)
+        device, vocab_size = "cpu", vocab
+
+        @staticmethod
+        def reqs() -> list[Any]:
+            return [SimpleNamespace(sampling_params=SimpleNamespace(min_new_tokens=1, stop_token_ids=None),
+                                    eos_token_ids={eos},
+                                    tokenizer=SimpleNamespace(additional_stop_token_ids=None, eos_token_id=other))]
+
+    orchestrator = Orchestrator()
+    penalizer = BatchedMinNewTokensPenalizer(orchestrator)
+    penalizer._prepare()
+    return bool(torch.isinf(penalizer.stop_token_penalties[0, eos]))
+
+
+@cache
+def hidden_mode_reads_server_args() -> bool:
+    """`get_server_return_hidden_states_mode` takes the server args (else no argument: it reads the exec features)."""
+    from sglang.srt.model_executor.forward_batch_info import get_server_return_hidden_states_mode
+
+    return len(signature(get_server_return_hidden_states_mode).parameters) > 0
+
+
+@cache
+def cpu_bind_entry_per_rank() -> bool:
+    """SGLANG_CPU_OMP_THREADS_BIND takes one entry per rank of dp x tp (`numa_utils.init_threads_binding(numa_index,
+    world_size)`; else one per TP rank, `(tp_rank, tp_size)`, which every data-parallel replica shares)."""
+    from sglang.srt.utils import numa_utils
+
+    return "numa_index" in signature(numa_utils.init_threads_binding).parameters
+
+
+@cache
+def has_attn_dp_size() -> bool:
+    """ServerArgs has the `attn_dp_size` field (`--attn-dp-size`; else DP attention is `--enable-dp-attention`)."""
+    from sglang.srt.server_args import ServerArgs
+
+    return hasattr(ServerArgs, "attn_dp_size")
+
+
+@cache
+def has_mamba_track_grid() -> bool:
+    """`runtime_context.mamba_track_grid(page_size)` gives the hybrid prefix cache's tracking grid (else the exec
+    features' `mamba.mamba_track_interval`)."""
+    from sglang.srt import runtime_context
+
+    return hasattr(runtime_context, "mamba_track_grid")
+
+
+# Every probe by name (those above; `pd_disaggregation_supported` below, beside the refusal it decides): the forms of
+# the installed SGLang. tests/test_sglang_versions.py checks each against what the module it names actually has;
+# tests/sglang_support.py reports them to tests that do not import sglang.
+PROBES = ("sealed_resolution", "public_acc_len_sampler", "stops_before_cap", "min_new_tokens_holds_eos",
+          "hidden_mode_reads_server_args", "cpu_bind_entry_per_rank", "has_mamba_track_grid", "has_attn_dp_size",
+          "pd_disaggregation_supported")
 
 
 def resolve(server_args: Any) -> Any:
-    """Run SGLang's ServerArgs resolution if construction did not (0.5.23: `ServerArgs.resolve_once`); returns the
-    record. Launchers do this themselves; tests and scripts that build a ServerArgs call this."""
-    if _SEALED_RESOLUTION:
+    """Run SGLang's ServerArgs resolution if construction did not (`ServerArgs.resolve_once`); returns the record.
+    Launchers do this themselves; tests and scripts that build a ServerArgs call this."""
+    if sealed_resolution():
         server_args.resolve_once()
     return server_args
 
 
 def view(server_args: Any) -> Any:
     """A read-only view of what resolution has decided so far, over the raw fields (during and after resolution)."""
-    if _SEALED_RESOLUTION:
+    if sealed_resolution():
         from sglang.srt.arg_groups.model_override_base import resolving_view
 
         return resolving_view(server_args)
@@ -83,9 +186,9 @@ def view(server_args: Any) -> Any:
 
 
 def declare(server_args: Any, source: str, **fields: Any) -> None:
-    """Record resolution decisions (`overrides.declare_resolution` on 0.5.23, where assignment raises while
-    resolving; plain assignment on 0.5.17)."""
-    if _SEALED_RESOLUTION and hasattr(server_args, "resolve_once"):
+    """Record resolution decisions (`overrides.declare_resolution` where the record is sealed, as assignment raises
+    while resolving; else plain assignment)."""
+    if sealed_resolution() and hasattr(server_args, "resolve_once"):
         from sglang.srt.arg_groups.overrides import declare_resolution
 
         declare_resolution(server_args, source, **fields)
@@ -95,8 +198,8 @@ def declare(server_args: Any, source: str, **fields: Any) -> None:
 
 
 def resolved_value(server_args: Any, field: str) -> Any:
-    """A field's value after resolution (0.5.23 keeps the operator's raw input in the field itself)."""
-    if _SEALED_RESOLUTION and hasattr(server_args, "resolve_once"):
+    """A field's value after resolution (a sealed record keeps the operator's raw input in the field itself)."""
+    if sealed_resolution() and hasattr(server_args, "resolve_once"):
         from sglang.srt.arg_groups.overrides import resolution_result
 
         return resolution_result(server_args, field)
@@ -105,7 +208,7 @@ def resolved_value(server_args: Any, field: str) -> Any:
 
 def model_config(server_args: Any) -> Any:
     """The target's SGLang ModelConfig for these server args."""
-    if _SEALED_RESOLUTION:
+    if sealed_resolution():
         from sglang.srt.arg_groups.model_override_base import model_config_of
 
         return model_config_of(server_args)
@@ -113,10 +216,10 @@ def model_config(server_args: Any) -> Any:
 
 
 def sample_simulated_acc_len(mean: float, method: str, block_size: int) -> int:
-    """SGLang's simulated-acceptance sampler (renamed in 0.5.23), so both workers draw the same law."""
+    """SGLang's simulated-acceptance sampler (renamed in 0.5.18), so both workers draw the same law."""
     from sglang.srt.speculative import spec_utils
 
-    sampler = spec_utils.sample_simulated_acc_len if _SEALED_RESOLUTION else spec_utils._sample_simulated_acc_len
+    sampler = spec_utils.sample_simulated_acc_len if public_acc_len_sampler() else spec_utils._sample_simulated_acc_len
     return sampler(mean, method, block_size)
 
 
@@ -124,7 +227,7 @@ def min_new_tokens_stop_ids(req: Any) -> tuple[int, ...]:
     """The token ids SGLang's min_new_tokens penalizer masks for this Req while its output is short, sorted."""
     tokenizer = getattr(req, "tokenizer", None)
     ids = set(req.sampling_params.stop_token_ids or ())
-    if _SEALED_RESOLUTION:
+    if min_new_tokens_holds_eos():
         ids |= set(getattr(req, "eos_token_ids", None) or ())
     if tokenizer is not None:
         ids |= set(getattr(tokenizer, "additional_stop_token_ids", None) or ())
@@ -138,18 +241,19 @@ def prefill_hidden_full(batch: Any, server_args: Any) -> bool:
     from sglang.srt.model_executor.forward_batch_info import (get_required_capture_hidden_mode,
                                                               get_server_return_hidden_states_mode)
 
-    server = (get_server_return_hidden_states_mode() if _SEALED_RESOLUTION
-              else get_server_return_hidden_states_mode(server_args))
+    server = (get_server_return_hidden_states_mode(server_args) if hidden_mode_reads_server_args()
+              else get_server_return_hidden_states_mode())
     return get_required_capture_hidden_mode(max(batch.return_hidden_states_mode, server), batch.spec_info).is_full()
 
 
 def attention_dp(cfg: Any) -> tuple[str, int] | None:
     """DP attention in these resolved args: (the flag that spells it, its group count), or None when off.
 
-    0.5.17: `--enable-dp-attention` makes the `--dp-size` replicas attention-DP groups. 0.5.23: `--attn-dp-size N`;
-    its first resolution step (`parallel_hook.handle_deprecated_dp_attention`) rewrites the older spelling into
-    `attn_dp_size=N, dp_size=1, enable_dp_attention=False`, and an elastic-EP scale joiner runs the DP-attention paths
-    even in a group of one (`runtime_context.attn_dp_enabled_of`). Decided by what the record has, not the version."""
+    Up to 0.5.21: `--enable-dp-attention` makes the `--dp-size` replicas attention-DP groups. From 0.5.22:
+    `--attn-dp-size N`; its first resolution step (`parallel_hook.handle_deprecated_dp_attention`) rewrites the older
+    spelling into `attn_dp_size=N, dp_size=1, enable_dp_attention=False`, and an elastic-EP scale joiner runs the
+    DP-attention paths even in a group of one (`runtime_context.attn_dp_enabled_of`). Decided by what the record has
+    (`has_attn_dp_size` asks the class), not the version."""
     if hasattr(cfg, "attn_dp_size"):
         from sglang.srt.runtime_context import attn_dp_enabled_of
 
@@ -157,14 +261,18 @@ def attention_dp(cfg: Any) -> tuple[str, int] | None:
     return ("--enable-dp-attention --dp-size", int(cfg.dp_size or 1)) if cfg.enable_dp_attention else None
 
 
+@cache
 def pd_disaggregation_supported() -> bool:
     """Whether this SGLang can serve DFLASH across PD disaggregation: its decode server builds the relayed DFLASH state
-    from the transferred first token (`speculative/dflash_disaggregation.py`, reached from
-    `SpeculativeAlgorithm.build_disagg_draft_input`; 0.5.17's builds EAGLE's and DSpark's only) and reads the spec
+    from the transferred first token (`speculative/dflash_disaggregation.py: build_dflash_disagg_draft_input`, reached
+    from `SpeculativeAlgorithm.build_disagg_draft_input`; before 0.5.20 that builds EAGLE's and DSpark's only, and
+    0.5.18 / 0.5.19 ship the module with a `build_dflash_family_disagg_draft_input` nothing calls) and reads the spec
     worker's draft pool for the transfer. Decided by what the installed SGLang has."""
-    import importlib.util
+    if importlib.util.find_spec("sglang.srt.speculative.dflash_disaggregation") is None:
+        return False
+    from sglang.srt.speculative import dflash_disaggregation
 
-    return importlib.util.find_spec("sglang.srt.speculative.dflash_disaggregation") is not None
+    return hasattr(dflash_disaggregation, "build_dflash_disagg_draft_input")
 
 
 FINISH_STATE = "sglang.srt.managers.schedule_batch.Req.update_finish_state"
@@ -173,7 +281,7 @@ FINISH_STATE = "sglang.srt.managers.schedule_batch.Req.update_finish_state"
 def mamba_track_interval(page_size: int) -> int:
     """Every how many tokens a hybrid target's prefix cache keeps a copy of the recurrent state (the tracking slots a
     verify may have to fill; adapter/hybrid.py)."""
-    if SGLANG_VERSION == "0.5.17":
+    if not has_mamba_track_grid():
         from sglang.srt.runtime_context import get_exec
 
         return int(get_exec().mamba.mamba_track_interval)
@@ -183,15 +291,16 @@ def mamba_track_interval(page_size: int) -> int:
 
 
 def version_hooks() -> tuple[tuple[str, Any], ...]:
-    """(upstream symbol, AROUND hook) pairs that only this SGLang version needs (adapter/plugin.py registers them)."""
-    return () if _SEALED_RESOLUTION else ((FINISH_STATE, finish_like_plain),)
+    """(upstream symbol, AROUND hook) pairs that only the installed SGLang needs (adapter/plugin.py registers them)."""
+    return () if stops_before_cap() else ((FINISH_STATE, finish_like_plain),)
 
 
 def finish_like_plain(original, req: Any, new_accepted_len: int = 1) -> None:
-    """SGLang 0.5.17's `Req.update_finish_state` for our DFLASH worker's multi-token commits: a step of k tokens that
-    reaches max_new_tokens finishes as k one-token steps of plain decoding would, i.e. at a stop string or stop token
-    that comes before the cap (0.5.17 ended such a step by length, keeping the tokens after the stop), and by length
-    when the stop is the cap's own token (as plain 0.5.17 does). Other steps, and other workers, are untouched."""
+    """A length-first `Req.update_finish_state` (0.5.17) for our DFLASH worker's multi-token commits: a step of k tokens
+    that reaches max_new_tokens finishes as k one-token steps of plain decoding would, i.e. at a stop string or stop
+    token that comes before the cap (length-first ended such a step by length, keeping the tokens after the stop), and
+    by length when the stop is the cap's own token (as plain 0.5.17 does). Other steps, and other workers, are
+    untouched."""
     params = req.sampling_params
     cap = params.max_new_tokens
     if (new_accepted_len <= 1 or cap is None or len(req.output_ids) < cap or req.finished() or req.to_finish

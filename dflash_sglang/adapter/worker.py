@@ -232,7 +232,13 @@ class DFlashWorker(BaseSpecWorker):
         self.eager_pass = EagerDraftPass(self.drafter, self.head, req_to_token_pool.req_to_token)
         # A DFlash2 draft's candidate selector (core/selector.py) picks its drafts; None: the drafter's argmax / top-k
         self.selector = self.drafter.drafter.candidate_selector
-        self.token_map = token_map.to(self.device) if token_map is not None else None
+        if self.selector is not None:
+            self.selector.check_proposable(token_map.numel() if token_map is not None else self.cfg.vocab_size)
+        # A sampled selector walk's uniforms: every TP rank must draw the same ones (they walk the same chain and
+        # verify the same rows); ranks run the same steps with the same batch, so a generator seeded alike on each
+        # rank agrees without a collective (SGLang's default generator also serves other draws)
+        seed = int(self.server_args.random_seed or 0)
+        self.walk_generator = torch.Generator(self.vocab.weight.device).manual_seed(seed)
         scratch = ""
         if self.hybrid is not None:  # SGLang allocated them from the verify rows we declared (adapter/hybrid.py)
             scratch = f", target state per verify row {state_scratch_bytes(req_to_token_pool) / 2**20:.1f} MiB"
@@ -411,7 +417,7 @@ class DFlashWorker(BaseSpecWorker):
         (a chain: [bonus, n-1 greedy drafts]; n = 1: a plain decoding step, no drafter pass; a tree: the best-first
         tree of n nodes), verify them in one TARGET_VERIFY forward (a tree with its ancestor mask), accept."""
         seq_lens, bs, n = batch.seq_lens, batch.seq_lens.numel(), shape.nodes
-        params = sampling_params(batch.sampling_info, bs)
+        params = sampling_params(batch.sampling_info, bs, batch.reqs)
         scores = self._scores(batch, bonus, draft_block(shape, self.block_size), params) if n > 1 else None
         proposal = propose(bonus, scores, shape, ops.TREE_KERNELS)
         tree = proposal.tree
@@ -470,14 +476,15 @@ class DFlashWorker(BaseSpecWorker):
 
     def _scores(self, batch: ScheduleBatch, bonus: Tensor, block: int, params) -> DraftScores:
         """One drafter pass's scores for core's propose: the draft logits merged over TP ranks (adapter/tp.py), or a
-        DFlash2 drafter's candidate selector over them (its walk on the device, sampled where a request samples; its
-        uniforms from torch's default generator, seeded by --random-seed)."""
+        DFlash2 drafter's candidate selector over them (its candidates merged over TP ranks as well; its walk on the
+        device, sampled where a request samples, with uniforms from `walk_generator`, seeded by --random-seed)."""
         if self.selector is None:
             return self.vocab.scores(self._draft_pass(batch, bonus, block))
         hidden, logits = self.eager_pass.with_hidden(bonus, batch.seq_lens, batch.seq_lens_cpu,
                                                      batch.req_pool_indices, block)
         temperature = params.temperature if params is not None else None  # (None: all greedy, no host sync)
-        return SelectorScores.of(self.selector, hidden, logits, bonus, temperature, None, self.token_map)
+        return SelectorScores.of(self.selector, hidden, logits, bonus, temperature, self.walk_generator,
+                                 top=self.vocab.top)
 
     def _draft_pass(self, batch: ScheduleBatch, bonus: Tensor, block: int) -> Tensor:
         """One drafter pass over the block [bonus, MASK x (b-1)] at seq_len.. (b = `block` <= B) -> draft logits

@@ -153,10 +153,10 @@ def for_models(hw: Hardware, target: str, draft: str | None) -> Roofline:
         if draft is not None:
             dgb = (local_weight_gb(draft) or 0.0) + borrowed_head_gb(target)
         return Roofline(hw, Path(target).name, local, dgb, "local safetensors sizes")
-    if draft is not None:
-        pair = pair_for(draft)
-        return Roofline(hw, pair.target.repo, pair.target.decode_gb, pair.draft_gb, "dflash_sglang.pairs")
-    for pair in PAIRS.values():
-        if pair.target.repo == target:
-            return Roofline(hw, target, pair.target.decode_gb, None, "dflash_sglang.pairs")
-    raise KeyError(f"no weight size known for {target!r}: pass a local directory or a target from dflash_sglang.pairs")
+    pairs = [pair_for(draft)] if draft is not None else [p for p in PAIRS.values() if p.target.repo == target]
+    if pairs and pairs[0].target.decode_gb is not None:
+        pair = pairs[0]
+        return Roofline(hw, pair.target.repo, pair.target.decode_gb, pair.draft_gb if draft else None,
+                        "dflash_sglang.pairs")
+    raise KeyError(f"no weight size known for {target!r} (unknown, or unverified in dflash_sglang.pairs): pass a local "
+                   f"directory")

@@ -21,17 +21,46 @@ from torch import Tensor
 
 
 @dataclass(frozen=True)
+class HostHints:
+    """What the caller knows of a batch's sampling settings on the host (SGLang: each request's params), so the
+    accept step skips work no row needs without reading the device: greedy rows are verified greedily instead of
+    through a one-hot distribution, and target_probs sorts the vocabulary only where some row asks for top-p.
+
+    sampled [m] int64 on the device: the rows that sample (temperature > 0), None: every row samples; top_p: some
+    sampling row has top_p < 1; top_k: the largest top-k among the sampling rows (0: no row uses top-k).
+    """
+
+    sampled: Tensor | None
+    top_p: bool
+    top_k: int
+
+    @classmethod
+    def of(cls, temperature: list[float], top_k: list[int], top_p: list[float], device=None) -> HostHints:
+        """From host lists [bs] in SamplingParams' conventions (temperature 0 = greedy, top_k 0 = off)."""
+        rows = [i for i, t in enumerate(temperature) if t > 0]
+        sampled = None
+        if len(rows) < len(temperature):
+            host = torch.tensor(rows, dtype=torch.int64)
+            on_cuda = device is not None and torch.device(device).type == "cuda"
+            # pinned + non_blocking: the copy is queued on the stream, the host does not wait for the device
+            sampled = (host.pin_memory() if on_cuda else host).to(device, non_blocking=on_cuda)
+        return cls(sampled, any(top_p[i] < 1 for i in rows), max((top_k[i] for i in rows), default=0))
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings; a batch may mix greedy and sampled requests.
 
     temperature [bs] float32 (0 = greedy), top_k [bs] int64 (0 = off), top_p [bs] float32 (1 = off),
-    min_p [bs] float32 (0 = off; None: off for every request, nothing computed).
+    min_p [bs] float32 (0 = off; None: off for every request, nothing computed); hints: what the host knows of them
+    (None: nothing, every row takes the general path).
     """
 
     temperature: Tensor
     top_k: Tensor
     top_p: Tensor
     min_p: Tensor | None = None
+    hints: HostHints | None = None
 
     @classmethod
     def full(cls, bs: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
@@ -51,8 +80,19 @@ class SamplingParams:
         return self.temperature == 0
 
     def select(self, rows: Tensor) -> SamplingParams:
+        """The params of `rows` [m] int64 (hints kept as bounds: what holds for every row holds for a subset)."""
         min_p = self.min_p[rows] if self.min_p is not None else None
-        return SamplingParams(self.temperature[rows], self.top_k[rows], self.top_p[rows], min_p)
+        hints = self.hints
+        if hints is not None and hints.sampled is not None:
+            hints = None  # which of `rows` sample is not known on the host
+        return SamplingParams(self.temperature[rows], self.top_k[rows], self.top_p[rows], min_p, hints)
+
+    def sampling_rows(self) -> SamplingParams:
+        """The params of the sampling rows alone (hints.sampled must be set): every row of the result samples."""
+        rows = self.hints.sampled
+        min_p = self.min_p[rows] if self.min_p is not None else None
+        return SamplingParams(self.temperature[rows], self.top_k[rows], self.top_p[rows], min_p,
+                              HostHints(None, self.hints.top_p, self.hints.top_k))
 
 
 @dataclass(frozen=True)
@@ -92,26 +132,40 @@ def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     """logits [bs, n, V] -> probabilities [bs, n, V] float32 after temperature, top-k, top-p, then min-p (tokens
     below min_p times the row's largest probability dropped, as SGLang's sampler applies it after top-k/top-p).
 
-    Greedy rows become one-hot at the argmax, so rejection sampling on them reduces to greedy acceptance.
+    Greedy rows become one-hot at the argmax, so rejection sampling on them reduces to greedy acceptance. With host
+    hints that no row asks for top-p, nothing is sorted: top-k keeps the logits >= the k-th largest (a partial top-k of
+    the largest k in the batch), the same set the sort finds.
     """
     logits = logits.float()
     bs, n, vocab = logits.shape
     temp = params.temperature.clamp_min(1e-6)[:, None, None]
     scaled = logits / temp
-    sorted_l, order = scaled.sort(dim=-1, descending=True)
-    k = torch.where(params.top_k > 0, params.top_k.clamp_max(vocab), vocab)[:, None, None]
-    kth = sorted_l.gather(-1, (k - 1).expand(bs, n, 1))
-    keep_sorted = sorted_l >= kth  # ties with the k-th logit are kept
-    probs_sorted = torch.softmax(sorted_l.masked_fill(~keep_sorted, float("-inf")), dim=-1)
-    # top-p keeps the smallest prefix whose mass reaches p: drop a token when the mass before it already does.
-    before = probs_sorted.cumsum(-1) - probs_sorted
-    keep_sorted &= before < params.top_p[:, None, None]
-    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-    probs = torch.softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)
+    hints = params.hints
+    if hints is None or hints.top_p:
+        sorted_l, order = scaled.sort(dim=-1, descending=True)
+        k = torch.where(params.top_k > 0, params.top_k.clamp_max(vocab), vocab)[:, None, None]
+        kth = sorted_l.gather(-1, (k - 1).expand(bs, n, 1))
+        keep_sorted = sorted_l >= kth  # ties with the k-th logit are kept
+        probs_sorted = torch.softmax(sorted_l.masked_fill(~keep_sorted, float("-inf")), dim=-1)
+        # top-p keeps the smallest prefix whose mass reaches p: drop a token when the mass before it already does.
+        before = probs_sorted.cumsum(-1) - probs_sorted
+        keep_sorted &= before < params.top_p[:, None, None]
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = torch.softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)
+    elif hints.top_k > 0:
+        largest = min(hints.top_k, vocab)
+        top = scaled.topk(largest, dim=-1).values  # [bs, n, largest], descending
+        k = params.top_k.clamp(1, largest)[:, None, None].expand(bs, n, 1)
+        kth = torch.where(params.top_k[:, None, None] > 0, top.gather(-1, k - 1), float("-inf"))
+        probs = torch.softmax(scaled.masked_fill(scaled < kth, float("-inf")), dim=-1)  # ties with the k-th kept
+    else:
+        probs = torch.softmax(scaled, dim=-1)
     if params.min_p is not None:
         floor = params.min_p.float()[:, None, None] * probs.amax(-1, keepdim=True)
         probs = torch.where(probs >= floor, probs, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
+    if hints is not None and hints.sampled is None:
+        return probs  # every row samples
     onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(params.greedy[:, None, None], onehot, probs)
 

@@ -1,7 +1,9 @@
 """DFlash2's candidate selector: a block's drafts chosen as one path instead of independent per-position argmaxes.
 
 At block position t = 1..D the candidates are the k best draft logits (the unary scores, after output_multiplier and
-soft-capping). Candidate b after predecessor a scores
+soft-capping; ties to the lowest id), over the whole draft vocabulary or, under tensor parallelism, merged exactly
+over the ranks' vocab shards (core/vocab_parallel.py: the elementwise multiplier and cap commute with the split).
+Candidate b after predecessor a scores
 
     s_t(b | a) = unary_t(b) + < P[a] * (W h_t), S[b] >
 
@@ -18,6 +20,7 @@ set of point-mass drafts and core/tree_verify.py verifies it exactly, greedy or 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -27,12 +30,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .accept import DraftQ, sample_from
-from .token_map import to_target_ids
 from .tree import DraftTree, check_tree_args, grow_tree
-from .vocab_parallel import NOT_RANKED
+from .vocab_parallel import NOT_RANKED, VocabShard, local_top
 
 if TYPE_CHECKING:
     from .config import DraftConfig
+
+# (draft logits [bs, D, rows], k) -> (values [bs, D, k] float32, target ids [bs, D, k] int64): the k best over the whole
+# draft vocabulary, best first, ties to the lowest id (adapter/tp.py `DraftVocab.top`: merged over TP ranks' shards)
+TopK = Callable[[Tensor, int], tuple[Tensor, Tensor]]
 
 
 class CandidateSelector(nn.Module):
@@ -47,14 +53,22 @@ class CandidateSelector(nn.Module):
         self.predecessor_codebook = nn.Parameter(torch.empty(cfg.vocab_size, rank).normal_())
         self.successor_codebook = nn.Parameter(torch.empty(cfg.vocab_size, rank).normal_())
 
-    def candidates(self, hidden: Tensor, logits: Tensor, token_map: Tensor | None = None) -> Candidates:
+    def check_proposable(self, ids: int) -> None:
+        """ids: how many ids the draft proposes (its vocabulary or token map); at least top-k are needed."""
+        if ids < self.top_k:
+            raise ValueError(f"DFlash2 selector_top_k={self.top_k} exceeds the {ids} ids the draft proposes (its "
+                             f"token map)")
+
+    def candidates(self, hidden: Tensor, logits: Tensor, token_map: Tensor | None = None,
+                   top: TopK | None = None) -> Candidates:
         """hidden [bs, D, H] drafter states at block positions 1..D, logits [bs, D, V] their draft logits (or [bs, D, K]
-        over token_map's K ids) -> the positions' top-k candidates and what scoring them takes."""
-        if logits.shape[-1] < self.top_k:
-            raise ValueError(f"DFlash2 selector_top_k={self.top_k} exceeds the {logits.shape[-1]} ids the draft "
-                             f"proposes (its token map)")
-        unary, rows = logits.float().topk(self.top_k, dim=-1)
-        tokens = to_target_ids(rows, token_map)
+        over token_map's K ids; with `top`, this rank's rows, merged by it) -> the positions' top-k candidates and what
+        scoring them takes."""
+        if top is None:
+            self.check_proposable(logits.shape[-1])
+            unary, tokens = local_top(logits, VocabShard(0, logits.shape[-1], token_map), self.top_k)
+        else:
+            unary, tokens = top(logits, self.top_k)
         return Candidates(tokens, unary, self.hidden_projection(hidden).float(),
                           self.successor_codebook[tokens].float(), self.predecessor_codebook)
 
@@ -132,16 +146,16 @@ class SelectorScores:
     @classmethod
     def of(cls, selector: CandidateSelector, hidden: Tensor, logits: Tensor, anchor: Tensor,
            temperature: Tensor | None, generator: torch.Generator | None = None,
-           token_map: Tensor | None = None) -> SelectorScores:
-        """hidden [bs, D, H], logits [bs, D, V | K] of one drafter pass; temperature [bs] (None: every request greedy,
-        known without looking at the device: no host sync); the walk's uniforms come from `generator` (None: torch's
-        default) when some request samples."""
+           token_map: Tensor | None = None, top: TopK | None = None) -> SelectorScores:
+        """hidden [bs, D, H], logits [bs, D, V | K] of one drafter pass (with `top`: this TP rank's rows, the candidates
+        merged over ranks); temperature [bs] (None: every request greedy, known without looking at the device: no host
+        sync); the walk's uniforms come from `generator` (None: torch's default) when some request samples."""
         if temperature is None:
             temperature, sampled = torch.zeros(anchor.shape[0], device=logits.device), False
         else:
             sampled = bool((temperature > 0).any())
         u = torch.rand(logits.shape[:2], generator=generator, device=logits.device) if sampled else None
-        return cls(selector.candidates(hidden, logits, token_map), anchor.to(torch.int64), temperature.float(), u)
+        return cls(selector.candidates(hidden, logits, token_map, top), anchor.to(torch.int64), temperature.float(), u)
 
     @property
     def positions(self) -> int:

@@ -178,12 +178,33 @@ def accept(proposal: Proposal, logits: Tensor, params: SamplingParams | None, ge
         if params is None:
             return greedy_accept(draft, logits.argmax(-1))
         coins, u = draw_uniforms(bs, t - 1, generator, logits.device)
-        return rejection_accept(draft, target_probs(logits, params), coins, u, proposal.q)
+        if params.hints is None or params.hints.sampled is None:
+            return rejection_accept(draft, target_probs(logits, params), coins, u, proposal.q)
+        return _mixed_chain_accept(draft, logits, params, coins, u, proposal.q)
     if params is None:
         return kernels.verify_tree_greedy(proposal.tree, logits.argmax(-1), slots)
     coins, u = draw_uniforms(bs, t, generator, logits.device)
     probs = target_probs(logits, params).contiguous()
     return kernels.verify_tree_sampling(proposal.tree, probs, coins.contiguous(), u.contiguous(), slots)
+
+
+def _mixed_chain_accept(draft: Tensor, logits: Tensor, params: SamplingParams, coins: Tensor, u: Tensor,
+                        q: DraftQ | None) -> AcceptResult:
+    """A chain's acceptance when the host knows which rows sample (params.hints.sampled [m]): the greedy rows by
+    greedy acceptance, the m sampling rows by rejection sampling on their own target distribution, with the uniforms
+    they would draw in the whole batch. The same result as rejection sampling every row against target_probs'
+    one-hot greedy rows (which accepts a draft iff it is the argmax and then draws the argmax), without a [bs, T, V]
+    distribution for the greedy rows."""
+    result = greedy_accept(draft, logits.argmax(-1))
+    rows = params.hints.sampled
+    if rows.numel() == 0:
+        return result
+    sub_q = None if q is None else DraftQ(q.tokens[rows], q.probs[rows])
+    sub = rejection_accept(draft[rows], target_probs(logits[rows], params.sampling_rows()), coins[rows], u[rows],
+                           sub_q)
+    return AcceptResult(result.accept_len.index_copy(0, rows, sub.accept_len),
+                        result.out_tokens.index_copy(0, rows, sub.out_tokens),
+                        result.bonus.index_copy(0, rows, sub.bonus))
 
 
 def kept_rows(proposal: Proposal, result: AcceptResult) -> Tensor:

@@ -4,9 +4,11 @@ Under tensor parallelism the target's lm_head is vocab-parallel: rank r holds th
 (plus padding rows). The drafter is small, so every rank runs it whole, but its logits through the local rows cover
 only that range. Rather than gathering [bs, B-1, V] logits, each rank reduces its shard to k candidates and its
 log-sum-exp, the ranks exchange those (k + 1 numbers per position), and every rank merges them to exactly the
-full-vocabulary result: the argmax (a chain's drafts; ties go to the lowest id, as `argmax` does over the whole
-vocabulary) or the top-k tokens with their log-probabilities (a tree's candidates, normalised by the global
-log-sum-exp).
+full-vocabulary result: the argmax (a chain's drafts), the top-k tokens with their log-probabilities (a tree's
+candidates, normalised by the global log-sum-exp) or with their logits (`merge_top`: a DFlash2 selector's candidates,
+core/selector.py). Ties go to the lowest id, as `argmax` does over the whole vocabulary, for k > 1 too (`ordered_topk`:
+torch's topk leaves which of tied values it keeps unspecified), so the merge over any split equals one process's
+top-k exactly; in bf16 draft logits ties are common.
 """
 from __future__ import annotations
 
@@ -27,34 +29,63 @@ class VocabShard:
     ids: Tensor | None = None  # [size] int64 token ids of the rows, ascending; None: start + row
 
 
-def local_candidates(logits: Tensor, shard: VocabShard, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """logits [..., V_local] over this rank's rows -> (values [..., k] float32, token ids [..., k] int64, log-sum-exp
-    [...] float32) of the shard. A shard with fewer than k rows pads with -inf values (ids of padding: -1)."""
+def ordered_topk(values: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """values [..., n] -> (the k largest [..., k] float32, their indices [..., k] int64), best first, ties to the
+    lowest index: a top-k over unique int64 keys (the value's float32 bits made order-preserving, then the index
+    reversed), so whichever tied entries torch's topk would keep does not matter."""
+    x = values.float() + 0.0  # -0.0 -> +0.0: the two compare equal, their bits do not
+    bits = x.view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # negative floats: larger magnitude, smaller key
+    low = (1 << 32) - 1
+    keys = ordered * (1 << 32) + (low - torch.arange(x.shape[-1], device=x.device))
+    index = low - (keys.topk(k, dim=-1).values & low)
+    return x.gather(-1, index), index
+
+
+def local_top(logits: Tensor, shard: VocabShard, k: int) -> tuple[Tensor, Tensor]:
+    """logits [..., V_local] over this rank's rows -> (values [..., k] float32, token ids [..., k] int64): the shard's
+    k best, best first, ties to the lowest id. A shard with fewer than k rows pads with -inf values (ids of padding:
+    -1). One process's whole vocabulary is the shard VocabShard(0, V) (or VocabShard(0, K, token_map))."""
     valid = logits[..., : shard.size].float()
     if valid.shape[-1] < k:
         pad = valid.new_full((*valid.shape[:-1], k - valid.shape[-1]), float("-inf"))
         valid = torch.cat([valid, pad], dim=-1)
-    values, rows = valid.topk(k, dim=-1) if k > 1 else valid.max(dim=-1, keepdim=True)
-    lse = torch.logsumexp(valid, dim=-1)
+    if k > 1:
+        values, rows = ordered_topk(valid, k)
+    else:
+        values, rows = valid.max(dim=-1, keepdim=True)  # the first maximum: the lowest id among ties
     if shard.ids is None:
-        return values, rows + shard.start, lse
+        return values, rows + shard.start
     ids = torch.cat([shard.ids, shard.ids.new_full((max(k - shard.size, 0),), -1)])  # ids of the padded rows
-    return values, ids[rows], lse
+    return values, ids[rows]
 
 
-def merge_candidates(values: Tensor, ids: Tensor, lse: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Every rank's candidates, stacked in rank order (values / ids [R, ..., k], lse [R, ...]) -> (token ids [..., k]
-    int64, log-probabilities [..., k] float32) over the whole vocabulary, best first."""
-    r = values.shape[0]
-    flat_values = values.movedim(0, -2).flatten(-2)  # [..., R*k], rank-major: lower ids first
+def local_candidates(logits: Tensor, shard: VocabShard, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """logits [..., V_local] over this rank's rows -> `local_top`'s (values, ids) and the shard's log-sum-exp [...]
+    float32 (what normalises the merged values to log-probabilities)."""
+    values, ids = local_top(logits, shard, k)
+    return values, ids, torch.logsumexp(logits[..., : shard.size].float(), dim=-1)
+
+
+def merge_top(values: Tensor, ids: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Every rank's `local_top`, stacked in rank order (values / ids [R, ..., k]) -> (token ids [..., k] int64, values
+    [..., k] float32): the k best over the whole vocabulary, best first, ties to the lowest id."""
+    flat_values = values.movedim(0, -2).flatten(-2)  # [..., R*k], rank-major: lower ids first, and so within a rank
     flat_ids = ids.movedim(0, -2).flatten(-2)
     if k == 1:
         best = flat_values.argmax(dim=-1, keepdim=True)  # the first maximum: the lowest id among ties
         top_values = flat_values.gather(-1, best)
     else:
-        top_values, best = flat_values.topk(k, dim=-1)
-    total = torch.logsumexp(lse, dim=0) if r > 1 else lse[0]
-    return flat_ids.gather(-1, best), top_values - total[..., None]
+        top_values, best = ordered_topk(flat_values, k)
+    return flat_ids.gather(-1, best), top_values
+
+
+def merge_candidates(values: Tensor, ids: Tensor, lse: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Every rank's candidates, stacked in rank order (values / ids [R, ..., k], lse [R, ...]) -> (token ids [..., k]
+    int64, log-probabilities [..., k] float32) over the whole vocabulary, best first."""
+    tokens, top_values = merge_top(values, ids, k)
+    total = torch.logsumexp(lse, dim=0) if lse.shape[0] > 1 else lse[0]
+    return tokens, top_values - total[..., None]
 
 
 NOT_RANKED = 2**31 - 1  # the rank of a token the drafter cannot propose (outside its rows or token map)
