@@ -17,7 +17,7 @@ plain's, token for token (exit 1 otherwise).
 Arms: `plain` (SGLang as users run it: its overlap scheduler on), `plain-sync` (plain with
 `--disable-overlap-schedule`), `default` (DFLASH, no shape flag: the goodput controller), `floor` (DFLASH pinned to a
 plain step every step: what our worker costs over plain), `chain` (DFLASH, the checkpoint's block), or
-`NAME=launch_server flags` for anything else.
+`NAME=launch_server flags` (DFLASH plus those flags) for anything else.
 """
 from __future__ import annotations
 
