@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import random
 import shlex
 import statistics
 import sys
@@ -70,8 +71,6 @@ def parse_arm(spec: str, draft: Path) -> Arm:
 
 def burst(pool, n: int, seed: int, max_new: int, max_prompt: int) -> list[Case]:
     """n seeded ordinary requests (the same for every arm)."""
-    import random
-
     rng = random.Random(seed)
     spec = WorkloadSpec(n, 0, max_prompt + max_new + 6, seed=seed, max_new=max_new, max_prompt=max_prompt)
     return [_mixed(seed * 100_000 + i, rng, spec, pool) for i in range(n)]
