@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 DEVICES = ("cuda", "cpu")
 # --max-running-requests when unset, for pinned shapes (chain, tree, a table): the builtin DFLASH's default. The goodput
 # controller leaves it to SGLang (as plain decoding: it shrinks the verify as the batch grows, down to plain steps)
-# and instead bounds each step's verify rows by this many requests' worth of N rows (`controller_budget`).
+# and instead bounds each step's verify rows by this many requests' worth of N rows (`running_limits`).
 DEFAULT_MAX_RUNNING_REQUESTS = 48
 # Target attention backends that take the tree mask: torch_native through adapter/tree_attention.py, the GPU
 # ones through the verify input's `custom_mask` (the layout EAGLE's tree verify uses).
