@@ -98,6 +98,15 @@ _QWEN38_27B = Target("Qwen/Qwen3.8-27B", None, None, None, 5120, None, None,
                      "Gated DeltaNet hybrid (the draft card); layer count, heads, vocabulary and weight bytes "
                      "unverified")
 
+# The target of z-lab/Muse-Glimmer-30B-DFlash2: SGLang's MuseGlimmerForConditionalGeneration (sliding-window and full
+# attention layers, a vision encoder), with the draft's hidden size 6656 and, from the draft's published config.json,
+# 52 layers and a 202048-id vocabulary (z-lab drafts share the target's embedding and lm_head); the repo id is the
+# one public launch code serves it under (no model card read), its heads and weight bytes not published where we
+# could read them
+_MUSE_GLIMMER_30B = Target("meta-models/Muse-Glimmer-30B", 52, None, None, 6656, 202048, None,
+                           "MuseGlimmerForConditionalGeneration (sliding-window + full attention, vision encoder); "
+                           "heads and weight bytes unverified")
+
 _CARD = "https://huggingface.co/{}"
 
 PAIRS: dict[str, Pair] = {
@@ -139,6 +148,12 @@ PAIRS: dict[str, Pair] = {
         Pair("z-lab/Qwen3.8-27B-DFlash2", _QWEN38_27B, 8, None, "checkpoint", None, None,
              _CARD.format("z-lab/Qwen3.8-27B-DFlash2") + " (block 8, 5 layers, hidden 5120, selector rank 256 / "
              "top-16; target layer ids, heads and parameter count not read: unverified)"),
+        # DFlash2: block 16, 5 sliding-window (2048) layers, 32/8 heads, hidden 6656, mask 201818, selector rank 256
+        # top-16, output_multiplier 0.196 and softcap 20.0; served by ours with --speculative-dflash-experimental
+        Pair("z-lab/Muse-Glimmer-30B-DFlash2", _MUSE_GLIMMER_30B, 16, (1, 13, 25, 37, 49), "config", None, 32,
+             _CARD.format("z-lab/Muse-Glimmer-30B-DFlash2") + " (config.json @ b54ffdd, as transcribed verbatim in "
+             "public DFlash2 loader tests; verifier MuseGlimmerForConditionalGeneration in a speculators fixture; "
+             "parameter count not read: unverified)"),
     )
 }
 

@@ -108,9 +108,9 @@ def time_pass(dec, batch, b: int, name: str, median_ms) -> dict:
     head_ms = median_ms(lambda: dec.drafter.logits(hidden[:, 1:], dec.draft_head))
     selector, walk_ms = dec.drafter.candidate_selector, None
     if selector is not None:
-        greedy = torch.zeros(len(batch.bonus))
+        greedy = torch.zeros(len(batch.bonus))  # (all greedy, known on the host as the worker knows it)
         walk_ms = median_ms(lambda: SelectorScores.of(selector, hidden[:, 1:], logits, batch.bonus, greedy,
-                                                      None, dec.token_map).argmax(b - 1))
+                                                      None, dec.token_map, sampled=False).argmax(b - 1))
     return {"draft": name, "bs": len(batch.bonus), "block": b, "layers_ms": median_ms(layers), "head_ms": head_ms,
             "selector_ms": walk_ms}
 

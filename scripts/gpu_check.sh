@@ -7,7 +7,8 @@
 #   train   convert the SmolLM2 testbed target, regenerate responses + train a drafter (GPU time budgets)
 #   accept  tau of $DRAFT_DIR on 200 held-out eval prompts x 128 new tokens (reference decoder): block 8/16
 #           chains and 16/32/64-node trees, T=0 and T=1
-#   sglang  FlashInfer draft attention == torch reference (tests/test_draft_attention.py), then SGLang Engine e2e
+#   sglang  FlashInfer draft attention == torch reference (tests/test_draft_attention.py; over an fp8 draft pool:
+#           tests/test_draft_kv.py), then SGLang Engine e2e
 #           on CUDA (tests/test_sglang_gpu.py: chain, tree, adaptive vs no speculation)
 #   pareto  scripts/bench_pareto.py on the testbed pair, concurrency 1/8/32: ours / builtin / no speculation
 #           (chain), then ours with a 32-node tree (eager verify; tree_graph: verify CUDA graphs with the mask,
@@ -18,7 +19,8 @@
 # Results land in $RESULTS (default gpu_results/); record the tables in docs/benchmarks.md with the date.
 # Knobs (env): TRAIN_SAMPLES (6144), SAVE_EVERY (500: resumable checkpoints; a rerun with the same DRAFT_DIR resumes), TRAIN_NEW_TOKENS (192), TRAIN_BATCH (32), TRAIN_ANCHORS (48: blocks per sequence), DATA_MIN (3), TRAIN_MIN (4; the
 # schedule is fitted to this budget from the first steps' time), TRAIN_STEPS (a fixed step count instead of
-# TRAIN_MIN), TRAIN_INIT (target; or a draft checkpoint dir to continue, e.g. the shipped drafter), CACHE_DIR (feature cache, default $DRAFT_DIR.cache), DRAFT_DIR (train: where the drafter goes, default $RESULTS/smollm2_135m_dflash; accept/sglang: the drafter
+# TRAIN_MIN), TRAIN_INIT (target; or a draft checkpoint dir to fine-tune, e.g. the shipped drafter: annealed from a low lr, on
+# the train-split prompts after the first TRAIN_SKIP (6144, the shipped drafter's)), CACHE_DIR (feature cache, default $DRAFT_DIR.cache), DRAFT_DIR (train: where the drafter goes, default $RESULTS/smollm2_135m_dflash; accept/sglang: the drafter
 # measured, default the shipped one), EVAL_PROMPTS (200), EVAL_NEW_TOKENS (128).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,13 +42,17 @@ stage_train() {
 from dflash_sglang.testbed.target import convert_target
 print("target:", convert_target())
 EOF
-  # Same recipe as the CPU bootstrap (recipes/training.md), scaled by samples / time budget.
+  # The `dflash-sglang train` defaults (docs/benchmarks.md, issue 38): CE + logit distillation, gamma 1.25; from
+  # --init target a warm-up to 1e-3 (the shipped drafter's recipe), from a draft checkpoint (TRAIN_INIT=DIR) a
+  # cosine from the low fine-tune lr with no warm-up, on the prompts after the 6144 the shipped drafter saw.
   local schedule=(--time-budget-min "${TRAIN_MIN:-4}")
   [ -n "${TRAIN_STEPS:-}" ] && schedule=(--max-steps "$TRAIN_STEPS")
+  local init=${TRAIN_INIT:-target} recipe=(--lr 1e-3)
+  [ "$init" != target ] && [ "$init" != random ] && recipe=(--skip-samples "${TRAIN_SKIP:-6144}")
   $PY -m dflash_sglang train --data sharegpt --out "$out" --cache-dir "${CACHE_DIR:-$out.cache}" \
       --num-samples "${TRAIN_SAMPLES:-6144}" --max-new-tokens "${TRAIN_NEW_TOKENS:-192}" --gen-batch-size 512 \
       --data-time-budget-min "${DATA_MIN:-3}" --block-size 16 --num-layers 2 --num-features 5 \
-      --batch-size "${TRAIN_BATCH:-32}" --num-anchors "${TRAIN_ANCHORS:-48}" --lr 1e-3 --epochs 40 "${schedule[@]}" --init "${TRAIN_INIT:-target}" \
+      --batch-size "${TRAIN_BATCH:-32}" --num-anchors "${TRAIN_ANCHORS:-48}" "${recipe[@]}" --epochs 40 "${schedule[@]}" --init "$init" \
       --save-every "${SAVE_EVERY:-500}" 2>&1 | grep -v "it/s\]" | tee "$RESULTS/train.log" || { status=1; return; }
   $PY -m dflash_sglang inspect "$out" || status=1
 }
@@ -62,7 +68,7 @@ stage_accept() {
 }
 
 stage_sglang() {
-  $PY -m pytest -q -ra tests/test_draft_attention.py tests/test_draft_graphs.py tests/test_sglang_gpu.py 2>&1 | tee "$RESULTS/sglang_gpu_tests.log" || status=1
+  $PY -m pytest -q -ra tests/test_draft_attention.py tests/test_draft_kv.py tests/test_draft_graphs.py tests/test_sglang_gpu.py 2>&1 | tee "$RESULTS/sglang_gpu_tests.log" || status=1
 }
 
 stage_pareto() {

@@ -138,6 +138,20 @@ def save_tiny_pair(root: Path, arch: str = "llama", vocab: int = 96, seed: int =
     return target_dir, draft_dir
 
 
+def save_chat_target(root: Path, vocab: int = 96):
+    """A tiny llama target directory with a char tokenizer that has a chat template (the training CLI templates
+    prompts); returns (its dir, the tokenizer)."""
+    target = tiny_target(vocab=vocab)
+    target.config.eos_token_id = 0
+    target_dir = root / "target"
+    target.save_pretrained(target_dir, safe_serialization=True)
+    tok = char_tokenizer(vocab)
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}:{% endif %}")
+    tok.save_pretrained(target_dir)
+    return target_dir, tok
+
+
 def sampled_fit_pvalue(samples: list[tuple[int, ...]], exact: dict[tuple[int, ...], float]) -> float:
     """Chi-square p-value of sampled continuations against their exact probabilities; asserts that nothing of
     probability 0 was sampled. Rare continuations (expected count < 5) are pooled into one cell."""

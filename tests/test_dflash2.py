@@ -179,6 +179,24 @@ def test_sampling_matches_target_distribution(arch, block, tree, min_p):
     assert sampled_fit_pvalue([tuple(o.tokens) for o in outs], exact) > 1e-3
 
 
+def test_served_weight_bytes_count_the_codebooks(tmp_path):
+    """What the worker loads before SGLang sizes its KV pools (adapter/model.py `load_draft_weights`) and counts
+    (`weight_bytes`): every tensor of the checkpoint at the model dtype, the selector's two [V, r] codebooks among
+    them; random weights of the same config (--speculative-draft-load-format dummy) cost the same."""
+    pytest.importorskip("sglang", reason="the SGLang adapter")
+    from dflash_sglang.adapter.model import load_draft_weights, weight_bytes
+    from dflash_sglang.core.safetensors_header import read_header
+
+    target = tiny_target("qwen3", vocab=16, seed=2)
+    cfg = draft_config_for(target, block_size=8, **DFLASH2_DRAFT)
+    draft_dir = save_drafter(tiny_drafter(cfg, seed=3), tmp_path / "d2", dtype=torch.bfloat16)
+    stored = sum(e.data_offsets[1] - e.data_offsets[0] for e in read_header(draft_dir / "model.safetensors"))
+    books = 2 * cfg.vocab_size * cfg.dflash2.selector_rank * 2
+    for dummy in (False, True):
+        assert weight_bytes(load_draft_weights(draft_dir, torch.bfloat16, "cpu", dummy)) == (stored, books)
+    assert weight_bytes(tiny_drafter(draft_config_for(target, block_size=8), seed=3))[1] == 0  # a DFlash v1 draft
+
+
 def test_selector_ranks_follow_the_path():
     """A committed token's rank is by its score after the path's previous token: the greedy walk's tokens rank 1, a
     token that is no candidate is not ranked."""

@@ -151,16 +151,19 @@ def test_flashinfer_matches_reference_on_gpu(dtype):
 
 
 @requires_flashinfer_gpu
-def test_paged_drafter_flashinfer_equals_torch_on_gpu():
-    """The whole paged pass on the GPU: FlashInfer backend vs the torch backend, same pool and layout."""
+@pytest.mark.parametrize("kv_dtype", [None, "fp8_e4m3"])
+def test_paged_drafter_flashinfer_equals_torch_on_gpu(kv_dtype):
+    """The whole paged pass on the GPU: FlashInfer backend vs the torch backend, same pool and layout (the pool in
+    the model dtype, or fp8 draft KV: core/draft_kv.py)."""
     cfg = draft_config_for(tiny_target("qwen3", hidden=256), block_size=BLOCK)  # head_dim 64
     from dflash_sglang.adapter.model import DraftKVPool, PagedDrafter
+    from dflash_sglang.core.draft_kv import kv_format
 
     torch.manual_seed(0)
     core = tiny_drafter(cfg).cuda().to(torch.bfloat16)
     r2t = _req_to_token(200).cuda()
     pool = DraftKVPool(cfg.num_hidden_layers, 200 + 6 * BLOCK, cfg.num_key_value_heads, cfg.head_dim,
-                       torch.bfloat16, "cuda")
+                       torch.bfloat16, "cuda", kv_format(kv_dtype, torch.bfloat16) if kv_dtype else None)
     outs = {}
     for backend in ("torch", "flashinfer"):
         paged = PagedDrafter(core, pool, scratch_base=200, block=BLOCK, attention=backend)

@@ -1,6 +1,8 @@
 """The draft pass and commit as static-buffer graphs (adapter/draft_graphs.py): padded replays equal the eager path
-on mixed batches (CPU, static mode), the captured bodies do no host sync (meta tensors), mode selection; on a GPU,
-captured CUDA graphs against the eager path."""
+on mixed batches (CPU, static mode), DFlash v1 and DFlash2 (its selector's candidates and walk replayed with the pass,
+adapter/selector_graph.py: chains greedy and sampled, trees, one process or the TP layout), the captured bodies and a
+DFlash2 step's whole draft side do no host sync (meta tensors), mode selection; on a GPU, captured CUDA graphs against
+the eager path."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -8,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from factories import draft_config_for, tiny_drafter, tiny_target
+from factories import DFLASH2_DRAFT, draft_config_for, tiny_drafter, tiny_target
 from sglang_support import requires_flashinfer_gpu, requires_sglang
 
 pytestmark = requires_sglang
@@ -20,13 +22,18 @@ SIZES = (2, 4, 8)
 STEPS = [((5, 1, 12), (3, 0, 5)), ((7,), (2,)), ((9, 3, 1, 20), (1, 4, 0, 2)), ((2,) * 9, (0,) * 9)]
 
 
-def _setup(device="cpu", dtype=torch.float32, hidden=32, attention="torch"):
+# A DFlash2 draft the paged pass serves (and so the draft graphs): the published layout's convolutions, selector and
+# scaled, soft-capped logits, over full-attention layers (sliding-window layers take the dense path, never graphed)
+DFLASH2_PAGED = {k: v for k, v in DFLASH2_DRAFT.items() if k not in ("layer_types", "sliding_window")}
+
+
+def _setup(device="cpu", dtype=torch.float32, hidden=32, attention="torch", dflash2=False):
     """A PagedDrafter over a pool with committed contexts for every request slot, its TargetHead, req_to_token."""
     from dflash_sglang.adapter.model import DraftKVPool, PagedDrafter, TargetHead
 
-    cfg = draft_config_for(tiny_target("qwen3", hidden=hidden), block_size=BLOCK)
+    cfg = draft_config_for(tiny_target("qwen3", hidden=hidden), block_size=BLOCK, **(DFLASH2_PAGED if dflash2 else {}))
     torch.manual_seed(0)
-    core = tiny_drafter(cfg).to(device, dtype)
+    core = tiny_drafter(cfg).to(device, dtype).requires_grad_(False)  # served weights (SGLang runs without autograd)
     slots = 1 + REQ_SLOTS * WIDTH  # slot 0: SGLang's padding slot, never a request's
     req_to_token = (1 + torch.randperm(slots - 1)).view(REQ_SLOTS, WIDTH).to(torch.int32).to(device)
     pool = DraftKVPool(cfg.num_hidden_layers, slots + (REQ_SLOTS + 1) * BLOCK, cfg.num_key_value_heads,
@@ -41,11 +48,12 @@ def _setup(device="cpu", dtype=torch.float32, hidden=32, attention="torch"):
     return cfg, paged, head, req_to_token
 
 
-def _graphs(paged, head, req_to_token, cfg, nodes=(3,), capture=False):
+def _graphs(paged, head, req_to_token, cfg, nodes=(3,), capture=False, top=None, in_graph=True):
     from dflash_sglang.adapter.draft_graphs import DraftGraphs
 
+    selector = paged.drafter.candidate_selector
     return DraftGraphs(paged, head, req_to_token, SIZES, nodes, cfg.n_features * cfg.hidden_size,
-                       paged.pool.k.dtype, capture=capture)
+                       paged.pool.k.dtype, capture=capture, selector=selector, top=top, select_in_graph=in_graph)
 
 
 def _step_inputs(seq_lens, pool_idx, cfg, device="cpu"):
@@ -71,8 +79,7 @@ def test_static_draft_replays_equal_eager_on_mixed_batches():
             continue
         want = eager(bonus, sl, sl_cpu, idx)
         assert got.shape == want.shape == (len(seq_lens), BLOCK - 1, cfg.vocab_size)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        assert torch.equal(got, want)  # bit-identical: padding changes no request's numbers
         # the padded requests drafted in the padding slot's scratch, not in a slot a larger batch left behind
         assert graphs.drafts[graphs._size_for(len(seq_lens))].req_pool_indices[len(seq_lens):].eq(REQ_SLOTS).all()
 
@@ -99,6 +106,105 @@ def test_static_commit_replays_equal_eager():
         torch.testing.assert_close(pool_a[:, real], pool_b[:, real], rtol=1e-6, atol=1e-6)
 
 
+def _top(vocab: int, shards: int):
+    """A DFlash2 selector's candidates over the whole vocabulary (adapter/tp.py DraftVocab.top): one process's, or
+    merged from `shards` vocab shards as the TP ranks merge them (the all-gather done in process)."""
+    from dflash_sglang.core.vocab_parallel import VocabShard, local_top, merge_top
+
+    per = -(-vocab // shards)
+
+    def top(logits, k):
+        parts = [local_top(logits[..., r * per: (r + 1) * per], VocabShard(r * per, min(per, vocab - r * per)), k)
+                 for r in range(shards)]
+        tokens, values = merge_top(torch.stack([v for v, _ in parts]), torch.stack([t for _, t in parts]), k)
+        return values, tokens
+
+    return top
+
+
+def _same_scores(got, want, bonus, exact=True):
+    """Two DFlash2 SelectorScores agree bit for bit on everything a step asks of them: candidates, the chain's walk
+    and its q, a tree's proposal, the walk's ranks. exact=False (a GPU's matmul may round a batch of another size
+    differently): the float scores within float32 rounding, every token and tree link still equal."""
+    from dflash_sglang.core.adaptive import SpecShape
+    from dflash_sglang.core.speculate import propose
+
+    def same(a, b, what):
+        if exact or not a.is_floating_point():
+            assert torch.equal(a, b), what
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=what)
+
+    for field in ("tokens", "unary", "hidden", "successors"):
+        same(getattr(got.candidates, field), getattr(want.candidates, field), field)
+    depth = BLOCK - 1
+    assert torch.equal(got.argmax(depth), want.argmax(depth))
+    got_q, want_q = got.chain_q(depth), want.chain_q(depth)
+    assert (got_q is None) == (want_q is None)
+    if got_q is not None:
+        assert torch.equal(got_q.tokens, want_q.tokens)
+        same(got_q.probs, want_q.probs, "q")
+    for shape in (SpecShape(3, 1), SpecShape(BLOCK, 1), SpecShape(7, 2), SpecShape(10, 3)):
+        a, b = propose(bonus, got, shape), propose(bonus, want, shape)
+        assert torch.equal(a.ids, b.ids) and torch.equal(a.depth, b.depth), shape
+        if shape.is_chain:
+            assert (a.q is None) == (b.q is None)
+            if a.q is not None:
+                same(a.q.probs, b.q.probs, "chain q")
+        else:
+            for field in ("parent", "score", "mask", "retrive_next_token", "retrive_next_sibling"):
+                same(getattr(a.tree, field), getattr(b.tree, field), field)
+    assert torch.equal(got.ranks(got.argmax(depth)), want.ranks(want.argmax(depth)))
+
+
+@pytest.mark.parametrize("layout", ["one_process", "tp_layout"])
+@pytest.mark.parametrize("sampling", ["greedy", "mixed"])
+def test_static_dflash2_selection_equals_eager(layout, sampling):
+    """A DFlash2 draft's pass and selection replayed (static mode: the shared buffers and padding of the CUDA graphs)
+    equal the eager pass + SelectorScores.of bit for bit over mixed batch sizes (padded, over a larger batch's stale
+    rows, temperatures and uniforms, exact, too large for any graph): one process (candidates and walk inside the
+    graph) and the TP layout (candidates merged over vocab shards and walked after the replay). Mixed: requests greedy
+    and sampled at two temperatures, every other step all greedy; the walk's generator is left where eager leaves it
+    (every TP rank draws alike)."""
+    from dflash_sglang.adapter.model import EagerDraftPass
+    from dflash_sglang.core.selector import SelectorScores
+
+    cfg, paged, head, r2t = _setup(dflash2=True)
+    in_graph = layout == "one_process"
+    top = _top(cfg.vocab_size, 1 if in_graph else 2)
+    graphs = _graphs(paged, head, r2t, cfg, top=top, in_graph=in_graph)
+    eager = EagerDraftPass(paged, head, r2t)
+    selector = paged.drafter.candidate_selector
+    assert graphs.selection.in_graph == in_graph and "selector" in graphs.describe()
+    gen_graph, gen_eager = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    sampled_steps = 0
+    for step, (seq_lens, pool_idx) in enumerate(STEPS):
+        bonus, sl, sl_cpu, idx = _step_inputs(seq_lens, pool_idx, cfg)
+        bs = len(seq_lens)
+        temperature = None  # every request greedy (the worker knows it from SGLang's is_all_greedy)
+        if sampling == "mixed" and step % 2 == 0:
+            temperature = torch.tensor([(0.7, 0.0, 1.3)[i % 3] for i in range(bs)])
+        sampled = temperature is not None  # (row 0 samples: what HostHints tell the worker)
+        got = graphs.select(bonus, sl, sl_cpu, idx, temperature, sampled, gen_graph)
+        if bs > max(SIZES):
+            assert got is None  # the caller runs the pass and the selection eagerly
+            continue
+        hidden, logits = eager.with_hidden(bonus, sl, sl_cpu, idx)
+        want = SelectorScores.of(selector, hidden, logits, bonus, temperature, gen_eager, top=top, sampled=sampled)
+        _same_scores(got, want, bonus)
+        sampled_steps += sampled and bool((got.chain_q(BLOCK - 1).probs[0] < 1).any())  # a real draw happened
+        assert torch.equal(gen_graph.get_state(), gen_eager.get_state())
+    assert sampled_steps == (2 if sampling == "mixed" else 0)
+
+
+def test_graphs_of_a_dflash2_draft_refuse_the_v1_call():
+    cfg, paged, head, r2t = _setup(dflash2=True)
+    graphs = _graphs(paged, head, r2t, cfg, top=_top(cfg.vocab_size, 1))
+    bonus, sl, sl_cpu, idx = _step_inputs((5, 1), (3, 0), cfg)
+    with pytest.raises(AssertionError, match="replays through select"):
+        graphs(bonus, sl, sl_cpu, idx)
+
+
 class _MetaAttention:
     """A paged backend on the meta device: shapes only."""
 
@@ -114,28 +220,79 @@ class _MetaAttention:
         return torch.empty_like(q)
 
 
-def test_captured_bodies_do_no_host_sync():
-    """The bodies a CUDA graph captures, run on meta tensors (no data): any host read (.item(), .tolist(), a
-    data-dependent shape such as a boolean mask's) raises there, as it would break a capture."""
+def _meta_graphs(dflash2: bool = False, in_graph: bool = True):
+    """DraftGraphs (static mode) over a drafter, pool and head on the meta device (shapes, no data), with the config."""
     from dflash_sglang.adapter.draft_graphs import DraftGraphs
     from dflash_sglang.adapter.model import DraftKVPool, PagedDrafter, TargetHead, random_drafter
 
-    cfg = draft_config_for(tiny_target("qwen3"), block_size=BLOCK)
+    cfg = draft_config_for(tiny_target("qwen3"), block_size=BLOCK, **(DFLASH2_PAGED if dflash2 else {}))
     pool = DraftKVPool(cfg.num_hidden_layers, 64 + (REQ_SLOTS + 1) * BLOCK, cfg.num_key_value_heads, cfg.head_dim,
                        torch.float32, "meta")
-    paged = PagedDrafter(random_drafter(cfg, "meta", torch.float32), pool, 64, BLOCK, pad_slot=REQ_SLOTS)
+    paged = PagedDrafter(random_drafter(cfg, "meta", torch.float32).requires_grad_(False), pool, 64, BLOCK,
+                         pad_slot=REQ_SLOTS)
     paged.attention = _MetaAttention()
     head = TargetHead(torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta"),
                       torch.empty(cfg.vocab_size, cfg.hidden_size, device="meta"), cfg.mask_token_id)
     r2t = torch.empty(REQ_SLOTS, WIDTH, dtype=torch.int32, device="meta")
-    graphs = DraftGraphs(paged, head, r2t, SIZES, (3, 1), cfg.n_features * cfg.hidden_size, torch.float32, False)
+    selector = paged.drafter.candidate_selector
+    graphs = DraftGraphs(paged, head, r2t, SIZES, (3, 1), cfg.n_features * cfg.hidden_size, torch.float32, False,
+                         selector=selector, top=_top(cfg.vocab_size, 1) if selector is not None else None,
+                         select_in_graph=in_graph)
+    return graphs, cfg
+
+
+@pytest.mark.parametrize("draft", ["dflash", "dflash2"])
+def test_captured_bodies_do_no_host_sync(draft):
+    """The bodies a CUDA graph captures, run on meta tensors (no data): any host read (.item(), .tolist(), a
+    data-dependent shape such as a boolean mask's) raises there, as it would break a capture. DFlash2: the pass, the
+    selector's candidates and the chain's walk (greedy and sampled rows alike)."""
+    graphs, cfg = _meta_graphs(dflash2=draft == "dflash2")
     for size in SIZES:
         graphs._draft_body(graphs.drafts[size])
         assert graphs.drafts[size].logits.shape == (size, BLOCK - 1, cfg.vocab_size)
+        if graphs.selection is not None:
+            k = DFLASH2_PAGED["dflash2"].selector_top_k
+            assert graphs.drafts[size].selection.walk_q.shape == (size, BLOCK - 1, k)
         for nodes in (3, 1):
             graphs._commit_body(graphs.commits[(size, nodes)])
     with pytest.raises((RuntimeError, NotImplementedError)):  # the check has teeth: a host read fails on meta
         int(graphs.drafts[2].seq_lens.sum())
+
+
+@pytest.mark.parametrize("layout", ["one_process", "tp_layout"])
+def test_dflash2_draft_side_of_a_step_does_no_host_sync(layout):
+    """A DFlash2 step's whole draft side on meta tensors, as the worker runs it (adapter/worker.py `_scores`, then
+    core's propose): the replay's inputs loaded, the walk's uniforms drawn, the pass and selection replayed, then a
+    sampled chain with its q and a selector tree grown from the replay's candidates, and the walk's ranks. Only the
+    host's own seq_lens mirror is read (to plan the attention). Which requests sample comes from the host hints
+    (`some_row_samples`); without them SelectorScores.of reads the temperatures, which fails on meta."""
+    from dflash_sglang.core.accept import HostHints, SamplingParams
+    from dflash_sglang.core.adaptive import SpecShape
+    from dflash_sglang.core.selector import SelectorScores, some_row_samples
+    from dflash_sglang.core.speculate import propose
+
+    graphs, cfg = _meta_graphs(dflash2=True, in_graph=layout == "one_process")
+    bs, meta = 3, {"device": "meta"}
+    hints = HostHints(torch.empty(2, dtype=torch.int64, **meta), top_p=False, top_k=0)  # rows 0 and 2 sample
+    params = SamplingParams(torch.empty(bs, **meta), torch.empty(bs, dtype=torch.int64, **meta),
+                            torch.empty(bs, **meta), hints=hints)
+    sampled = some_row_samples(params)
+    assert sampled is True and some_row_samples(None) is False
+    bonus = torch.empty(bs, dtype=torch.int64, **meta)
+    seq_lens, seq_lens_cpu = torch.empty(bs, dtype=torch.int64, **meta), torch.tensor([5, 1, 12])
+    scores = graphs.select(bonus, seq_lens, seq_lens_cpu, torch.empty(bs, dtype=torch.int64, **meta),
+                           params.temperature, sampled, None)
+    chain = propose(bonus, scores, SpecShape(BLOCK, 1))
+    assert chain.ids.shape == (bs, BLOCK) and chain.q.probs.shape == (bs, BLOCK - 1, 4)
+    tree = propose(bonus, scores, SpecShape(7, 2))
+    assert tree.tree.mask.shape == (bs, 7, 7)
+    assert scores.ranks(chain.ids[:, 1:]).shape == (bs, BLOCK - 1)
+    # the eager path (no captured size fits) with the hints, and without them: the device is read
+    selector, logits = graphs.selection.selector, torch.empty(bs, BLOCK - 1, cfg.vocab_size, **meta)
+    states = torch.empty(bs, BLOCK - 1, cfg.hidden_size, **meta)
+    SelectorScores.of(selector, states, logits, bonus, params.temperature, None, sampled=sampled).argmax(BLOCK - 1)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        SelectorScores.of(selector, states, logits, bonus, params.temperature, None)
 
 
 def test_graph_mode_follows_the_target():
@@ -181,3 +338,34 @@ def test_captured_graphs_match_eager_on_gpu():
     ctx = slice(1, paged.scratch_base)  # the context rows (past slot 0; the draft passes above wrote scratch rows)
     torch.testing.assert_close(paged.pool.k[:, ctx], eager.pool.k[:, ctx])
     torch.testing.assert_close(paged.pool.v[:, ctx], eager.pool.v[:, ctx])
+
+
+@requires_flashinfer_gpu
+@pytest.mark.parametrize("sampling", ["greedy", "mixed"])
+def test_captured_dflash2_graphs_match_eager_on_gpu(sampling):
+    """A DFlash2 draft's pass, candidates and walk captured as CUDA graphs (a host sync anywhere in them fails the
+    capture): each replay's selection equals the eager selection over the replay's own states and logits (candidates,
+    walk and tree tokens equal; scores and q within float32 rounding), and the pass is the eager pass's up to bf16
+    rounding."""
+    from dflash_sglang.adapter.model import EagerDraftPass
+    from dflash_sglang.core.selector import SelectorScores
+
+    cfg, paged, head, r2t = _setup("cuda", torch.bfloat16, hidden=256, attention="flashinfer", dflash2=True)
+    top = _top(cfg.vocab_size, 1)
+    graphs = _graphs(paged, head, r2t, cfg, capture=True, top=top)
+    eager = EagerDraftPass(paged, head, r2t)
+    assert graphs.captured and all(g.graph is not None for g in graphs.drafts.values())
+    gen_graph, gen_eager = (torch.Generator("cuda").manual_seed(7) for _ in range(2))
+    for seq_lens, pool_idx in STEPS[:3]:
+        bonus, sl, sl_cpu, idx = _step_inputs(seq_lens, pool_idx, cfg, "cuda")
+        bs = len(seq_lens)
+        temperature = (torch.tensor([(0.7, 0.0, 1.3)[i % 3] for i in range(bs)], device="cuda")
+                       if sampling == "mixed" else None)
+        got = graphs.select(bonus, sl, sl_cpu, idx, temperature, temperature is not None, gen_graph)
+        s = graphs.drafts[graphs._size_for(bs)]
+        want = SelectorScores.of(paged.drafter.candidate_selector, s.selection.states[:bs], s.logits[:bs], bonus,
+                                 temperature, gen_eager, top=top, sampled=temperature is not None)
+        _same_scores(got, want, bonus, exact=False)
+        hidden, logits = eager.with_hidden(bonus, sl, sl_cpu, idx)
+        torch.testing.assert_close(s.logits[:bs].float(), logits.float(), rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(s.selection.states[:bs].float(), hidden.float(), rtol=3e-2, atol=3e-2)

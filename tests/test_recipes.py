@@ -137,6 +137,18 @@ _PUBLISHED_DRAFTS = {
         "rope_scaling": {"rope_type": "yarn", "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                          "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0},
         "vocab_size": 163840},
+    # (block_size: the file's dflash_config.block_size, repeated at the top level where this test reads it)
+    "z-lab/Muse-Glimmer-30B-DFlash2": {
+        "architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "is_causal": False,
+        "dflash_config": {"block_size": 16, "conv_group_size": 16, "conv_kernel_size": 2,
+                          "final_logit_softcapping": 20.0, "mask_token_id": 201818,
+                          "output_multiplier": 0.19611613513818404, "selector_rank": 256, "selector_top_k": 16,
+                          "target_layer_ids": [1, 13, 25, 37, 49]},
+        "block_size": 16, "head_dim": 128, "hidden_size": 6656, "intermediate_size": 19968,
+        "layer_types": ["sliding_attention"] * 5, "num_attention_heads": 32, "num_hidden_layers": 5,
+        "num_key_value_heads": 8, "num_target_layers": 52, "rms_norm_eps": 1e-05,
+        "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}, "sliding_window": 2048,
+        "use_sliding_window": True, "vocab_size": 202048},
     "z-lab/Qwen3.6-27B-DFlash": {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 16,
         "dflash_config": {"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]},
@@ -148,6 +160,8 @@ _PUBLISHED_DRAFTS = {
 _TARGET_LAYOUT = {
     "google/gemma-4-31B-it": {"architectures": ["Gemma4ForConditionalGeneration"], "text_config": {
         "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 10}},
+    "meta-models/Muse-Glimmer-30B": {"architectures": ["MuseGlimmerForConditionalGeneration"],
+                                     "model_type": "muse_glimmer"},
     "moonshotai/Kimi-K2.5": {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
                              "text_config": {"model_type": "deepseek_v3"}},
     "Qwen/Qwen3.6-27B": {"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": {

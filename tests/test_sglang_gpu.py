@@ -7,7 +7,8 @@ Same tiny pair and greedy prompts as tests/test_sglang_e2e.py, bf16, for the cha
 FlashInfer and to Triton (eager), and to FlashInfer under verify CUDA graphs captured with the mask buffers
 (`--speculative-dflash-tree-cuda-graph`; all ran without error on an H100, 2026-11-23), and for adaptive shapes (the
 e2e test's
-table: verify widths below the captured CUDA-graph width run eagerly). Every DFLASH Engine but the Triton one
+table: verify widths below the captured CUDA-graph width run eagerly), and for a DFlash2 draft (a pinned chain and
+selector trees, `--speculative-dflash-experimental`; not yet run on a GPU). Every DFLASH Engine but the Triton one
 replays the draft pass and commit as captured CUDA graphs (adapter/draft_graphs.py, the default where the target
 captures graphs); the Triton one runs target and draft eagerly (`--disable-cuda-graph`). Speculative and plain bf16
 decoding are not
@@ -23,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_sglang_e2e import (ADAPTIVE, TREE_NODES, TREE_TOPK, assert_close_to_plain_bf16, debug_logging_config,
-                             run_children, write_pair)
+from test_sglang_e2e import (ADAPTIVE, BLOCK, TREE_NODES, TREE_TOPK, assert_close_to_plain_bf16,
+                             debug_logging_config, run_children, write_dflash2_draft, write_pair)
 
 # job name -> (speculative, attention backend, extra job fields)
 ENGINES = {
@@ -36,6 +37,13 @@ ENGINES = {
                    {"block": TREE_NODES, "topk": TREE_TOPK, "flags": {"speculative_dflash_tree_cuda_graph": True}}),
     # the e2e test's table; the draft graphs are captured (no static-buffer mode on CUDA)
     "adaptive": (True, "flashinfer", {"flags": {**ADAPTIVE, "speculative_dflash_draft_graphs": "auto"}}),
+    # a DFlash2 draft (tests/test_sglang_e2e.py write_dflash2_draft): its pass, candidates and chain walk captured in
+    # the draft graph (a host sync there fails the capture), as a pinned chain and with selector trees grown from the
+    # replay's candidates
+    "dflash2": (True, "flashinfer", {"block": BLOCK, "dflash2": True,
+                                     "flags": {"speculative_dflash_experimental": True}}),
+    "dflash2_tree": (True, "flashinfer", {"block": TREE_NODES, "topk": TREE_TOPK, "dflash2": True,
+                                          "flags": {"speculative_dflash_experimental": True}}),
     "plain": (False, "flashinfer", {"top2": True}),  # top-2 logprobs: where bf16 may flip a choice
 }
 
@@ -55,6 +63,7 @@ def gpu_root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def gpu_runs(gpu_root) -> dict[str, dict]:
     root = gpu_root
+    dflash2 = str(write_dflash2_draft(root))
     jobs = [
         dict(name=name, root=str(root), spec=spec, full=False, device="cuda", dtype="bfloat16",
              attention_backend=backend, out=str(Path(root) / f"{name}.json"),
@@ -62,6 +71,9 @@ def gpu_runs(gpu_root) -> dict[str, dict]:
              engine_kwargs={"cuda_graph_max_bs_decode": 48, **extra.pop("flags", {})}, **extra)
         for name, (spec, backend, extra) in ((n, (s, b, dict(e))) for n, (s, b, e) in ENGINES.items())
     ]
+    for job in jobs:
+        if job.pop("dflash2", False):
+            job["draft"] = dflash2
     for job in jobs:  # INFO/DEBUG lines of dflash_sglang in every child log (what the draft-graph test reads)
         job["env"] = {"SGLANG_LOGGING_CONFIG_PATH": str(debug_logging_config(root)), **job.get("env", {})}
     return run_children(jobs, shims=False)
@@ -69,7 +81,8 @@ def gpu_runs(gpu_root) -> dict[str, dict]:
 
 def test_draft_graphs_captured_on_gpu(gpu_runs, gpu_root):
     """Where the target captures its graphs, the DFLASH Engines captured the draft pass and commit and replayed
-    them (padded batches included); --disable-cuda-graph kept the Triton Engine eager."""
+    them (padded batches included; the DFlash2 ones with the selector's candidates and walk in the graph);
+    --disable-cuda-graph kept the Triton Engine eager."""
     import re
 
     logs = {name: (gpu_root / f"{name}.log").read_text() for name, (spec, _, _) in ENGINES.items() if spec}
@@ -77,7 +90,9 @@ def test_draft_graphs_captured_on_gpu(gpu_runs, gpu_root):
         if name == "tree_triton":
             assert "the draft pass and commit run eagerly" in log, log[-2000:]
             continue
-        assert "draft pass and commit as CUDA graphs for batch sizes" in log, log[-2000:]
+        assert "and commit as CUDA graphs for batch sizes" in log, log[-2000:]
+        if name.startswith("dflash2"):
+            assert "draft pass with the DFlash2 selector's candidates and walk (" in log, log[-2000:]
         firsts = re.findall(r"first draft replay of size (\d+) \(batch of (\d+)\)", log)
         assert any(int(bs) < int(size) for size, bs in firsts), (name, firsts)
 

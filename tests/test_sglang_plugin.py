@@ -745,6 +745,19 @@ def _flags(**kw):
 
 
 @child_only
+@pytest.mark.parametrize("kv", ["mxfp8", "nvfp4", "fp4_mx_block16"])
+def test_block_scaled_kv_is_refused_for_the_draft_pool(plugin, kv):
+    """The draft pool follows --kv-cache-dtype when no draft dtype is given; block-scaled and fp4 KV it cannot store.
+    (On CPU SGLang refuses these itself first, so the flag view is checked directly.)"""
+    from dflash_sglang.adapter import args as args_mod
+
+    with pytest.raises(args_mod.UnsupportedFlagError, match=rf"^--kv-cache-dtype {kv}: the draft KV pool stores auto, "
+                       r"bf16, bfloat16, fp8_e4m3, fp8_e5m2 \(block-scaled or fp4 KV not yet\)"):
+        args_mod.check_supported_flags(_flags(kv_cache_dtype=kv))
+    args_mod.check_supported_flags(_flags(kv_cache_dtype="fp8_e5m2"))  # (fp8: the pool stores it)
+
+
+@child_only
 def test_missing_gpu_dependency_on_cuda(plugin, monkeypatch):
     from dflash_sglang.adapter import args as args_mod
 
@@ -764,7 +777,8 @@ def test_missing_gpu_dependency_on_cuda(plugin, monkeypatch):
         args_mod.check_supported_flags(_flags(device="cuda"))
 
 
-DP_ATTENTION = r"DP attention \(--attn-dp-size N, or --enable-dp-attention --dp N\) is not supported yet"
+# Without --speculative-dflash-experimental: not validated on a GPU yet (0.5.23), or not served by this release at all
+DP_ATTENTION = r"DP attention is not (yet validated end to end on a GPU|served by dflash-sglang on SGLang 0\.5\.)"
 CONTEXT_PARALLEL = r"is not supported \(the drafter reads every context position's draft K/V on each rank\)"
 
 
@@ -786,9 +800,6 @@ CONTEXT_PARALLEL = r"is not supported \(the drafter reads every context position
          r"not supported"),
         # what would serve with a stale or foreign draft KV pool, or not as asked
         (dict(enable_hierarchical_cache=True), r"^--enable-hierarchical-cache: the draft KV pool cannot be offloaded"),
-        (dict(kv_cache_dtype="fp8_e4m3"), r"^--kv-cache-dtype fp8_e4m3: the draft KV pool is kept in the model dtype"),
-        (dict(speculative_draft_kv_cache_dtype="fp8_e4m3"), r"^--speculative-draft-kv-cache-dtype fp8_e4m3: the draft "
-         r"KV pool is kept in the model dtype \(fp8 draft KV not yet\)"),
         (dict(speculative_use_block_verification=True), r"^--speculative-use-block-verification: block verification"),
         # (SGLang itself refuses deterministic inference with torch_native; with triton it reaches our check)
         (dict(attention_backend="triton", enable_deterministic_inference=True),
@@ -810,6 +821,91 @@ def test_refusals_through_sglangs_own_resolution(plugin, pair, monkeypatch, kw, 
     with pytest.raises(UnsupportedFlagError, match=match) as err:
         _server_args(pair, **kw)
     assert "\n" not in str(err.value) and "DFLASH_SGLANG_IMPL=builtin" in str(err.value)
+
+
+DP_LM_HEAD = r"DFLASH under DP attention needs --enable-dp-lm-head"
+
+
+@pytest.mark.parametrize("kw, served_match", [
+    (dict(tp_size=2, attn_dp_size=2), rf"^--attn-dp-size 2: {DP_LM_HEAD}"),
+    (dict(tp_size=2, enable_dp_attention=True, dp_size=2), rf"^(--attn-dp-size|--enable-dp-attention --dp-size) 2: "
+                                                           rf"{DP_LM_HEAD}"),
+    (dict(tp_size=2, attn_dp_size=2, enable_dp_lm_head=True), None),  # served
+    (dict(tp_size=4, attn_dp_size=2, enable_dp_lm_head=True), None),  # two attention-TP ranks per group
+], ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else str(v))
+@child_only
+def test_dp_attention_with_the_experimental_flag_through_sglangs_own_resolution(plugin, pair, monkeypatch, kw,
+                                                                                served_match):
+    """DP attention under --speculative-dflash-experimental (adapter/dp_attention.py), through SGLang's own resolution:
+    served with the lm_head split per group where this release has what our step needs (the probe), refused
+    without --enable-dp-lm-head; refused with the release named where it has not."""
+    from dflash_sglang.adapter.args import UnsupportedFlagError
+    from dflash_sglang.adapter.versions import attention_dp, attention_dp_served, view
+
+    kw = {**kw, "speculative_dflash_experimental": True}
+    missing = [f for f in _argv(Path("."), **kw) if f.startswith("--") and not _sglang_has_flag(f)]
+    if missing:
+        pytest.skip(f"sglang {version('sglang')} has no {' '.join(missing)}")
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    match = served_match if attention_dp_served() else rf"DP attention is not served by dflash-sglang on SGLang " \
+                                                     rf"{re.escape(version('sglang'))} \(0\.5\.23 has"
+    if match is not None:
+        with pytest.raises(UnsupportedFlagError, match=match):
+            _server_args(pair, **kw)
+        return
+    resolved = _server_args(pair, **kw)
+    assert attention_dp(view(resolved)) == ("--attn-dp-size", 2)
+
+
+@pytest.mark.parametrize("kw, dtype, element", [
+    (dict(), "auto", 0),  # the model dtype (0: its element size)
+    (dict(kv_cache_dtype="fp8_e4m3"), "fp8_e4m3", 1),  # the draft follows the target's KV dtype (0.5.17's only way)
+    (dict(speculative_draft_kv_cache_dtype="fp8_e5m2"), "fp8_e5m2", 1),  # the draft pool alone
+    (dict(speculative_draft_kv_cache_dtype="bf16"), "bf16", 2),
+    (dict(kv_cache_dtype="fp8_e4m3", speculative_draft_kv_cache_dtype="auto"), "auto", 0),  # the draft flag wins
+], ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else str(v))
+@child_only
+def test_draft_kv_dtype_through_sglangs_own_resolution(plugin, pair, monkeypatch, kw, dtype, element):
+    """--speculative-draft-kv-cache-dtype (default: follow --kv-cache-dtype) resolves into the worker's settings, with
+    the pool row's bytes that SGLang's KV sizing will add per token (adapter/draft_memory.py) and the context length the
+    start-up line prices a request at."""
+    from dflash_sglang.adapter.settings import settings_of
+    from dflash_sglang.adapter.versions import model_config
+    from dflash_sglang.core.config import DraftConfig
+
+    missing = [f for f in _argv(Path("."), **kw) if f.startswith("--") and not _sglang_has_flag(f)]
+    if missing:
+        pytest.skip(f"sglang {version('sglang')} has no {' '.join(missing)}")
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    server_args = _server_args(pair, **kw)
+    s = settings_of(server_args)
+    cfg = DraftConfig.load(pair / "draft")
+    element = element or torch.empty((), dtype=model_config(server_args).dtype).element_size()
+    assert s.draft_kv_dtype == dtype
+    row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+    assert s.draft_memory.bytes_per_token == row * element
+    assert s.context_len > 0
+
+
+@child_only
+def test_kv_sizing_hook_adds_our_pool_row(plugin, pair, monkeypatch):
+    """SGLang's `scale_kv_cell_size_per_token_for_dflash`, as the KV sizing calls it in the scheduler (hooked by the
+    plugin): the target's bytes per token plus our pool row where our settings are in the runtime context; SGLang's
+    own estimate without them."""
+    from sglang.srt.runtime_context import get_context
+    from sglang.srt.speculative import dflash_utils
+
+    from dflash_sglang.adapter.settings import settings_of
+
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    server_args = _server_args(pair, speculative_draft_kv_cache_dtype="fp8_e4m3") if _sglang_has_flag(
+        "--speculative-draft-kv-cache-dtype") else _server_args(pair, kv_cache_dtype="fp8_e4m3")
+    row = settings_of(server_args).draft_memory.bytes_per_token
+    kw = dict(target_cell_size_per_token=1000, target_num_layers=4, draft_num_layers=2)
+    get_context().set_server_args(server_args)  # as the scheduler publishes them before sizing its pools
+    assert dflash_utils.scale_kv_cell_size_per_token_for_dflash(**kw) == 1000 + row
+    monkeypatch.delattr(server_args, "_dflash_settings")  # another algorithm, or the builtin
+    assert dflash_utils.scale_kv_cell_size_per_token_for_dflash(**kw) == 1500  # SGLang's layer-count scaling
 
 
 @child_only
@@ -882,6 +978,54 @@ def test_transferred_draft_pool_is_laid_out_as_sglangs_kv_pool(plugin):
 
 
 @child_only
+@pytest.mark.parametrize("kv_dtype", [None, "fp8_e4m3"])
+def test_decode_side_reports_transfers_without_draft_kv(plugin, caplog, kv_dtype):
+    """adapter/disagg.py PeerCheck: the slots pre-allocated for a transfer are marked unsent (NaN, as the pool stores
+    it); rows a transfer wrote pass; a request whose rows no transfer wrote is reported once per doubling, by request
+    id, and its rows are zeroed (finite drafts); rows past a request's length and other requests' rows are left."""
+    import logging
+    from types import SimpleNamespace
+
+    from dflash_sglang.adapter.disagg import PeerCheck, TransferredDraftPool
+    from dflash_sglang.adapter.model import DraftKVPool
+    from dflash_sglang.core.draft_kv import kv_format
+
+    fmt = kv_format(kv_dtype, torch.float32) if kv_dtype else None
+    pool = DraftKVPool(2, 32, 2, 4, torch.float32, "cpu", kv_format=fmt)
+    ours = TransferredDraftPool(pool, 1)
+    req_to_token = torch.zeros(4, 8, dtype=torch.int32)
+    req_to_token[0, :5], req_to_token[1, :3], req_to_token[2, :4], req_to_token[3, :2] = (
+        torch.arange(1, 6), torch.arange(10, 13), torch.arange(20, 24), torch.arange(26, 28))
+    for first, n in ((1, 5), (10, 4), (20, 5), (26, 2)):  # each transfer's pre-allocated slots (request 1's: one more)
+        ours.mark_unsent(torch.arange(first, first + n))
+    sent = pool.store(torch.ones(5, 2, 4), torch.ones(5, 2, 4))[0]
+    pool.k[0, 1:6] = sent  # request 0's transfer wrote its rows (the draft K/V of its prompt)
+    pool.k[0, 20:22] = sent[:2]  # request 2's did half of them: a peer that sends none leaves them all
+    # request 3 is SGLang's health check: a fake bootstrap host, no KV transferred (never reported)
+    reqs = [SimpleNamespace(rid=f"r{i}", bootstrap_host="10.0.0.1") for i in range(3)]
+    reqs.append(SimpleNamespace(rid="HEALTH_CHECK_x", bootstrap_host="2.2.2.2"))
+    batch = SimpleNamespace(reqs=reqs, seq_lens=torch.tensor([5, 3, 4, 2]), seq_lens_cpu=torch.tensor([5, 3, 4, 2]),
+                            req_pool_indices=torch.tensor([0, 1, 2, 3]),
+                            req_to_token_pool=SimpleNamespace(req_to_token=req_to_token))
+    check = PeerCheck(ours)
+    with caplog.at_level(logging.ERROR, logger="dflash_sglang.adapter.disagg"):
+        check.check(batch)
+    assert (check.checked, check.unsent) == (3, 2)
+    [record] = caplog.records
+    assert "2 of 3 transferred requests arrived without draft K/V (now: r1, r2)" in record.getMessage()
+    loaded = pool.load(pool.k[0], pool.v[0])[0]
+    assert not loaded[10:13].isnan().any() and not loaded[20:24].isnan().any()  # zeroed: finite drafts
+    assert (loaded[10:13] == 0).all() and (loaded[22:24] == 0).all() and (loaded[20:22] == 1).all()
+    assert loaded[1:6].eq(1).all()  # a transferred request's rows are untouched
+    assert loaded[13].isnan().all()  # beyond request 1's length: pre-allocated, not yet its context
+    assert loaded[26:28].isnan().all()  # the health check's rows: not a transfer, left as they are
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="dflash_sglang.adapter.disagg"):
+        check.check(batch)  # the same rows again: nothing unsent any more
+    assert (check.checked, check.unsent) == (6, 2) and not caplog.records
+
+
+@child_only
 def test_tensor_expert_and_data_parallel_layouts_resolve(plugin, pair, monkeypatch):
     """TP, EP inside it (the target's experts; our collectives run on the TP group) and DP replicas (one scheduler and
     worker each, the same settings) are served."""
@@ -935,7 +1079,7 @@ def test_worker_answers_the_draft_runner_members_itself(plugin, pair, monkeypatc
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
     args = _server_args(pair)
     runner = SimpleNamespace(spec_aux_config=SimpleNamespace(dflash_target_layer_ids=None),
-                             model_config=SimpleNamespace(context_len=512))
+                             model_config=SimpleNamespace(context_len=512), dtype=torch.float32)
     target = SimpleNamespace(model_runner=runner, device="cpu", preloaded_weights_bytes=123,
                              primary_draft_kv_pool="target pool")
     worker = DFlashWorker(server_args=args, gpu_id=0, nccl_port=0, target_worker=target)

@@ -150,7 +150,8 @@ def test_signature_probes_agree_with_the_functions():
 @child_only
 def test_field_and_module_probes_agree_with_the_release():
     """`attn_dp_size` is a field of a built record where the probe says so; the tracking grid and the DFLASH PD
-    builder exist where their probes say (and SpeculativeAlgorithm's PD dispatch names the builder only there)."""
+    builder exist where their probes say (and SpeculativeAlgorithm's PD dispatch names the builder only there); the
+    ForwardBatch takes coordinated DP-attention counts where our worker's DP attention is served."""
     import inspect
 
     from sglang.srt import runtime_context
@@ -164,3 +165,31 @@ def test_field_and_module_probes_agree_with_the_release():
     assert callable(getattr(runtime_context, "mamba_track_grid", None)) == has_mamba_track_grid()
     dispatch = inspect.getsource(SpeculativeAlgorithm.build_disagg_draft_input)
     assert ("build_dflash_disagg_draft_input" in dispatch) == pd_disaggregation_supported()
+    # DP attention: the ForwardBatch reads coordinated counts from the ScheduleBatch (not rescaled where set)
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    from dflash_sglang.adapter.versions import attention_dp_served
+
+    coordinated = "dp_spec_prefill_coordination_applied" in inspect.getsource(ForwardBatch)
+    assert attention_dp_served() == (coordinated and callable(getattr(runtime_context, "get_parallel", None)))
+
+
+@child_only
+def test_draft_kv_dtype_reading_follows_the_parser():
+    """`has_draft_kv_cache_dtype` agrees with SGLang's parser (the flag a user types), and the seam reads the draft
+    flag where it exists and is set, else --kv-cache-dtype."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    from dflash_sglang.adapter.versions import draft_kv_cache_dtype, has_draft_kv_cache_dtype
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    has = any("--speculative-draft-kv-cache-dtype" in a.option_strings for a in parser._actions)
+    assert has_draft_kv_cache_dtype() == has
+    view = SimpleNamespace(kv_cache_dtype="fp8_e4m3", speculative_draft_kv_cache_dtype="bf16")
+    assert draft_kv_cache_dtype(view) == (("--speculative-draft-kv-cache-dtype", "bf16") if has
+                                          else ("--kv-cache-dtype", "fp8_e4m3"))
+    assert draft_kv_cache_dtype(SimpleNamespace(kv_cache_dtype="fp8_e5m2", speculative_draft_kv_cache_dtype=None)) \
+        == ("--kv-cache-dtype", "fp8_e5m2")

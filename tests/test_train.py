@@ -37,10 +37,10 @@ def draft_cfg(block: int = 4) -> DraftConfig:
 
 
 def test_position_weights_follow_paper_decay():
-    w = position_weights(16, loss_gamma(16))
+    w = position_weights(16, loss_gamma(16, paper=True))
     assert w[0] == 0 and w[1] == 1
     assert torch.allclose(w[2:], torch.exp(-torch.arange(1, 15) / 7.0))
-    assert loss_gamma(8) == 4.0
+    assert loss_gamma(8, paper=True) == 4.0
 
 
 def test_anchors_lie_in_the_response_and_leave_a_label():
@@ -436,16 +436,9 @@ def test_cli_holds_out_the_prompts_after_the_training_ones(tmp_path, capsys):
     from dflash_sglang.testbed.data import load_split, make_prompts
     from dflash_sglang.train.shards import load_cache as load
 
-    from factories import char_tokenizer, tiny_target as factory_target
+    from factories import save_chat_target
 
-    target_dir = tmp_path / "target"
-    target = factory_target(vocab=96)
-    target.config.eos_token_id = 0
-    target.save_pretrained(target_dir, safe_serialization=True)
-    tok = char_tokenizer(96)
-    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
-                         "{% if add_generation_prompt %}:{% endif %}")
-    tok.save_pretrained(target_dir)
+    target_dir, tok = save_chat_target(tmp_path)
     convs = [{"id": f"c{i}_0", "conversations": [{"from": "human", "value": f"question number {i}"},
                                                    {"from": "gpt", "value": "an answer"}]} for i in range(40)]
     data = tmp_path / "sg.json"

@@ -47,10 +47,12 @@ from dflash_sglang.core.tree import max_tree_nodes
 from dflash_sglang.ops import MAX_NODES, find_nvcc
 
 from .adaptive import AdaptiveConfigError, adaptive_limits
+from .draft_memory import draft_memory
 from .settings import (DRAFT_ATTENTION, DRAFT_GRAPHS, IMPL_ENV, PLUGIN_DEFAULTS, DFlashSettings, plugin_flags_of,
                        refuse_retired_env)
 from .simulate import STEP_COST_ENV, SimulatedAcceptance, simulated_step_cost
-from .versions import SGLANG_VERSION, attention_dp, declare, model_config, pd_disaggregation_supported, view
+from .versions import (SGLANG_VERSION, attention_dp, attention_dp_served, declare, draft_kv_cache_dtype, model_config,
+                       pd_disaggregation_supported, view)
 
 if TYPE_CHECKING:
     from sglang.srt.server_args import ServerArgs
@@ -95,12 +97,13 @@ def check_supported_env(env=None) -> None:
                                        f"{IMPL_ENV}=builtin for SGLang's own)")
 
 
-def check_supported_flags(cfg) -> None:
-    """One line per flag our worker does not serve. cfg: a read view of the server args."""
+def check_supported_flags(cfg, experimental: bool = False) -> None:
+    """One line per flag our worker does not serve. cfg: a read view of the server args; experimental: our
+    --speculative-dflash-experimental."""
     device = str(cfg.device)
     if device.split(":")[0] not in DEVICES:
         _refuse("--device", device, f"only {' and '.join(DEVICES)} are supported")
-    check_parallel_layout(cfg)
+    check_parallel_layout(cfg, bool(experimental))
     refusals = (
         ("--speculative-draft-window-size", "speculative_draft_window_size", (None,), "not supported yet"),
         ("--speculative-adaptive-config", "speculative_adaptive_config", (None, ""),
@@ -114,8 +117,6 @@ def check_supported_flags(cfg) -> None:
         # not batch-invariant, so a seeded request would not give the same answer twice.
         ("--enable-deterministic-inference", "enable_deterministic_inference", (None, False),
          "seeded (sampling_seed), batch-invariant decoding is not served yet"),
-        ("--speculative-draft-kv-cache-dtype", "speculative_draft_kv_cache_dtype",
-         (None, "auto", "bf16", "bfloat16"), "the draft KV pool is kept in the model dtype (fp8 draft KV not yet)"),
     )
     for flag, name, ok, why in refusals:
         value = getattr(cfg, name, None)
@@ -125,9 +126,7 @@ def check_supported_flags(cfg) -> None:
     if pd is not None and not pd_disaggregation_supported():
         _refuse("--disaggregation-mode", pd, f"SGLang {SGLANG_VERSION} has no DFLASH path for PD disaggregation "
                 "(0.5.20 and later have: prefill and decode servers transfer the draft KV pool)")
-    kv_dtype = str(getattr(cfg, "kv_cache_dtype", "auto") or "auto")
-    if kv_dtype not in ("auto", "bfloat16", "float16", "float32"):
-        _refuse("--kv-cache-dtype", kv_dtype, "the draft KV pool is kept in the model dtype (quantized KV not yet)")
+    draft_kv_dtype(cfg)
     if cfg.speculative_draft_model_path is None:
         raise UnsupportedFlagError("--speculative-algorithm DFLASH needs --speculative-draft-model-path DIR")
     if device.startswith("cuda"):
@@ -155,14 +154,26 @@ PARALLEL_REFUSALS = (
 )
 
 
-def check_parallel_layout(cfg) -> None:
-    """Refuse every multi-rank layout our worker does not serve: DP attention (either spelling), PP, attention /
-    decode / prefill context parallelism. cfg: the resolved read view."""
+def check_parallel_layout(cfg, experimental: bool = False) -> None:
+    """Refuse every multi-rank layout our worker does not serve: PP, attention / decode / prefill context parallelism,
+    and DP attention (either spelling) unless `experimental` on a release that serves it (adapter/dp_attention.py)
+    with the lm_head split per attention-DP group. cfg: the resolved read view."""
     dp_attention = attention_dp(cfg)
     if dp_attention is not None:  # (on 0.5.17 its group count is --dp-size, which alone means replicas)
         flag, groups = dp_attention
-        _refuse(flag, groups, "DP attention (--attn-dp-size N, or --enable-dp-attention --dp N) is not supported yet: "
-                "idle attention-DP ranks would not join our step")
+        if not attention_dp_served():
+            _refuse(flag, groups, f"DP attention is not served by dflash-sglang on SGLang {SGLANG_VERSION} (0.5.23 "
+                    "has what our step needs: per-step row counts for every attention-DP group)")
+        if not experimental:
+            _refuse(flag, groups, f"DP attention is not yet validated end to end on a GPU with dflash-sglang: pass "
+                    f"{EXPERIMENTAL} to serve it with ours, or set {IMPL_ENV}=builtin")
+        if not getattr(cfg, "enable_dp_lm_head", False):
+            _refuse(flag, groups, "DFLASH under DP attention needs --enable-dp-lm-head: the drafter borrows the "
+                    "target's lm_head, which must be split within each attention-DP group (its draft vocab merge "
+                    "runs there, never across groups)")
+        if os.environ.get("SGLANG_ENABLE_DP_SPEC_PREFILL_COORDINATION", "").strip().lower() in ("1", "true"):
+            _refuse(flag, groups, "SGLANG_ENABLE_DP_SPEC_PREFILL_COORDINATION=1: our step writes each "
+                    "attention-DP group's rows itself (unset it)")
     for flag, name, why in PARALLEL_REFUSALS:
         value = int(getattr(cfg, name, 1) or 1)
         if value != 1:
@@ -186,7 +197,7 @@ def precheck(server_args: ServerArgs) -> None:
     refuse_retired_env()
     check_supported_env()
     cfg = view(server_args)
-    check_supported_flags(cfg)
+    check_supported_flags(cfg, bool(plugin_flags_of(server_args)["speculative_dflash_experimental"]))
     resolve_draft_path(server_args)
     draft = DraftConfig.load(view(server_args).speculative_draft_model_path)
     # The operator's own values: SGLang would turn --speculative-adaptive off for DFLASH (EAGLE-only there), and may
@@ -213,6 +224,7 @@ def handle_dflash_args(server_args: ServerArgs) -> DFlashSettings:
     mode, block, nodes, topk, table = resolve_shape(server_args, draft, flags, requested, simulation)
     max_running, budget = running_limits(mode, nodes, requested, flags["speculative_dflash_adaptive_token_budget"])
     step_cost = simulated_step_cost()
+    target, kv_dtype = model_config(server_args), draft_kv_dtype(cfg)
     if step_cost is not None and mode != "goodput":
         raise UnsupportedFlagError(f"{STEP_COST_ENV}: a simulated step cost feeds the goodput controller, which this "
                                    f"server does not run ({mode} mode): unset it, or drop the shape flags")
@@ -220,13 +232,14 @@ def handle_dflash_args(server_args: ServerArgs) -> DFlashSettings:
         draft_dir=str(cfg.speculative_draft_model_path), draft=draft, mode=mode, block_size=block, nodes=nodes,
         topk=topk, max_running_requests=max_running, device=str(cfg.device),
         draft_attention=draft_attention(flags["speculative_draft_attention_backend"], str(cfg.device)),
-        draft_graphs=draft_graphs(flags["speculative_dflash_draft_graphs"]),
+        draft_graphs=draft_graphs(flags["speculative_dflash_draft_graphs"]), draft_kv_dtype=kv_dtype,
+        draft_memory=draft_memory(draft, kv_dtype, target.dtype), context_len=int(target.context_len),
         tree_cuda_graph=bool(flags["speculative_dflash_tree_cuda_graph"]) and topk > 1,
         dummy_draft=dummy, adaptive_table=table,
         token_map=token_map_path(cfg.speculative_token_map, str(cfg.speculative_draft_model_path), draft),
         adaptive_token_budget=budget,
         simulation=simulation, step_cost=step_cost, disaggregation=disaggregation(cfg),
-        hybrid=recurrent_layers(model_config(server_args).hf_config) is not None,
+        hybrid=recurrent_layers(target.hf_config) is not None,
     )
     if simulation is not None and not simulation.serves(mode):
         raise UnsupportedFlagError(f"{simulation.variable}: simulated acceptance forces a chain's commit length; "
@@ -264,6 +277,19 @@ def token_map_path(flag_value: str | None, draft_dir: str, draft: DraftConfig) -
         _refuse("--speculative-token-map", flag_value, "no such file")
     read_token_map(flag_value, draft.vocab_size)
     return str(flag_value)
+
+
+# Draft KV dtypes (SGLang's names) our pool stores: the model dtype, bf16, or fp8 with unit scales (core/draft_kv.py)
+DRAFT_KV_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
+
+
+def draft_kv_dtype(cfg) -> str:
+    """The draft KV pool's dtype name (adapter/versions.py `draft_kv_cache_dtype`: the draft flag, else
+    --kv-cache-dtype), one of DRAFT_KV_DTYPES; "auto" = the model dtype."""
+    flag, value = draft_kv_cache_dtype(cfg)
+    if value not in DRAFT_KV_DTYPES:
+        _refuse(flag, value, f"the draft KV pool stores {', '.join(DRAFT_KV_DTYPES)} (block-scaled or fp4 KV not yet)")
+    return value
 
 
 def draft_graphs(value: str) -> str:

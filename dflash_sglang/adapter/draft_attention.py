@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dflash_sglang import ops
+from dflash_sglang.core.draft_kv import DraftKVFormat
 
 _WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended split-k workspace
 
@@ -65,17 +66,21 @@ def build_layout(req_to_token: Tensor, req_pool_indices: Tensor, seq_lens_cpu: T
 
 
 def paged_attention_reference(q: Tensor, k_rows: Tensor, v_rows: Tensor, layout: DraftLayout,
-                              scale: float) -> Tensor:
-    """The plain-torch definition: q [T, h, d] (T = bs*B), k_rows / v_rows [rows, kvh, d] one layer's pool
-    -> out [T, h, d]; every query of request i attends to all of request i's key rows (non-causal)."""
+                              scale: float, kv_format: DraftKVFormat | None = None) -> Tensor:
+    """The plain-torch definition: q [T, h, d] (T = bs*B), k_rows / v_rows [rows, kvh, d] one layer's pool (stored in
+    `kv_format`'s dtype when given, read back in q's) -> out [T, h, d]; every query of request i attends to all of
+    request i's key rows (non-causal)."""
     out = torch.empty_like(q)
     rep = q.shape[1] // k_rows.shape[1]
     kv_indices = layout.kv_indices.to(torch.int64)
     qo, kv = layout.qo_indptr_cpu.tolist(), layout.kv_indptr_cpu.tolist()
     for i in range(layout.batch_size):
         rows = kv_indices[kv[i]:kv[i + 1]]
-        k = k_rows[rows].transpose(0, 1).repeat_interleave(rep, dim=0)  # [h, K, d]
-        v = v_rows[rows].transpose(0, 1).repeat_interleave(rep, dim=0)
+        k, v = k_rows[rows], v_rows[rows]
+        if kv_format is not None:
+            k, v = kv_format.load(k, kv_format.k_scale, q.dtype), kv_format.load(v, kv_format.v_scale, q.dtype)
+        k = k.transpose(0, 1).repeat_interleave(rep, dim=0)  # [h, K, d]
+        v = v.transpose(0, 1).repeat_interleave(rep, dim=0)
         o = F.scaled_dot_product_attention(q[qo[i]:qo[i + 1]].transpose(0, 1), k, v, scale=scale)
         out[qo[i]:qo[i + 1]] = o.transpose(0, 1)
     return out
@@ -107,9 +112,11 @@ class TorchPagedAttention:
     name = "torch"
     capturable = False  # the reference reads the layout on the host
 
-    def __init__(self, scale: float, kv_indices_buf: Tensor | None = None) -> None:
+    def __init__(self, scale: float, kv_indices_buf: Tensor | None = None, kv_format: DraftKVFormat | None = None
+                 ) -> None:
         self.scale = scale
         self.kv_indices_buf = kv_indices_buf  # graph mode: the key rows live here, written by the graph itself
+        self.kv_format = kv_format  # the pool's storage (fp8 draft KV), None: stored as computed
         self.layout: DraftLayout | None = None
 
     def plan(self, layout: DraftLayout) -> None:
@@ -118,7 +125,7 @@ class TorchPagedAttention:
     def for_graph(self, batch_size: int, kv_indptr_buf: Tensor, kv_indices_buf: Tensor) -> TorchPagedAttention:
         """The backend of a graph runner's static replay (never captured: the reference loops on the host). Its
         planned layouts carry no kv_indices: the replay writes them into kv_indices_buf before attending."""
-        return TorchPagedAttention(self.scale, kv_indices_buf)
+        return TorchPagedAttention(self.scale, kv_indices_buf, self.kv_format)
 
     def run(self, q: Tensor, k_rows: Tensor, v_rows: Tensor) -> Tensor:
         assert self.layout is not None, "plan() before run()"
@@ -126,19 +133,21 @@ class TorchPagedAttention:
         if self.kv_indices_buf is not None:
             total = int(layout.kv_indptr_cpu[-1])
             layout = DraftLayout(layout.qo_indptr_cpu, layout.kv_indptr_cpu, self.kv_indices_buf[:total])
-        return paged_attention_reference(q, k_rows, v_rows, layout, self.scale)
+        return paged_attention_reference(q, k_rows, v_rows, layout, self.scale, self.kv_format)
 
 
 class FlashInferPagedAttention:
     """FlashInfer's ragged paged prefill, non-causal, page size 1, no positional encoding (q and the pooled
-    keys carry RoPE already)."""
+    keys carry RoPE already). An fp8 pool (`kv_format`) is read by the kernel itself: planned with the fp8 KV data
+    type, its k_scale / v_scale passed at run (FlashInfer folds k_scale into the softmax scale and v_scale into the
+    output, the dequantization `DraftKVFormat.load` defines)."""
 
     name = "flashinfer"
     capturable = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device,
                  scale: float, workspace: Tensor | None = None,
-                 graph: tuple[int, Tensor, Tensor] | None = None) -> None:
+                 graph: tuple[int, Tensor, Tensor] | None = None, kv_format: DraftKVFormat | None = None) -> None:
         """graph: (batch size, kv_indptr buffer, kv_indices buffer) for a wrapper that runs inside a CUDA graph
         (`for_graph`)."""
         import flashinfer  # GPU-only dependency, checked at worker start-up (select_backend)
@@ -161,6 +170,8 @@ class FlashInferPagedAttention:
             )
         self.shape = (num_heads, num_kv_heads, head_dim)
         self.dtype, self.device, self.scale = dtype, device, scale
+        self.kv_format = kv_format
+        self.kv_dtype = dtype if kv_format is None else kv_format.dtype
 
     def for_graph(self, batch_size: int, kv_indptr_buf: Tensor, kv_indices_buf: Tensor) -> FlashInferPagedAttention:
         """A backend for a CUDA graph of `batch_size` requests, sharing this one's split-k workspace (one pass
@@ -168,7 +179,7 @@ class FlashInferPagedAttention:
         kv_indices_buf [>= any layout's rows] int32, which the graph writes; planned layouts carry no kv_indices
         (plan() then copies none)."""
         return FlashInferPagedAttention(*self.shape, self.dtype, self.device, self.scale, workspace=self.workspace,
-                                        graph=(batch_size, kv_indptr_buf, kv_indices_buf))
+                                        graph=(batch_size, kv_indptr_buf, kv_indices_buf), kv_format=self.kv_format)
 
     def plan(self, layout: DraftLayout) -> None:
         h, kvh, d = self.shape
@@ -177,23 +188,27 @@ class FlashInferPagedAttention:
         self.wrapper.plan(
             layout.qo_indptr_cpu, layout.kv_indptr_cpu, layout.kv_indices, last_page_len,
             h, kvh, d, 1, causal=False, pos_encoding_mode="NONE", sm_scale=self.scale,
-            q_data_type=self.dtype, kv_data_type=self.dtype,
+            q_data_type=self.dtype, kv_data_type=self.kv_dtype,
         )
 
     def run(self, q: Tensor, k_rows: Tensor, v_rows: Tensor) -> Tensor:
         # NHD paged cache: [pages, page_size=1, kvh, d], a view of the layer's pool slice.
-        return self.wrapper.run(q.contiguous(), (k_rows.unsqueeze(1), v_rows.unsqueeze(1)))
+        cache = (k_rows.unsqueeze(1), v_rows.unsqueeze(1))
+        if self.kv_format is None:
+            return self.wrapper.run(q.contiguous(), cache)
+        return self.wrapper.run(q.contiguous(), cache, k_scale=self.kv_format.k_scale, v_scale=self.kv_format.v_scale)
 
 
 def select_backend(device, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                   choice: str = "auto") -> PagedAttention:
+                   choice: str = "auto", kv_format: DraftKVFormat | None = None) -> PagedAttention:
     """The paged attention backend: `choice` is "flashinfer", "torch" or "auto" (FlashInfer on CUDA, torch
-    elsewhere), as resolved from --speculative-draft-attention-backend at start-up (adapter/args.py)."""
+    elsewhere), as resolved from --speculative-draft-attention-backend at start-up (adapter/args.py). dtype: the
+    queries' (the drafter's compute dtype); kv_format: the pool's storage (None: dtype)."""
     assert choice in ("auto", "flashinfer", "torch"), choice
     scale = head_dim**-0.5
     on_cuda = torch.device(device).type == "cuda"
     if choice == "torch" or (choice == "auto" and not on_cuda):
-        return TorchPagedAttention(scale)
+        return TorchPagedAttention(scale, kv_format=kv_format)
     if not on_cuda:
         raise ValueError(f"--speculative-draft-attention-backend flashinfer needs a CUDA device, the drafter runs on "
                          f"{device}")
@@ -202,4 +217,4 @@ def select_backend(device, num_heads: int, num_kv_heads: int, head_dim: int, dty
     except ImportError as e:
         raise ImportError(f"DFLASH draft attention on CUDA needs FlashInfer (pip install flashinfer-python), "
                           f"or --speculative-draft-attention-backend torch_native: {e}") from None
-    return FlashInferPagedAttention(num_heads, num_kv_heads, head_dim, dtype, device, scale)
+    return FlashInferPagedAttention(num_heads, num_kv_heads, head_dim, dtype, device, scale, kv_format=kv_format)

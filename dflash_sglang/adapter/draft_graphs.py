@@ -7,7 +7,8 @@ as one graph. Here a step replays two graphs. The draft graph starts with the at
 `draft_layout` kernel (`ops.draft_kv_indices`) writes every request's key rows into a fixed buffer from kv_indptr,
 which FlashInfer's graph-mode wrapper reads at a fixed address. What stays on the host is what only the host
 knows: kv_indptr (a cumulative sum of the scheduler's host copy of seq_lens), FlashInfer's plan (host work and
-the copy of kv_indptr), and copying the step's inputs into the static buffers.
+the copy of kv_indptr), and copying the step's inputs into the static buffers. A DFlash2 draft's graph also holds its
+selector's candidates and the chain's walk (adapter/selector_graph.py; `select` replays it).
 
 Padding: bs requests replay the graph of the smallest captured size >= bs. Padded draft requests have no context
 and the drafter's padding scratch rows (`PagedDrafter.pad_slot`); their logits are never read. Padded commit rows
@@ -31,8 +32,11 @@ from torch import Tensor
 
 from dflash_sglang import ops
 
+from dflash_sglang.core.selector import CandidateSelector, SelectorScores, TopK
+
 from .draft_attention import DraftLayout, PagedAttention, host_indptrs
 from .model import PagedDrafter, TargetHead
+from .selector_graph import GraphedSelector, SelectorStatics
 
 logger = logging.getLogger(__name__)
 PAD_SLOT = 0  # SGLang's padding KV slot: its token allocators start at 1
@@ -77,6 +81,7 @@ class _DraftGraph:
     kv_indptr: Tensor  # [size+1] int32: each request's key rows in the shared kv_indices buffer
     attention: object  # the paged backend of this size, planned before every replay
     logits: Tensor  # [size, B-1, V] output, rewritten by every replay
+    selection: SelectorStatics | None = None  # a DFlash2 draft's selector (adapter/selector_graph.py)
     graph: object = None  # torch.cuda.CUDAGraph; None: replayed eagerly (static mode)
 
 
@@ -95,9 +100,13 @@ class DraftGraphs:
     """The draft pass and commit of every captured batch size (see the module docstring)."""
 
     def __init__(self, drafter: PagedDrafter, head: TargetHead, req_to_token: Tensor, sizes: Sequence[int],
-                 commit_nodes: Sequence[int], feature_dim: int, feature_dtype: torch.dtype, capture: bool) -> None:
+                 commit_nodes: Sequence[int], feature_dim: int, feature_dtype: torch.dtype, capture: bool,
+                 selector: CandidateSelector | None = None, top: TopK | None = None,
+                 select_in_graph: bool = True) -> None:
         """req_to_token: SGLang's [pool_reqs, max_ctx] slot table (a fixed tensor); sizes: batch sizes to capture;
-        commit_nodes: verify rows per request that a step can commit (one commit graph per size and count)."""
+        commit_nodes: verify rows per request that a step can commit (one commit graph per size and count).
+        selector: a DFlash2 draft's (None: DFlash v1), with `top`, its candidates over the whole draft vocabulary, and
+        select_in_graph: its selection captured with the pass (False under TP: it follows the replay)."""
         assert drafter.attention is not None and drafter.pad_slot is not None, "a paged drafter with a padding slot"
         self.drafter, self.head, self.req_to_token = drafter, head, req_to_token
         self.block = drafter.block
@@ -115,9 +124,15 @@ class DraftGraphs:
         pool_idx = torch.full((max_size,), drafter.pad_slot, **i64)
         logits = torch.zeros(max_size, self.block - 1, head.lm_head_weight.shape[0], dtype=head.lm_head_weight.dtype,
                              device=device)
+        self.selection = None
+        if selector is not None:
+            assert top is not None, "the selector's candidates over the whole draft vocabulary"
+            self.selection = GraphedSelector(selector, top, select_in_graph, max_size, self.block - 1,
+                                             drafter.cfg.hidden_size, drafter.dtype, device)
         self.drafts = {
             s: _DraftGraph(s, bonus[:s], seq_lens[:s], pool_idx[:s], kv_indptr[: s + 1],
-                           drafter.attention.for_graph(s, kv_indptr[: s + 1], self.kv_indices), logits[:s])
+                           drafter.attention.for_graph(s, kv_indptr[: s + 1], self.kv_indices), logits[:s],
+                           self.selection.statics(s) if self.selection is not None else None)
             for s in self.sizes
         }
         rows = max_size * nodes[-1]
@@ -135,7 +150,12 @@ class DraftGraphs:
     def describe(self) -> str:
         nodes = sorted({n for _, n in self.commits})
         how = "CUDA graphs" if self.captured else "static buffers replayed eagerly"
-        return f"draft pass and commit as {how} for batch sizes {self.sizes}, commit rows per request {nodes}"
+        what = "draft pass"
+        if self.selection is not None:
+            what += (" with the DFlash2 selector's candidates and walk" if self.selection.in_graph else
+                     " (the DFlash2 selector's candidates merged over TP ranks and its walk after the replay)")
+            what += f" ({self.selection.nbytes() / 2**20:.1f} MiB of selector buffers)"
+        return f"{what} and commit as {how} for batch sizes {self.sizes}, commit rows per request {nodes}"
 
     def _size_for(self, bs: int) -> int | None:
         i = bisect.bisect_left(self.sizes, bs)
@@ -152,6 +172,36 @@ class DraftGraphs:
         bonus [bs] int64, seq_lens [bs] (device), seq_lens_cpu [bs] its host mirror (None: a host sync),
         req_pool_indices [bs]; block: ignored (one captured shape per batch size: the whole block).
         """
+        assert self.selection is None, "a DFlash2 draft's pass replays through select()"
+        g = self._load(bonus, seq_lens, seq_lens_cpu, req_pool_indices)
+        if g is None:
+            return None
+        self._replay(g, self._draft_body, "draft", bonus.numel(), g.size)
+        return g.logits[: bonus.numel()]
+
+    @torch.inference_mode()
+    def select(self, bonus: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor | None, req_pool_indices: Tensor,
+               temperature: Tensor | None, sampled: bool, generator: torch.Generator | None) -> SelectorScores | None:
+        """A DFlash2 draft's pass and selection by replay -> its scores over D = B-1 positions (views of the static
+        buffers, valid until the next replay), equal to the eager pass's `SelectorScores.of` with the same arguments;
+        None when no captured size fits (the caller runs both eagerly).
+
+        The pass's arguments as __call__'s; temperature [bs] float32 (None: every request greedy), sampled: some
+        request samples (known on the host), generator: the walk's uniforms' (drawn only where some request samples).
+        """
+        assert self.selection is not None, "a DFlash2 draft's graphs"
+        g = self._load(bonus, seq_lens, seq_lens_cpu, req_pool_indices)
+        if g is None:
+            return None
+        bs = bonus.numel()
+        uniforms = self.selection.load(g.selection, temperature, sampled, generator, bs)
+        self._replay(g, self._draft_body, "draft", bs, g.size)
+        return self.selection.scores(g.selection, bs, bonus, g.logits[:bs], temperature, uniforms, generator, sampled)
+
+    def _load(self, bonus: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor | None,
+              req_pool_indices: Tensor) -> _DraftGraph | None:
+        """The draft graph of the smallest captured size >= bs, planned and its static inputs loaded; None when no
+        captured size fits or the layout is longer than the index buffer."""
         bs = bonus.numel()
         size = self._size_for(bs)
         if size is None:
@@ -167,8 +217,7 @@ class DraftGraphs:
         g.req_pool_indices[:bs].copy_(req_pool_indices)
         if bs < size:  # a previous, larger batch left real slots here
             g.req_pool_indices[bs:].fill_(self.drafter.pad_slot)
-        self._replay(g, self._draft_body, "draft", bs, size)
-        return g.logits[:bs]
+        return g
 
     def _plan(self, g: _DraftGraph, seq_lens_cpu: Tensor) -> None:
         """Host kv_indptr of the padded batch (padded requests: no context) into the graph's buffer, and the
@@ -182,7 +231,11 @@ class DraftGraphs:
     def _draft_body(self, g: _DraftGraph) -> None:
         ops.draft_kv_indices(g.kv_indptr, g.req_pool_indices, self.req_to_token, self.drafter.scratch_base,
                              self.block, out=self.kv_indices)
-        self.drafter.block_logits(self.head, g.bonus, g.seq_lens, g.req_pool_indices, g.attention, out=g.logits)
+        states = g.selection.states if g.selection is not None else None
+        self.drafter.block_logits(self.head, g.bonus, g.seq_lens, g.req_pool_indices, g.attention, out=g.logits,
+                                  states=states)
+        if g.selection is not None:
+            self.selection.body(g.selection, g.logits, g.bonus)
 
     # ------------------------------------------------------------------ commit
     @torch.inference_mode()

@@ -30,18 +30,27 @@ from torch import Tensor
 from dflash_sglang.core.block import build_block_inputs
 from dflash_sglang.core.checkpoint import load_drafter
 from dflash_sglang.core.config import DraftConfig
+from dflash_sglang.core.draft_kv import DraftKVFormat, kv_format
 from dflash_sglang.core.drafter import KV, Attend, DFlashDrafter
 
 from .draft_attention import PagedAttention, build_layout, select_backend
 
 
 class DraftKVPool:
-    """k, v [num_layers, rows, kv_heads, head_dim]; row i belongs to target KV slot i."""
+    """k, v [num_layers, rows, kv_heads, head_dim]; row i belongs to target KV slot i.
 
-    def __init__(self, num_layers: int, rows: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+    Stored in `dtype` (the drafter's compute dtype) or, with a `kv_format` (core/draft_kv.py: fp8 draft KV), in the
+    format's dtype: `write` quantizes, `gather` and the attention backends read the stored values back in `dtype`.
+    """
+
+    def __init__(self, num_layers: int, rows: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device,
+                 kv_format: DraftKVFormat | None = None) -> None:
+        assert kv_format is None or kv_format.quantizes(dtype), "a format that stores values as computed is None"
         shape = (num_layers, rows, kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.dtype, self.kv_format = dtype, kv_format  # compute dtype, storage format
+        store = dtype if kv_format is None else kv_format.dtype
+        self.k = torch.zeros(shape, dtype=store, device=device)
+        self.v = torch.zeros(shape, dtype=store, device=device)
 
     @property
     def rows(self) -> int:
@@ -50,16 +59,40 @@ class DraftKVPool:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
+    def store(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """k, v [..., kvh, d] in the compute dtype -> as stored (the pool's dtype)."""
+        fmt = self.kv_format
+        if fmt is None:
+            return k, v
+        return fmt.store(k, fmt.k_scale), fmt.store(v, fmt.v_scale)
+
+    def load(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Stored rows k, v [...] -> the values attention reads, in the compute dtype."""
+        fmt = self.kv_format
+        if fmt is None:
+            return k, v
+        return fmt.load(k, fmt.k_scale, self.dtype), fmt.load(v, fmt.v_scale, self.dtype)
+
     def write(self, layer_kv: list[KV], slots: Tensor) -> None:
         """layer_kv: per layer (k, v) [1, kvh, N, d] for N tokens; slots [N] int64 target KV slots."""
         for layer, (k, v) in enumerate(layer_kv):
-            self.k[layer, slots] = k[0].transpose(0, 1)
-            self.v[layer, slots] = v[0].transpose(0, 1)
+            k, v = self.store(k[0].transpose(0, 1), v[0].transpose(0, 1))
+            self.k[layer, slots] = k
+            self.v[layer, slots] = v
 
     def gather(self, slots: Tensor) -> list[KV]:
-        """slots [bs, S] int64 -> per layer (k, v) [bs, kvh, S, d]."""
-        return [(self.k[layer, slots].transpose(1, 2), self.v[layer, slots].transpose(1, 2))
-                for layer in range(self.k.shape[0])]
+        """slots [bs, S] int64 -> per layer (k, v) [bs, kvh, S, d] (compute dtype)."""
+        out = []
+        for layer in range(self.k.shape[0]):
+            k, v = self.load(self.k[layer, slots], self.v[layer, slots])
+            out.append((k.transpose(1, 2), v.transpose(1, 2)))
+        return out
+
+
+def pool_rows(slots: int, req_slots: int, block: int) -> int:
+    """Rows of a draft pool: `slots` mirrored target KV slots, then one block of scratch per request-pool slot and
+    one for the padded requests of a graph replay (`PagedDrafter`)."""
+    return slots + (req_slots + 1) * block
 
 
 @torch.no_grad()
@@ -72,6 +105,24 @@ def random_drafter(cfg: DraftConfig, device, dtype: torch.dtype) -> DFlashDrafte
         if not name.endswith("norm.weight"):
             p.uniform_(-1e-3, 1e-3)
     return model.eval()
+
+
+def load_draft_weights(draft_dir: str | Path, dtype: torch.dtype, device, dummy: bool = False) -> DFlashDrafter:
+    """The drafter's weights from the checkpoint (dummy: random ones of its config's shapes), on `device` in `dtype`.
+    The worker loads them when it is built, before SGLang measures the memory its KV pool may take, so that the
+    measurement counts them (a DFlash2 draft's selector codebooks included: 2 x V x r)."""
+    if dummy:
+        return random_drafter(DraftConfig.load(draft_dir), device, dtype)
+    return load_drafter(draft_dir, device=device, dtype=dtype).eval()
+
+
+def weight_bytes(drafter: DFlashDrafter) -> tuple[int, int]:
+    """(all the drafter's parameter bytes, those of a DFlash2 selector's two [V, r] codebooks; 0 without one)."""
+    total = sum(p.numel() * p.element_size() for p in drafter.parameters())
+    selector = drafter.candidate_selector
+    books = 0 if selector is None else sum(t.numel() * t.element_size() for t in (
+        selector.predecessor_codebook, selector.successor_codebook))
+    return total, books
 
 
 @dataclass(frozen=True)
@@ -98,6 +149,10 @@ class PagedDrafter:
         self.drafter = drafter
         self.cfg = drafter.cfg
         self.pool = pool
+        # The core drafter reads its K/V as the pool stores them (its dense path and its definition, core/draft_kv.py);
+        # its context K/V come back quantized-and-read, which the pool stores again unchanged (scales of 1).
+        assert pool.kv_format is None or (pool.kv_format.k_scale == pool.kv_format.v_scale == 1.0), "unit scales"
+        drafter.kv_format = pool.kv_format
         self.scratch_base, self.block, self.pad_slot = scratch_base, block, pad_slot
         assert pad_slot is None or scratch_base + (pad_slot + 1) * block <= pool.rows, "the padding scratch fits"
         self._offsets = torch.arange(block, device=pool.k.device)
@@ -106,22 +161,22 @@ class PagedDrafter:
         self.attention: PagedAttention | None = None  # None: the dense path
         if plain:
             self.attention = select_backend(pool.k.device, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                            cfg.head_dim, pool.k.dtype, attention)
+                                            cfg.head_dim, pool.dtype, attention, pool.kv_format)
 
     @classmethod
     def load(cls, draft_dir: str | Path, slots: int, req_slots: int, block: int, dtype: torch.dtype, device,
-             dummy: bool = False, attention: str = "auto") -> PagedDrafter:
+             dummy: bool = False, attention: str = "auto", kv_dtype: str | None = None,
+             weights: DFlashDrafter | None = None) -> PagedDrafter:
         """slots: target KV slots (pool rows mirrored), req_slots: request-pool slots (block scratch owners; one
         more scratch block is the padding slot). dummy: random weights of the checkpoint's config
         (`--speculative-draft-load-format dummy`), no weight files read, for capacity planning with simulated
-        acceptance. attention: the paged backend ("auto", "flashinfer" or "torch", see `select_backend`)."""
-        if dummy:
-            drafter = random_drafter(DraftConfig.load(draft_dir), device, dtype)
-        else:
-            drafter = load_drafter(draft_dir, device=device, dtype=dtype).eval()
+        acceptance. attention: the paged backend ("auto", "flashinfer" or "torch", see `select_backend`). kv_dtype:
+        the draft KV dtype's SGLang name (None / "auto": the model dtype; "fp8_e4m3", ...: core/draft_kv.py).
+        weights: the drafter, loaded already (`load_draft_weights`; None: loaded here)."""
+        drafter = weights if weights is not None else load_draft_weights(draft_dir, dtype, device, dummy)
         cfg = drafter.cfg
-        pool = DraftKVPool(cfg.num_hidden_layers, slots + (req_slots + 1) * block, cfg.num_key_value_heads,
-                           cfg.head_dim, dtype, device)
+        pool = DraftKVPool(cfg.num_hidden_layers, pool_rows(slots, req_slots, block), cfg.num_key_value_heads,
+                           cfg.head_dim, dtype, device, kv_format(kv_dtype, dtype))
         return cls(drafter, pool, slots, block, pad_slot=req_slots, attention=attention)
 
     @property
@@ -156,9 +211,10 @@ class PagedDrafter:
 
     @torch.inference_mode()
     def block_logits(self, head: TargetHead, bonus: Tensor, seq_lens: Tensor, req_pool_indices: Tensor,
-                     attention, out: Tensor | None = None) -> Tensor:
+                     attention, out: Tensor | None = None, states: Tensor | None = None) -> Tensor:
         """One paged drafter pass over planned attention -> draft logits [bs, B-1, V] for block positions 1..B-1
-        (into `out` when given).
+        (into `out` when given; `states` [bs, B-1, H], when given, receives the final-normed drafter states there:
+        what a DFlash2 selector scores).
 
         bonus [bs] int64, seq_lens [bs] int64 (device), req_pool_indices [bs]; `attention` was planned on this
         batch's layout (`draft`'s, or the graph runner's padded one). No host sync and no data-dependent shape: this
@@ -166,6 +222,8 @@ class PagedDrafter:
         """
         embeds, positions = self.embed_block(head, bonus, seq_lens)
         hidden = self._run_block(embeds, positions, self.scratch_rows(req_pool_indices), attention)
+        if states is not None:
+            states.copy_(hidden[:, 1:])
         return self.head_logits(hidden, head.lm_head_weight, out=out)
 
     def embed_block(self, head: TargetHead, bonus: Tensor, seq_lens: Tensor,
@@ -214,9 +272,8 @@ class PagedDrafter:
         k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
 
         def attend(q: Tensor, k_blk: Tensor, v_blk: Tensor) -> Tensor:
-            # q [1, h, T, d], k_blk / v_blk [1, kvh, T, d] -> [1, h, T, d]
-            k_pool[block_rows] = k_blk[0].transpose(0, 1)
-            v_pool[block_rows] = v_blk[0].transpose(0, 1)
+            # q [1, h, T, d], k_blk / v_blk [1, kvh, T, d] -> [1, h, T, d]; the block's rows stored as the context's
+            k_pool[block_rows], v_pool[block_rows] = self.pool.store(k_blk[0].transpose(0, 1), v_blk[0].transpose(0, 1))
             return attention.run(q[0].transpose(0, 1), k_pool, v_pool).transpose(0, 1)[None]
 
         return attend

@@ -17,6 +17,10 @@ validation, metrics) stays as it is, and wrap these with AROUND hooks:
 - `SpeculativeAlgorithm.create_worker`: DFLASH -> `dflash_sglang.adapter.worker.DFlashWorker`;
 - `TokenizerManager._validate_one_request` and `dflash_utils.validate_dflash_request`: also refuse what our worker
   cannot serve identically (adapter/requests.py), first on the tokenizer side (before scheduling);
+- `dflash_utils.scale_kv_cell_size_per_token_for_dflash`: SGLang's KV sizing counts our draft pool's exact bytes per
+  token (adapter/draft_memory.py);
+- PD disaggregation's decode side (0.5.20 on; adapter/disagg.py): `DecodePreallocQueue._pre_alloc` marks a
+  transfer's draft rows unsent, `build_dflash_disagg_draft_input` checks them when the requests join the decode batch;
 - `dflash_utils.resolve_dflash_verify_mask_policy`: with `--speculative-dflash-tree-cuda-graph` and trees, the
   target's verify CUDA graphs are captured with the custom-mask buffers (adapter/verify.py);
 - on CPU only, two helpers that the speculative path runs as Triton kernels (adapter/cpu.py): the KV-copy
@@ -210,15 +214,17 @@ def register() -> None:
 
     from .cpu import (allocate_token_bitmask_hook, apply_vocab_mask_hook, assign_req_to_token_pool_hook,
                       kv_copy_warmup_hook)
+    from .disagg import pd_hooks
+    from .draft_memory import CELL_SIZE, cell_size_hook
 
     for target, hook in (
         (ADD_CLI_ARGS, _add_cli_args), (FROM_CLI_ARGS, _from_cli_args),
         (CREATE_WORKER, _create_worker), (HANDLE_SPEC, _handle_speculative_decoding), (HANDLE_ARGS, _handle_dflash),
         (VALIDATE_REQUEST, _validate_request), (VALIDATE_INPUT, _validate_input), (MASK_POLICY, _verify_mask_policy),
-        (ROW_HEADROOM, _row_headroom),
+        (ROW_HEADROOM, _row_headroom), (CELL_SIZE, cell_size_hook),
         (KV_COPY_WARMUP, kv_copy_warmup_hook), (ASSIGN_REQ_TO_TOKEN, assign_req_to_token_pool_hook),
         (GRAMMAR_BITMASK, allocate_token_bitmask_hook), (GRAMMAR_APPLY, apply_vocab_mask_hook),
-        *version_hooks(),
+        *version_hooks(), *pd_hooks(),
     ):
         HookRegistry.register(target, hook, HookType.AROUND)
     _registered = True

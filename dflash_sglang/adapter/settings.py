@@ -27,6 +27,7 @@ from dflash_sglang.core.adaptive import AdaptivePolicy
 from dflash_sglang.core.config import DraftConfig
 from dflash_sglang.core.goodput import FixedStepCost, GoodputConfig
 
+from .draft_memory import DraftMemory
 from .simulate import SimulatedAcceptance
 
 IMPL_ENV = "DFLASH_SGLANG_IMPL"
@@ -119,6 +120,9 @@ class DFlashSettings:
     device: str
     draft_attention: str  # "flashinfer" | "torch"
     draft_graphs: str  # one of DRAFT_GRAPHS
+    draft_kv_dtype: str  # the draft KV pool's dtype, SGLang's name ("auto": the model dtype; "fp8_e4m3", ...)
+    draft_memory: DraftMemory  # its pool row's bytes, what SGLang's KV sizing counts (adapter/draft_memory.py)
+    context_len: int  # the target's context length (a request's most draft pool rows)
     tree_cuda_graph: bool  # target verify graphs captured with the tree mask (CUDA, trees)
     dummy_draft: bool  # random draft weights (--speculative-draft-load-format dummy)
     token_map: str | None = None  # the token map file drafted over (--speculative-token-map or the checkpoint's)

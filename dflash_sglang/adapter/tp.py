@@ -14,7 +14,8 @@ So the draft pass's logits on rank r cover only r's vocabulary shard, and the st
 2. the accept decision broadcast from TP rank 0, so every rank commits the same tokens and KV slots whatever the
    floating-point details of its sampler (the target's verify logits are all-gathered by SGLang and identical).
 
-The draft pass's CUDA graph covers the local logits; the merge runs after its replay.
+The draft pass's CUDA graph covers the local logits; the merge runs after its replay. Under DP attention "every rank"
+means the ranks sharing a batch (the attention-TP group; adapter/dp_attention.py), never other groups' ranks.
 """
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ class DraftVocab:
         """lm_head: the target's (Parallel)LMHead or tied VocabParallelEmbedding; draft_vocab: the draft's vocab size
         (its ids are the target's first draft_vocab ids); token_map [K] int64: a reduced draft vocabulary (the draft
         proposes only those ids, core/token_map.py), None: all draft_vocab ids."""
-        from sglang.srt.distributed import get_tp_group
+        from .versions import attention_tp_group
 
-        self.group = get_tp_group()
+        self.group = attention_tp_group()  # the ranks sharing this batch (under DP attention: its group's, tp.py)
         indices = getattr(lm_head, "shard_indices", None)
         start, stop = 0, draft_vocab
         if self.group.world_size > 1 and indices is not None:

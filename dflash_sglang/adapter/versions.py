@@ -26,9 +26,13 @@ release, what each function adapts (upstream symbol, and the first release with 
   mamba_track_grid`): `get_exec().mamba.mamba_track_interval` -> `mamba_track_grid(page_size)`;
 - DP attention (`attention_dp`, 0.5.22: the `attn_dp_size` field): `--enable-dp-attention` with `--dp-size` groups ->
   `--attn-dp-size` groups (the old spelling rewritten before any other resolution step);
+- the draft KV dtype (`draft_kv_cache_dtype`, 0.5.18: the `speculative_draft_kv_cache_dtype` field, default following
+  `--kv-cache-dtype`): none -> the draft pool follows `--kv-cache-dtype` as the target's pool does;
 - PD disaggregation (`pd_disaggregation_supported`, 0.5.20: `speculative/dflash_disaggregation.py` gains
   `build_dflash_disagg_draft_input`, which `SpeculativeAlgorithm.build_disagg_draft_input` calls for DFLASH; 0.5.18
-  and 0.5.19 ship the module without a DFLASH caller): none -> the decode server relays DFLASH's state.
+  and 0.5.19 ship the module without a DFLASH caller): none -> the decode server relays DFLASH's state;
+- DP attention in our worker (`attention_dp_served`, 0.5.23: coordinated per-step row counts on ScheduleBatch, the
+  runtime layout and the attention-TP group accessor): none -> DP attention refused, naming the release.
 
 What did not change (checked against the seven wheels): the plugin entry-point group and `HookRegistry`, the hooked
 symbols (adapter/plugin.py), `DFlashDraftInputV2` / `DFlashVerifyInput`, `get_context().server_args`, and the
@@ -163,7 +167,7 @@ def has_mamba_track_grid() -> bool:
 # tests/sglang_support.py reports them to tests that do not import sglang.
 PROBES = ("sealed_resolution", "public_acc_len_sampler", "stops_before_cap", "min_new_tokens_holds_eos",
           "hidden_mode_reads_server_args", "cpu_bind_entry_per_rank", "has_mamba_track_grid", "has_attn_dp_size",
-          "pd_disaggregation_supported")
+          "pd_disaggregation_supported", "has_draft_kv_cache_dtype", "attention_dp_served")
 
 
 def resolve(server_args: Any) -> Any:
@@ -204,6 +208,25 @@ def resolved_value(server_args: Any, field: str) -> Any:
 
         return resolution_result(server_args, field)
     return getattr(server_args, field)
+
+
+@cache
+def has_draft_kv_cache_dtype() -> bool:
+    """ServerArgs has `speculative_draft_kv_cache_dtype` (`--speculative-draft-kv-cache-dtype`)."""
+    from sglang.srt.server_args import ServerArgs
+
+    return hasattr(ServerArgs, "speculative_draft_kv_cache_dtype")
+
+
+def draft_kv_cache_dtype(cfg: Any) -> tuple[str, str]:
+    """(flag, SGLang dtype name) the draft KV pool is stored in, from a read view: `--speculative-draft-kv-cache-dtype`
+    where SGLang has it and it is set, else `--kv-cache-dtype` (SGLang's meaning: the draft follows the target's KV
+    dtype by default); "auto" = the model dtype."""
+    if has_draft_kv_cache_dtype():
+        value = getattr(cfg, "speculative_draft_kv_cache_dtype", None)
+        if value is not None:
+            return "--speculative-draft-kv-cache-dtype", str(value)
+    return "--kv-cache-dtype", str(getattr(cfg, "kv_cache_dtype", None) or "auto")
 
 
 def model_config(server_args: Any) -> Any:
@@ -273,6 +296,32 @@ def pd_disaggregation_supported() -> bool:
     from sglang.srt.speculative import dflash_disaggregation
 
     return hasattr(dflash_disaggregation, "build_dflash_disagg_draft_input")
+
+
+@cache
+def attention_dp_served() -> bool:
+    """Whether our worker can run under DP attention here: each step it writes every attention-DP group's row count
+    itself (`ScheduleBatch.dp_spec_prefill_coordination_applied`, 0.5.21: counts SGLang then neither rescales by the
+    local verify width nor pads to one forward mode), and reaches the runtime layout and the attention-TP group
+    (`runtime_context.get_parallel`, `dp_attention.get_dp_tp_group`, 0.5.23). Decided by what the installed SGLang
+    has (adapter/dp_attention.py)."""
+    from sglang.srt import runtime_context
+    from sglang.srt.layers import dp_attention
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    return (hasattr(ScheduleBatch, "dp_spec_prefill_coordination_applied") and hasattr(runtime_context, "get_parallel")
+            and hasattr(dp_attention, "get_dp_tp_group"))
+
+
+def attention_tp_group() -> Any:
+    """The ranks that share one batch: the attention-TP group under DP attention, else the TP group."""
+    if attention_dp_served():
+        from sglang.srt.layers.dp_attention import get_dp_tp_group
+
+        return get_dp_tp_group()
+    from sglang.srt.distributed import get_tp_group
+
+    return get_tp_group()
 
 
 FINISH_STATE = "sglang.srt.managers.schedule_batch.Req.update_finish_state"

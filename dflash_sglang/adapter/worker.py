@@ -48,19 +48,21 @@ from dflash_sglang import ops
 from dflash_sglang.core.accept import AcceptResult, cap_commits
 from dflash_sglang.core.adaptive import SpecShape
 from dflash_sglang.core.config import CheckpointError
-from dflash_sglang.core.selector import SelectorScores
+from dflash_sglang.core.selector import SelectorScores, some_row_samples
 from dflash_sglang.core.speculate import DraftScores, accept, committed_ranks, draft_block, propose, rank_paths
 from dflash_sglang.core.token_map import read_token_map
 
 from .adaptive import ShapeSchedule
-from .disagg import TransferredDraftPool
+from .disagg import TransferredDraftPool, watch_transfers
+from .dp_attention import DECODE, EXTEND, IDLE, AttentionDP
+from .draft_memory import check_pool_memory
 from .args import TREE_ATTENTION_BACKENDS, UnsupportedFlagError
 from .draft_graphs import DraftGraphs, default_sizes, graph_mode
 from .hidden import FinalHiddenStates, decode_rows, prefill_rows
 from .hybrid import HybridTarget, state_scratch_bytes
 from .logprobs import attach_logprobs
 from .metrics import GoodputMetrics
-from .model import EagerDraftPass, PagedDrafter, TargetHead
+from .model import EagerDraftPass, PagedDrafter, TargetHead, load_draft_weights, weight_bytes
 from .penalties import RequestPenalties
 from .settings import settings_of
 from .tp import DraftVocab
@@ -153,6 +155,15 @@ class DFlashWorker(BaseSpecWorker):
         self.vocab: DraftVocab | None = None  # this TP rank's lm_head rows and the proposal merge over ranks
         self.graphs: DraftGraphs | None = None  # set by init_cuda_graphs (None: the draft work runs eagerly)
         self._check_captured_layers()
+        # The drafter's weights now, before the scheduler sizes the KV pools: SGLang gives them the GPU memory free
+        # at that point (whatever is resident is charged), so ours are counted, a DFlash2 selector's codebooks (2 x V
+        # x r) included, instead of coming out of the headroom. dummy_draft (--speculative-draft-load-format dummy,
+        # capacity planning): random weights of the shapes.
+        self.draft_weights = load_draft_weights(self.draft_dir, self.model_runner.dtype, self.device,
+                                                dummy=self.settings.dummy_draft)
+        total, books = weight_bytes(self.draft_weights)
+        logger.info("DFLASH (dflash-sglang): draft weights %.1f MiB%s, resident before SGLang sizes the KV pools",
+                    total / 2**20, f" (DFlash2 selector codebooks {books / 2**20:.1f} MiB)" if books else "")
         self.schedule = ShapeSchedule.from_settings(self.settings)
         if (self.schedule.controller is not None and getattr(server_args, "enable_metrics", False)
                 and getattr(target_worker, "tp_rank", 0) == 0):  # (rank 0 decides every rank's shape)
@@ -171,6 +182,8 @@ class DFlashWorker(BaseSpecWorker):
         self._last_step: tuple[SpecShape, Tensor, Tensor | None, float] | None = None
         self._interval_clean = False
         self._step_start = 0.0  # perf_counter at this decode step's shape choice
+        # DP attention: every step agreed with the other attention-DP groups (adapter/dp_attention.py)
+        self.dp = AttentionDP.of(server_args)
 
     @property
     def speculative_num_draft_tokens(self) -> int:
@@ -183,7 +196,10 @@ class DFlashWorker(BaseSpecWorker):
         # SGLang 0.5.23 reads it for PD transfer (adapter/disagg.py) and HiCache (refused at start-up)
         if not self.settings.disaggregation or getattr(self, "drafter", None) is None:
             return None
-        return TransferredDraftPool(self.drafter.pool, int(self.model_runner.token_to_kv_pool.page_size))
+        pool = TransferredDraftPool(self.drafter.pool, int(self.model_runner.token_to_kv_pool.page_size))
+        if self.settings.disaggregation == "decode":  # every transfer checked for draft K/V (adapter/disagg.py)
+            watch_transfers(pool)
+        return pool
 
     @property
     def preloaded_weights_bytes(self) -> int:
@@ -219,10 +235,11 @@ class DFlashWorker(BaseSpecWorker):
         if kernels is not None:
             logger.info("DFLASH (dflash-sglang): CUDA ops %s", kernels)
         req_slots = int(req_to_token_pool.req_to_token.shape[0])
-        # dummy_draft (--speculative-draft-load-format dummy, capacity planning): random weights of the shapes.
         self.drafter = PagedDrafter.load(self.draft_dir, rows, req_slots, self.block_size, self.model_runner.dtype,
                                          self.device, dummy=self.settings.dummy_draft,
-                                         attention=self.settings.draft_attention)
+                                         attention=self.settings.draft_attention, kv_dtype=self.settings.draft_kv_dtype,
+                                         weights=self.draft_weights)  # (loaded when the worker was built)
+        memory = check_pool_memory(self.drafter.pool, self.settings.draft_memory, rows, self.context_len)
         target = self.model_runner.model
         # The drafter proposes over the token map of the settings (checked at start-up) or the whole vocabulary.
         token_map = read_token_map(self.settings.token_map, self.cfg.vocab_size) if self.settings.token_map else None
@@ -244,8 +261,8 @@ class DFlashWorker(BaseSpecWorker):
             scratch = f", target state per verify row {state_scratch_bytes(req_to_token_pool) / 2**20:.1f} MiB"
         logger.info(
             "DFLASH (dflash-sglang): block_size=%d, %s, draft layers=%d, target layer ids=%s, draft attention %s, "
-            "draft KV %.1f MiB%s%s", self.block_size, self.schedule.describe(), self.cfg.num_hidden_layers,
-            list(self.cfg.target_layer_ids), self.drafter.backend_name, self.drafter.pool.nbytes() / 2**20, scratch,
+            "%s%s%s", self.block_size, self.schedule.describe(), self.cfg.num_hidden_layers,
+            list(self.cfg.target_layer_ids), self.drafter.backend_name, memory, scratch,
             ", verify CUDA graphs with the tree mask" if self.masked_graphs else "",
         )
 
@@ -265,9 +282,8 @@ class DFlashWorker(BaseSpecWorker):
         # Called after the target captured its graphs: ours take the target's batch sizes (adapter/draft_graphs.py).
         sizes = getattr(getattr(self.model_runner, "decode_cuda_graph_runner", None), "capture_bs", None)
         mode = graph_mode(self.device, bool(sizes), self.drafter.attention, self.settings.draft_graphs)
-        if mode is None or self.selector is not None:  # (a DFlash2 selector's walk is not in the draft graphs yet)
-            logger.info("DFLASH (dflash-sglang): the draft pass and commit run eagerly%s",
-                        " (DFlash2 draft: the selector's walk follows the pass)" if self.selector is not None else "")
+        if mode is None:
+            logger.info("DFLASH (dflash-sglang): the draft pass and commit run eagerly")
             return
         if mode == "capture" and torch.cuda.mem_get_info(self.device)[0] < _MIN_FREE_FOR_GRAPHS:
             # as the builtin DFLASH does: too little memory is left after the target's pools and graphs
@@ -280,7 +296,8 @@ class DFlashWorker(BaseSpecWorker):
         tic = time.perf_counter()
         self.graphs = DraftGraphs(self.drafter, self.head, self.req_to_token_pool.req_to_token, sizes,
                                   self.schedule.node_counts(), self.drafter.drafter.fc.in_features,
-                                  self.model_runner.dtype, capture=mode == "capture")
+                                  self.model_runner.dtype, capture=mode == "capture", selector=self.selector,
+                                  top=self.vocab.top, select_in_graph=self.vocab.world_size == 1)
         logger.info("DFLASH (dflash-sglang): %s (%.1f s)", self.graphs.describe(), time.perf_counter() - tic)
 
     def __getattr__(self, name):
@@ -293,16 +310,19 @@ class DFlashWorker(BaseSpecWorker):
     def forward_batch_generation(self, batch: ScheduleBatch, on_publish=None, grammar_barrier=None,
                                  pp_proxy_tensors=None):
         assert pp_proxy_tensors is None, "pipeline parallelism is refused at start-up"
-        if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
+        # The local mode: under DP attention `is_extend_in_batch` says whether any group prefills this step
+        if batch.forward_mode.is_extend() or (batch.is_extend_in_batch and self.dp is None):
             return self._prefill(batch, on_publish)
         if batch.forward_mode.is_idle():
-            return self._idle(on_publish)
+            return self._idle(batch, on_publish)
         return self._decode(batch, on_publish, grammar_barrier)
 
     def _prefill(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
         """Target prefill with feature capture; the prompt's draft K/V are written right away (a radix-cache
         hit of this prompt may be scheduled before this request decodes)."""
         self._interval_clean = False
+        if self.dp is not None:
+            self.dp.apply(batch, self.dp.plan(EXTEND, None))
         with self.final_hidden.capture(batch.return_hidden_states):
             out = self.target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL)
         out.new_seq_lens = batch.seq_lens
@@ -319,8 +339,15 @@ class DFlashWorker(BaseSpecWorker):
         out.next_draft_input = _draft_input(out.next_token_ids, batch.seq_lens)
         return out
 
-    def _idle(self, on_publish) -> GenerationBatchResult:
+    def _idle(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
+        """No request here this step (only under DP attention): the target's IDLE forward, which the other groups'
+        collectives wait for, unless every group is idle."""
         self._interval_clean = False
+        if self.dp is not None:
+            plan = self.dp.plan(IDLE, None)
+            if plan.any_work:
+                self.dp.apply(batch, plan)
+                self.target_worker.forward_batch_generation(batch)
         empty = torch.empty((0,), dtype=torch.int64, device=self.device)
         if on_publish is not None:
             on_publish(empty)
@@ -343,7 +370,12 @@ class DFlashWorker(BaseSpecWorker):
         # target has no positions past it, and no request can commit past it anyway.
         longest = int(batch.seq_lens_cpu.max()) if batch.seq_lens_cpu is not None else int(seq_lens.max())
         shape = shape.at_most(self.context_len - longest)
-        step = self._step(batch, state.bonus_tokens, shape, grammar_barrier)
+        eager = False
+        if self.dp is not None:  # every decoding group verifies the same shape; counts for this step's forward
+            plan = self.dp.plan(DECODE, shape)
+            shape, eager = plan.shape, not plan.uniform
+            self.dp.apply(batch, plan)
+        step = self._step(batch, state.bonus_tokens, shape, grammar_barrier, eager)
         if self.schedule.controller is not None:  # the drafts' real acceptance, before any max_new_tokens cut
             self._last_step = (shape, step.accept_len, step.ranks, self._step_start)
             self._interval_clean = True
@@ -412,10 +444,12 @@ class DFlashWorker(BaseSpecWorker):
             shape = SpecShape(*self.vocab.same_ints_on_every_rank((shape.nodes, shape.topk), self.device))
         return shape
 
-    def _step(self, batch: ScheduleBatch, bonus: Tensor, shape: SpecShape, grammar_barrier) -> _Accepted:
+    def _step(self, batch: ScheduleBatch, bonus: Tensor, shape: SpecShape, grammar_barrier,
+              eager: bool = False) -> _Accepted:
         """Core's decode step (core/speculate.py) on SGLang's state: propose shape.nodes = n verify rows per request
         (a chain: [bonus, n-1 greedy drafts]; n = 1: a plain decoding step, no drafter pass; a tree: the best-first
-        tree of n nodes), verify them in one TARGET_VERIFY forward (a tree with its ancestor mask), accept."""
+        tree of n nodes), verify them in one TARGET_VERIFY forward (a tree with its ancestor mask), accept. eager:
+        no verify graph replay (DP attention: another group prefills or idles this step)."""
         seq_lens, bs, n = batch.seq_lens, batch.seq_lens.numel(), shape.nodes
         params = sampling_params(batch.sampling_info, bs, batch.reqs)
         scores = self._scores(batch, bonus, draft_block(shape, self.block_size), params) if n > 1 else None
@@ -433,7 +467,7 @@ class DFlashWorker(BaseSpecWorker):
             logits_output, graph = run_target_verify(
                 self.target_worker, batch, inputs.input_ids, inputs.positions, inputs.out_cache_loc,
                 tree_mask=tree.mask if tree is not None else None, masked_graphs=self.masked_graphs,
-                eager=hidden or links is not None, tree_links=links,
+                eager=eager or hidden or links is not None, tree_links=links,
             )
         penalized = self.penalties.rows(batch, bonus, logits_output.next_token_logits.shape[-1])
         logits = logits_output.next_token_logits.view(bs, n, -1)  # [bs, n, V]: n verify rows per request
@@ -477,14 +511,22 @@ class DFlashWorker(BaseSpecWorker):
     def _scores(self, batch: ScheduleBatch, bonus: Tensor, block: int, params) -> DraftScores:
         """One drafter pass's scores for core's propose: the draft logits merged over TP ranks (adapter/tp.py), or a
         DFlash2 drafter's candidate selector over them (its candidates merged over TP ranks as well; its walk on the
-        device, sampled where a request samples, with uniforms from `walk_generator`, seeded by --random-seed)."""
+        device, sampled where a request samples, with uniforms from `walk_generator`, seeded by --random-seed), replayed
+        with the pass where draft graphs run (adapter/selector_graph.py). Which requests sample is known on the host
+        (params None: all greedy; else its hints), so no step reads the device to decide it."""
         if self.selector is None:
             return self.vocab.scores(self._draft_pass(batch, bonus, block))
-        hidden, logits = self.eager_pass.with_hidden(bonus, batch.seq_lens, batch.seq_lens_cpu,
-                                                     batch.req_pool_indices, block)
-        temperature = params.temperature if params is not None else None  # (None: all greedy, no host sync)
+        temperature = params.temperature if params is not None else None
+        sampled = some_row_samples(params)  # (from the requests' host-side params: no host sync)
+        assert sampled is not None, "adapter/verify.py sampling_params gives the host hints of the batch's requests"
+        args = (bonus, batch.seq_lens, batch.seq_lens_cpu, batch.req_pool_indices)
+        if self.graphs is not None:
+            scores = self.graphs.select(*args, temperature, sampled, self.walk_generator)
+            if scores is not None:
+                return scores
+        hidden, logits = self.eager_pass.with_hidden(*args, block)
         return SelectorScores.of(self.selector, hidden, logits, bonus, temperature, self.walk_generator,
-                                 top=self.vocab.top)
+                                 top=self.vocab.top, sampled=sampled)
 
     def _draft_pass(self, batch: ScheduleBatch, bonus: Tensor, block: int) -> Tensor:
         """One drafter pass over the block [bonus, MASK x (b-1)] at seq_len.. (b = `block` <= B) -> draft logits

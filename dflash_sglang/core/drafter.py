@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from .config import DraftConfig
 from .conv import DynamicConv
+from .draft_kv import DraftKVFormat
 from .selector import CandidateSelector
 
 KV = tuple[Tensor, Tensor]
@@ -52,10 +53,14 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def dense_attend(ctx: KV, mask: Tensor, attn: AttentionFn, scale: float) -> Attend:
-    """Attend over in-memory context K/V ctx [bs, kvh, S, d] then the block, under mask [bs, 1, Q, S + Q]."""
+def dense_attend(ctx: KV, mask: Tensor, attn: AttentionFn, scale: float,
+                 kv_format: DraftKVFormat | None = None) -> Attend:
+    """Attend over in-memory context K/V ctx [bs, kvh, S, d] then the block, under mask [bs, 1, Q, S + Q]; the block's
+    K/V read through `kv_format` when given (they are stored before they are attended to, as the context's are)."""
 
     def attend(q: Tensor, k_blk: Tensor, v_blk: Tensor) -> Tensor:
+        if kv_format is not None:
+            k_blk, v_blk = kv_format.roundtrip(k_blk, v_blk)
         k = torch.cat([ctx[0], k_blk], dim=2)
         v = torch.cat([ctx[1], v_blk], dim=2)
         return attn(q, k, v, mask, scale)
@@ -204,6 +209,12 @@ class DFlashDrafter(nn.Module):
         # [K] int64 target ids of a reduced draft vocabulary (core/token_map.py), None = full vocabulary. A
         # non-persistent buffer: it follows .to(device) but stays out of state_dict (its own file on disk).
         self.register_buffer("token_map", None, persistent=False)
+        # How its K/V are stored before attention reads them (core/draft_kv.py): None keeps them as computed; a
+        # quantized format (fp8 draft KV) makes every context and block row read back as its stored value.
+        self.kv_format: DraftKVFormat | None = None
+        # A sliding context window (`--speculative-draft-window-size W`): a block at positions L.. reads only the
+        # context rows at positions L-W .. L-1 (and the whole block); None reads the whole context.
+        self.context_window: int | None = None
 
     def fuse(self, target_hidden: Tensor) -> Tensor:
         """target_hidden [..., n_feat * H] (concatenated target layer outputs) -> context feature [..., H]."""
@@ -213,10 +224,12 @@ class DFlashDrafter(nn.Module):
         """ctx [bs, S, H] fused features at absolute positions ctx_pos [bs, S] -> per layer (k, v) [bs, kvh, S, d].
 
         The same fused feature is injected into every layer, each through its own k/v projection.
-        Context rows skip input_layernorm (they are already normalised by hidden_norm).
+        Context rows skip input_layernorm (they are already normalised by hidden_norm). With a `kv_format` they are
+        the stored values (quantized, then read back).
         """
         cos, sin = self.rotary(ctx_pos, ctx.dtype)
-        return [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
+        kv = [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
+        return kv if self.kv_format is None else [self.kv_format.roundtrip(k, v) for k, v in kv]
 
     def forward(
         self,
@@ -234,7 +247,8 @@ class DFlashDrafter(nn.Module):
         positions    [bs, Q] int64  absolute positions of the block rows
         ctx_kv       per layer (k, v) [bs, kvh, S, d] from `context_kv` (S may be 0)
         ctx_pos      [bs, S] int64  absolute positions of the context rows
-        ctx_valid    [bs, S] bool   False for padding rows (None: all valid)
+        ctx_valid    [bs, S] bool   False for padding rows (None: all valid); with `context_window` W also False for
+                                    rows before position L - W (L = positions[:, 0], the block's committed length)
         mask         [bs, Q, S + Q] bool  explicit visibility (training); None: all valid context + whole block
         block        rows per block (DFlash2's convolutions stay within one); None: Q
         returns      [bs, Q, H] final-normed hidden states (feed to `logits`)
@@ -242,6 +256,9 @@ class DFlashDrafter(nn.Module):
         bs, q_len, _ = block_embeds.shape
         s_len = ctx_pos.shape[1]
         assert len(ctx_kv) == len(self.layers), "one (k, v) pair per draft layer"
+        if self.context_window is not None:  # the block's first position is its committed length L
+            recent = ctx_pos >= positions[:, :1] - self.context_window
+            ctx_valid = recent if ctx_valid is None else ctx_valid & recent
         if mask is None:
             valid = ctx_valid if ctx_valid is not None else ctx_pos.new_ones(bs, s_len, dtype=torch.bool)
             mask = torch.cat([valid, valid.new_ones(bs, q_len)], dim=1)[:, None, :].expand(bs, q_len, s_len + q_len)
@@ -250,7 +267,8 @@ class DFlashDrafter(nn.Module):
         key_pos = torch.cat([ctx_pos, positions], dim=1)
         layer_masks = self._layer_masks(mask, positions, key_pos)
         scale = self.cfg.head_dim**-0.5
-        attends = [dense_attend(ctx_kv[i], layer_masks[i], self.attention, scale) for i in range(len(self.layers))]
+        attends = [dense_attend(ctx_kv[i], layer_masks[i], self.attention, scale, self.kv_format)
+                   for i in range(len(self.layers))]
         return self.run_layers(block_embeds, positions, attends, q_len if block is None else block)
 
     def run_layers(self, block_embeds: Tensor, positions: Tensor, attends: list[Attend], block: int | None = None

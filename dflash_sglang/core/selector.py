@@ -26,10 +26,9 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .accept import DraftQ, sample_from
+from .accept import DraftQ, SamplingParams, sample_from
 from .tree import DraftTree, check_tree_args, grow_tree
 from .vocab_parallel import NOT_RANKED, VocabShard, local_top
 
@@ -96,11 +95,12 @@ class Candidates:
         distribution each token was drawn from given its predecessor, one-hot on greedy rows)."""
         bs, depth, k = self.tokens.shape
         sampled = temperature > 0
+        columns = torch.arange(k, device=self.tokens.device)
         prev, tokens, qs = anchor, [], []
         for t in range(depth):
             s = self.scores(torch.full_like(prev, t)[:, None], prev[:, None])[:, 0]  # [bs, k]
             pick = s.argmax(-1)
-            q = F.one_hot(pick, k).float()
+            q = (pick[:, None] == columns).float()  # one-hot (F.one_hot reads the ids' range on the host off CUDA)
             if u is not None:
                 soft = torch.softmax(s / temperature.clamp_min(1e-6)[:, None], dim=-1)
                 pick = torch.where(sampled, sample_from(soft, u[:, t]), pick)
@@ -133,6 +133,23 @@ class Candidates:
         return torch.where(hit.any(-1), ranks, torch.full_like(ranks, NOT_RANKED))
 
 
+def some_row_samples(params: SamplingParams | None) -> bool | None:
+    """Whether some request of the batch samples, as the host knows it: params None (every request greedy) or its
+    `HostHints` (which rows sample; SGLang's worker builds them from the requests, adapter/verify.py) answer without
+    reading the device; None where only the device's temperatures can tell (a host sync: the reference decoder)."""
+    if params is None:
+        return False
+    if params.hints is None:
+        return None
+    return params.hints.sampled is None or params.hints.sampled.numel() > 0
+
+
+def walk_uniforms(bs: int, depth: int, sampled: bool, generator: torch.Generator | None, device) -> Tensor | None:
+    """The walk's uniforms [bs, depth] float32 from `generator` (None: torch's default) where some request samples,
+    else None (nothing drawn: an all-greedy batch leaves the generator where it was)."""
+    return torch.rand((bs, depth), generator=generator, device=device) if sampled else None
+
+
 @dataclass(frozen=True)
 class SelectorScores:
     """A DFlash2 drafter pass's scores for the decode step (core/speculate.py `PathScores`): a chain is the selector's
@@ -142,19 +159,23 @@ class SelectorScores:
     anchor: Tensor  # [bs] int64: the bonus token, every path's first predecessor
     temperature: Tensor  # [bs] float32, 0 = greedy
     uniforms: Tensor | None  # [bs, D] float32 for the sampled rows' walk; None: every row greedy
+    # the walk (tokens [bs, D] int64, q [bs, D, k] float32) where it already ran (inside a draft graph,
+    # adapter/selector_graph.py); None: walked when first asked
+    walked: tuple[Tensor, Tensor] | None = None
 
     @classmethod
     def of(cls, selector: CandidateSelector, hidden: Tensor, logits: Tensor, anchor: Tensor,
            temperature: Tensor | None, generator: torch.Generator | None = None,
-           token_map: Tensor | None = None, top: TopK | None = None) -> SelectorScores:
+           token_map: Tensor | None = None, top: TopK | None = None, sampled: bool | None = None) -> SelectorScores:
         """hidden [bs, D, H], logits [bs, D, V | K] of one drafter pass (with `top`: this TP rank's rows, the candidates
-        merged over ranks); temperature [bs] (None: every request greedy, known without looking at the device: no host
-        sync); the walk's uniforms come from `generator` (None: torch's default) when some request samples."""
+        merged over ranks); temperature [bs] (None: every request greedy); sampled: whether some request samples, as
+        the host knows it (`some_row_samples`; None: read from the temperatures, a host sync); the walk's uniforms come
+        from `generator` (None: torch's default) when some request samples."""
         if temperature is None:
             temperature, sampled = torch.zeros(anchor.shape[0], device=logits.device), False
-        else:
+        elif sampled is None:
             sampled = bool((temperature > 0).any())
-        u = torch.rand(logits.shape[:2], generator=generator, device=logits.device) if sampled else None
+        u = walk_uniforms(logits.shape[0], logits.shape[1], sampled, generator, logits.device)
         return cls(selector.candidates(hidden, logits, token_map, top), anchor.to(torch.int64), temperature.float(), u)
 
     @property
@@ -164,6 +185,8 @@ class SelectorScores:
 
     @cached_property
     def _walk(self) -> tuple[Tensor, Tensor]:
+        if self.walked is not None:
+            return self.walked
         return self.candidates.walk(self.anchor, self.temperature, self.uniforms)
 
     def argmax(self, count: int) -> Tensor:

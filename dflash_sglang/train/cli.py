@@ -19,6 +19,7 @@ import torch
 
 from ..core.config import DraftConfig, build_target_layer_ids
 from ..core.token_map import build_token_map, token_counts
+from .objective import ACCEPT_GAMMA, DEFAULT_DISTILL_WEIGHT
 from .prepare import Example, build_cache
 from .shards import list_shards, load_cache
 from .trainer import FrozenTarget, TrainConfig, Trainer
@@ -42,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="more feature caches (same layer ids) to train on, e.g. one built with --no-regenerate")
     d = p.add_argument_group("data")
     d.add_argument("--num-samples", type=int, default=2048, help="training prompts")
+    d.add_argument("--skip-samples", type=int, default=0,
+                   help="leave out the first N train-split prompts, e.g. the 6144 the shipped drafter was trained on "
+                        "when fine-tuning it (its training data are the first 6144)")
     d.add_argument("--val-samples", type=int, default=64,
                    help="held-out prompts: the train-split prompts right after the training ones, prepared the same "
                         "way into CACHE/val and never trained on; their loss, top-1 accuracy by block position and "
@@ -73,14 +77,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "10 steps); hard stop with checkpoint + export at the limit")
     t.add_argument("--batch-size", type=int, default=4, help="sequences per step")
     t.add_argument("--num-anchors", type=int, default=32, help="blocks per sequence")
-    t.add_argument("--lr", type=float, default=6e-4)
-    t.add_argument("--warmup-ratio", type=float, default=0.04)
-    t.add_argument("--gamma", type=float, default=None, help="loss decay (default 7 for B=16, 4 for B=8)")
+    t.add_argument("--lr", type=float, default=None,
+                   help=f"peak learning rate (default {SCRATCH_LR:g} from --init target/random; {FINETUNE_LR:g} "
+                        "from a draft checkpoint, where the schedule only anneals)")
+    t.add_argument("--warmup-ratio", type=float, default=None,
+                   help="share of the steps spent warming up (default 0.04 from --init target/random; 0 from a draft "
+                        "checkpoint: a fine-tune never warms a trained drafter up to a high lr again)")
+    t.add_argument("--gamma", type=float, default=None,
+                   help=f"position-weight decay exp(-(k-1)/gamma) (default {ACCEPT_GAMMA:g}: follows the acceptance "
+                        f"by block position of the shipped drafter, objective.py; the paper's B = 16 value is 7)")
+    t.add_argument("--distill-weight", type=float, default=DEFAULT_DISTILL_WEIGHT,
+                   help="loss = (1 - w) * CE on the target's token + w * KL(target || draft) on its whole "
+                        "distribution (from the target's final hidden state in the cache; with --draft-vocab over the "
+                        "K mapped ids, renormalised). 0: CE only")
+    t.add_argument("--distill-temperature", type=float, default=1.0,
+                   help="softmax temperature of both distributions in the KL term (scaled by T^2)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--save-every", type=int, default=100)
     t.add_argument("--max-passes", type=float, default=None,
                    help="stop (checkpointed, exit code 3) once the steps have visited the cached sequences this many "
-                        "times on average: a resumed run with a grown cache goes on (scripts/train_job.sh)")
+                        "times on average: a resumed run with a grown cache goes on")
     t.add_argument("--val-every", type=int, default=None,
                    help="held-out pass every N steps (default: at every checkpoint)")
     t.add_argument("--device", default=None, help="default: cuda when available, else cpu")
@@ -98,6 +114,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 BF16_CHOICES = {"auto": None, "on": True, "off": False}  # --bf16 -> TrainConfig.bf16
+SCRATCH_LR, SCRATCH_WARMUP = 6e-4, 0.04
+# A fine-tune of a trained drafter (no optimizer state to restore) anneals from a low lr: a fresh warm-up to 6e-4
+# undid what the shipped drafter knew (held-out tau_est fell 0.037 in 12 steps, docs/benchmarks.md 2026-11-26). 2e-4
+# is twice where the shipped drafter's own schedule ended (1e-3 cosine to 1e-4).
+FINETUNE_LR, FINETUNE_WARMUP = 2e-4, 0.0
+
+
+def resolve_schedule(init: str, lr: float | None, warmup_ratio: float | None) -> tuple[float, float]:
+    """(peak lr, warm-up ratio) for --init and the flags given (None: the default for that start)."""
+    finetune = init not in ("target", "random")
+    lr = lr if lr is not None else (FINETUNE_LR if finetune else SCRATCH_LR)
+    warmup = warmup_ratio if warmup_ratio is not None else (FINETUNE_WARMUP if finetune else SCRATCH_WARMUP)
+    if lr <= 0 or not 0 <= warmup < 1:
+        raise ValueError(f"--lr must be > 0 and --warmup-ratio in [0, 1), got {lr} and {warmup}")
+    if finetune and warmup > 0 and lr > FINETUNE_LR:
+        log.warning("--init %s with --warmup-ratio %g to --lr %g: warming a trained drafter up to a high lr undoes "
+                    "what it learnt (the default anneals from %g)", init, warmup, lr, FINETUNE_LR)
+    return lr, warmup
 
 
 def pick_mask_token(tokenizer, explicit: int | None, vocab_size: int) -> int:
@@ -136,12 +170,33 @@ def draft_config(target_cfg, args, mask_token_id: int) -> DraftConfig:
 
 
 def _examples(args, tokenizer) -> tuple[list[Example], list[Example]]:
-    """(training, held-out) examples: the first --num-samples train-split prompts, then the next --val-samples."""
+    """(training, held-out) examples: --num-samples distinct train-split prompts after the first --skip-samples,
+    then the next --val-samples distinct ones.
+
+    Distinct: ShareGPT splits long conversations into parts with one base id, which sort next to each other, and a
+    later part's first human turn is often the same "continue" (the 48 prompts after the first 6144 held 11 distinct
+    ones, 36 of them "Please continue"; the first 6144 hold 5795): a repeated prompt regenerates the same greedy
+    response, so it costs data-preparation time for no new data and weighs one reply many times in the held-out
+    numbers. A prompt among the skipped ones is dropped too (the shipped drafter trained on those).
+    """
     from ..testbed.data import load_split, make_prompts
 
     path = None if args.data == "sharegpt" else Path(args.data)
-    prompts = make_prompts(load_split("train", path), tokenizer, args.num_samples + args.val_samples,
-                           args.max_prompt_tokens)
+    convs = load_split("train", path)
+    want = args.num_samples + args.val_samples
+    n = args.skip_samples + 2 * want
+    while True:
+        raw = make_prompts(convs, tokenizer, n, args.max_prompt_tokens)
+        seen = {p.ids for p in raw[: args.skip_samples]}
+        prompts = []
+        for p in raw[args.skip_samples :]:
+            if p.ids not in seen:
+                seen.add(p.ids)
+                prompts.append(p)
+        if len(prompts) >= want or len(raw) < n:  # enough, or the split has no more
+            break
+        n *= 2
+    prompts = prompts[:want]
 
     def example(p) -> Example | None:
         if not args.no_regenerate:
@@ -175,8 +230,14 @@ def run(args: argparse.Namespace) -> int:
 
     if args.val_samples < 0:
         raise ValueError(f"--val-samples must be >= 0, got {args.val_samples}")
+    if args.skip_samples < 0:
+        raise ValueError(f"--skip-samples must be >= 0, got {args.skip_samples}")
+    if not 0 <= args.distill_weight <= 1 or args.distill_temperature <= 0:
+        raise ValueError(f"--distill-weight must lie in [0, 1] and --distill-temperature be > 0, got "
+                         f"{args.distill_weight} and {args.distill_temperature}")
     if args.draft_vocab < 0:
         raise ValueError(f"--draft-vocab must be >= 0 (0: full vocabulary), got {args.draft_vocab}")
+    lr, warmup = resolve_schedule(args.init, args.lr, args.warmup_ratio)  # before the target is read
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -216,7 +277,8 @@ def run(args: argparse.Namespace) -> int:
         data += load_cache(extra, cfg.target_layer_ids)
     val_data = load_cache(val_cache, cfg.target_layer_ids) if args.val_samples and list_shards(val_cache) else []
     tcfg = TrainConfig(epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,
-                       num_anchors=args.num_anchors, lr=args.lr, warmup_ratio=args.warmup_ratio, gamma=args.gamma,
+                       num_anchors=args.num_anchors, lr=lr, warmup_ratio=warmup, gamma=args.gamma,
+                       distill_weight=args.distill_weight, distill_temperature=args.distill_temperature,
                        seed=args.seed, save_every=args.save_every, val_every=args.val_every, max_passes=args.max_passes,
                        bf16=BF16_CHOICES[args.bf16],
                        output_norm_init=None if args.output_norm_init == "target" else float(args.output_norm_init))
@@ -238,7 +300,8 @@ def run(args: argparse.Namespace) -> int:
                           "sequences": len(data)}))
         return NEEDS_DATA
     summary = {"target": str(target_dir), "init": args.init, "data": args.data, "sequences": len(data),
-               "draft_vocab": args.draft_vocab or cfg.vocab_size,
+               "draft_vocab": args.draft_vocab or cfg.vocab_size, "lr": lr, "warmup_ratio": warmup,
+               "gamma": trainer.gamma, "distill_weight": args.distill_weight,
                "held_out": len(val_data), "steps": trainer.total_steps,
                "data_time_s": round(t_data), "train_time_s": round(time.monotonic() - t1), "device": str(device),
                "final": last}

@@ -1,11 +1,17 @@
-"""The DFlash training objective: random anchors, the block-sparse training mask, decay-weighted CE.
+"""The DFlash training objective: random anchors, the block-sparse mask, decay-weighted CE + logit distillation.
 
 One drafter forward per sequence drafts N blocks at once (DFlash paper, arXiv 2602.06036, section 4). Keys are
 laid out as `[context rows 0..T-1 | block_0 | ... | block_{N-1}]`, queries are the block rows. A query in block b
 (anchor a_b) sees the context rows strictly before a_b (at inference the anchor's own target feature only
 arrives with the next verify) and its own block bidirectionally, never another block.
 Block position k (1..B-1) is trained to predict the token at a_b + k (same-position labels) with weight
-exp(-(k-1)/gamma); the loss is normalised by the sum of the weights of the labelled positions.
+exp(-(k-1)/gamma); each term is normalised by the sum of the weights of its rows.
+
+Two terms, mixed by the distillation weight alpha: (1 - alpha) * CE on the label (the target's greedy token) +
+alpha * KL(target || draft) against the target's whole next-token distribution at the same position (NVIDIA
+ModelOpt trains DFlash drafters this way, `dflash_self_logit_distillation`): the soft targets say which other
+tokens the target nearly picked, which a few thousand sequences of argmax labels do not. The teacher's logits are
+the target's final hidden state (cached beside the features, shards.py) through the same head.
 """
 from __future__ import annotations
 
@@ -16,12 +22,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Paper Eq. 4 / App. A.3.1: gamma per block size; other sizes interpolate with gamma ~ B / 2.
-DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+# The paper's gamma per block size (Eq. 4 / App. A.3.1), for drafters that accept ~0.87 of each position.
+PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+# Default: a weighting that follows acceptance. A drafted position k only adds to tau when positions 1..k-1 were
+# all accepted; for the shipped SmolLM2 drafter that probability is 1, 0.444, 0.120, 0.021 at k = 1..4 (held-out
+# top-1 0.444 / 0.270 / 0.177, docs/benchmarks.md). exp(-(k-1)/gamma) matches it at k = 2 for gamma = 1.23; 1.25
+# gives 1, 0.45, 0.20, 0.09 (the deeper positions a little more than today's acceptance, for a drafter that gets
+# better). The paper's 7 for B = 16 is the same rule for its drafters (exp(-1/7) = 0.87 acceptance a position);
+# with the SmolLM2 drafter it put 85% of the weight on positions 2..15, which add under 0.15 to tau.
+ACCEPT_GAMMA = 1.25
+DEFAULT_DISTILL_WEIGHT = 0.5
 
 
-def loss_gamma(block_size: int) -> float:
-    return DEFAULT_GAMMA.get(block_size, max(1.0, block_size / 2 - 1))
+def loss_gamma(block_size: int, paper: bool = False) -> float:
+    """The default decay: ACCEPT_GAMMA, or with paper=True the paper's value for the block size (others
+    interpolate with gamma ~ B / 2)."""
+    if not paper:
+        return ACCEPT_GAMMA
+    return PAPER_GAMMA.get(block_size, max(1.0, block_size / 2 - 1))
 
 
 def position_weights(block_size: int, gamma: float) -> Tensor:
@@ -123,29 +141,68 @@ class BlockLossTerms:
     """Sums over the labelled block positions of one forward, so several forwards add up exactly.
 
     ce_sum [] weighted CE sum, weight_sum [] sum of the weights, hits [B] / counts [B] top-1 hits and labelled
-    rows per block position (0 at position 0, the anchor).
+    rows per block position (0 at position 0, the anchor); kl_sum [] / kl_weight_sum [] the weighted
+    KL(target || draft) sum and its weights (zero when the forward had no teacher).
     """
 
     ce_sum: Tensor
     weight_sum: Tensor
     hits: Tensor
     counts: Tensor
+    kl_sum: Tensor | None = None
+    kl_weight_sum: Tensor | None = None
 
     @property
     def loss(self) -> Tensor:
+        """The CE term (what held-out loss always reports, comparable between recipes)."""
         return self.ce_sum / self.weight_sum.clamp_min(1e-8)
+
+    @property
+    def kl(self) -> Tensor | None:
+        return None if self.kl_sum is None else self.kl_sum / self.kl_weight_sum.clamp_min(1e-8)
+
+    def mixed(self, distill_weight: float) -> Tensor:
+        """(1 - w) * CE + w * KL: the training loss."""
+        if distill_weight == 0:
+            return self.loss
+        assert self.kl_sum is not None, "distillation needs the teacher's hidden states"
+        return (1 - distill_weight) * self.loss + distill_weight * self.kl
 
     @property
     def accuracy(self) -> Tensor:
         return self.hits / self.counts.clamp_min(1)
 
     def __add__(self, other: BlockLossTerms) -> BlockLossTerms:
+        def add(a, b):
+            return None if a is None or b is None else a + b
+
         return BlockLossTerms(self.ce_sum + other.ce_sum, self.weight_sum + other.weight_sum,
-                              self.hits + other.hits, self.counts + other.counts)
+                              self.hits + other.hits, self.counts + other.counts,
+                              add(self.kl_sum, other.kl_sum), add(self.kl_weight_sum, other.kl_weight_sum))
+
+
+def distill_kl(draft_logits: Tensor, teacher_logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """[n, V'] logits -> [n] KL(softmax(teacher / T) || softmax(draft / T)) * T^2 (Hinton's scaling keeps the
+    gradient's size independent of T). Both over the same V' columns: with a token map, the K mapped ids, so the
+    teacher is renormalised over them (the mass it puts outside the map is dropped: the drafter cannot propose
+    those tokens, and they already count as misses in accuracy and tau)."""
+    log_q = F.log_softmax(draft_logits / temperature, dim=-1)
+    with torch.no_grad():
+        log_p = F.log_softmax(teacher_logits / temperature, dim=-1)
+    return F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1) * temperature**2
+
+
+def teacher_rows(final_hidden: Tensor, block_pos: Tensor) -> Tensor:
+    """final_hidden [bs, T, H] (the target's last hidden state of every token), block_pos [bs, N*B] int64 ->
+    [bs, N*B, H]: for block row (anchor, k), labelled with token anchor + k, the row of token anchor + k - 1, whose
+    logits are the target's distribution over that label. Rows past the end (weight 0) read the last row."""
+    idx = (block_pos - 1).clamp(0, final_hidden.shape[1] - 1)
+    return final_hidden.gather(1, idx[..., None].expand(-1, -1, final_hidden.shape[2]))
 
 
 def block_loss_terms(hidden: Tensor, lm_head_weight: Tensor, batch: BlockBatch, logits_fn,
-                     label_map: Tensor | None = None) -> BlockLossTerms:
+                     label_map: Tensor | None = None, teacher_hidden: Tensor | None = None,
+                     temperature: float = 1.0) -> BlockLossTerms:
     """hidden [bs, N*B, H] -> BlockLossTerms. Only rows with weight > 0 reach the (expensive) vocabulary
     projection; hits/counts carry no gradient.
 
@@ -154,16 +211,27 @@ def block_loss_terms(hidden: Tensor, lm_head_weight: Tensor, batch: BlockBatch, 
     map can never be drafted: it is left out of the CE (and of weight_sum; the restricted softmax has no row for
     it) but still counts as a labelled row the drafter misses, so accuracy and the tau estimate stay comparable
     with a full-vocabulary drafter's.
+
+    teacher_hidden [bs, N*B, H]: the target's final hidden state that predicts each row's label (the row of token
+    anchor + k - 1); its logits through the same head (and logits_fn's scale / soft cap, which a drafter shares
+    with its target) give the KL term on every weighted row, in-map label or not (the teacher's renormalised
+    distribution over the K ids is defined either way).
     """
     sel = batch.weights > 0
     h = hidden[sel]
     logits = logits_fn(h, lm_head_weight).float()
-    w = batch.weights[sel].to(logits.device)
+    w0 = batch.weights[sel].to(logits.device)
+    w = w0
     y = batch.labels[sel].to(logits.device)
     if label_map is not None:
         y = label_map.to(y.device)[y]
         w = w * (y >= 0)
     ce = F.cross_entropy(logits, y, reduction="none", ignore_index=-1)
+    kl_sum = kl_w = None
+    if teacher_hidden is not None:
+        with torch.no_grad():
+            teacher = logits_fn(teacher_hidden[sel].to(h.dtype), lm_head_weight).float()
+        kl_sum, kl_w = (distill_kl(logits, teacher, temperature) * w0).sum(), w0.sum()
     with torch.no_grad():
         big_b = batch.block_size
         kpos = (torch.arange(batch.weights.shape[1], device=batch.weights.device) % big_b).expand_as(batch.weights)
@@ -171,7 +239,7 @@ def block_loss_terms(hidden: Tensor, lm_head_weight: Tensor, batch: BlockBatch, 
         hit = (logits.argmax(-1) == y).float()
         hits = torch.zeros(big_b, device=logits.device).index_add_(0, kpos, hit)
         counts = torch.zeros(big_b, device=logits.device).index_add_(0, kpos, torch.ones_like(hit))
-    return BlockLossTerms((ce * w).sum(), w.sum(), hits, counts)
+    return BlockLossTerms((ce * w).sum(), w.sum(), hits, counts, kl_sum, kl_w)
 
 
 def all_anchors(prompt_len: int, seq_len: int, limit: int | None = None) -> Tensor:

@@ -5,6 +5,9 @@ Regeneration matters: the drafter is evaluated on the target's own greedy contin
 arXiv 2602.06036, section 4).
 Greedy generation here captures the target layer outputs of every token while it decodes, so the regenerated
 path needs no second feature pass: prefill yields the prompt rows and each decode step the new token's row.
+Beside the fused layer features, every row also keeps the target's final hidden state (HF `hidden_states[-1]`,
+after the final norm): the teacher's logits for logit distillation are then one lm_head matmul away, at the cost
+of 1/n_feat more cache (objective.py).
 """
 from __future__ import annotations
 
@@ -29,6 +32,12 @@ class Example:
 
     prompt_ids: tuple[int, ...]
     response_ids: tuple[int, ...] | None = None
+
+
+def _capture(hidden_states, layer_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """HF hidden_states -> (features [bs, T, F], final hidden state [bs, T, H]), float16 on the host."""
+    feats = target_layer_features(hidden_states, layer_ids).to(torch.float16).cpu()
+    return feats, hidden_states[-1].to(torch.float16).cpu()
 
 
 def _left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
@@ -60,7 +69,8 @@ def generate_with_features(
     cache = DynamicCache(config=target.config)
     out = target(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                  use_cache=True, output_hidden_states=True, logits_to_keep=1)
-    feats = [target_layer_features(out.hidden_states, layer_ids).to(torch.float16).cpu()]
+    f, h = _capture(out.hidden_states, layer_ids)
+    feats, finals = [f], [h]
     bs = len(prompts)
     new_tokens: list[Tensor] = []
     done = torch.zeros(bs, dtype=torch.bool, device=device)
@@ -74,21 +84,24 @@ def generate_with_features(
         mask = torch.cat([mask, mask.new_ones(bs, 1)], dim=1)
         out = target(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
                      past_key_values=cache, use_cache=True, output_hidden_states=True)
-        feats.append(target_layer_features(out.hidden_states, layer_ids).to(torch.float16).cpu())
+        f, h = _capture(out.hidden_states, layer_ids)
+        feats.append(f)
+        finals.append(h)
         next_pos = next_pos + 1
         tok = out.logits[:, -1].argmax(-1)
     gen = torch.stack(new_tokens, dim=1)  # [bs, G]
     all_feats = torch.cat(feats, dim=1)  # [bs, W + G - 1, F]: the last generated token has no features yet
+    all_finals = torch.cat(finals, dim=1)  # [bs, W + G - 1, H]
     width = ids.shape[1]
     seqs = []
     for i, p in enumerate(prompts):
         row = gen[i].tolist()
         n = row.index(eos_id) + 1 if eos_id in row else len(row)
-        f = all_feats[i, width - len(p): width + n - 1]
-        # The final token's feature row is never used as context (nothing after it is a label); pad with zeros.
-        f = torch.cat([f, f.new_zeros(1, f.shape[1])], dim=0)
+        rows = slice(width - len(p), width + n - 1)
+        # The final token's rows are never used (no label follows it: no context, no teacher); pad with zeros.
+        f, h = (torch.cat([x[i, rows], x.new_zeros(1, x.shape[2])], dim=0) for x in (all_feats, all_finals))
         tokens = torch.tensor(list(p) + row[:n], dtype=torch.long)
-        seqs.append(Sequence_(tokens, len(p), f))
+        seqs.append(Sequence_(tokens, len(p), f, h))
     return seqs
 
 
@@ -101,10 +114,11 @@ def forward_features(target, examples: Sequence[Example], layer_ids: Sequence[in
     pos = (mask.cumsum(1) - 1).clamp_min(0)
     out = target(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=pos.to(device),
                  output_hidden_states=True, logits_to_keep=1)
-    feats = target_layer_features(out.hidden_states, layer_ids).to(torch.float16).cpu()
+    feats, finals = _capture(out.hidden_states, layer_ids)
     width = ids.shape[1]
     return [
-        Sequence_(torch.tensor(r, dtype=torch.long), len(e.prompt_ids), feats[i, width - len(r):])
+        Sequence_(torch.tensor(r, dtype=torch.long), len(e.prompt_ids), feats[i, width - len(r):],
+                  finals[i, width - len(r):])
         for i, (r, e) in enumerate(zip(rows, examples))
     ]
 

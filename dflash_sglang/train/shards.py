@@ -5,8 +5,12 @@ A shard is one safetensors file holding n sequences concatenated along time (no 
   offsets     [n + 1] int64    sequence i is tokens[offsets[i]:offsets[i+1]]
   prompt_lens [n] int64        the first prompt_lens[i] tokens of sequence i are prompt (no loss there)
   features    [N, F] float16   target layer outputs for `layer_ids`, concatenated (F = n_feat * hidden)
+  final_hidden [N, H] float16  the target's last hidden state (after its final norm): row t gives the target's
+                               distribution over token t + 1 with one lm_head matmul (logit distillation,
+                               objective.py). Caches built before it existed lack it: they still train with
+                               --distill-weight 0, and a distilling run refuses them naming the shard.
 The metadata records the layer ids so a cache built for other layers is never silently reused.
-`read_shard` maps the features from the file instead of reading them (`_mapped_features`).
+`read_shard` maps the features from the file instead of reading them (`_mapped_tensor`).
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ class Sequence_:
     tokens: Tensor  # [T] int64
     prompt_len: int
     features: Tensor  # [T, F] float16
+    final_hidden: Tensor | None = None  # [T, H] float16; None in a cache written before it was stored
+    source: Path | None = None  # the shard it was read from (named by errors about it)
 
 
 def shard_path(cache_dir: Path, index: int) -> Path:
@@ -48,6 +54,10 @@ def write_shard(path: Path, seqs: Sequence[Sequence_], layer_ids: Sequence[int],
         "prompt_lens": torch.tensor([s.prompt_len for s in seqs], dtype=torch.long),
         "features": torch.cat([s.features for s in seqs]).to(torch.float16).contiguous(),
     }
+    finals = [s.final_hidden for s in seqs]
+    if any(f is not None for f in finals):
+        assert all(f is not None for f in finals), "a shard stores the final hidden state of every sequence or none"
+        tensors["final_hidden"] = torch.cat(finals).to(torch.float16).contiguous()
     meta = {"layer_ids": json.dumps(list(layer_ids)), **{k: json.dumps(v) for k, v in (extra or {}).items()}}
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp), metadata=meta)
@@ -63,16 +73,20 @@ def read_shard(path: Path, layer_ids: Sequence[int] | None = None) -> list[Seque
                              f"the drafter wants {list(layer_ids)}")
         tokens, offsets = f.get_tensor("tokens").long(), f.get_tensor("offsets")
         prompt_lens = f.get_tensor("prompt_lens")
-    feats = _mapped_features(path)
+        has_final = "final_hidden" in f.keys()
+    feats = _mapped_tensor(path, "features")
+    final = _mapped_tensor(path, "final_hidden") if has_final else None
     out = []
     for i in range(len(prompt_lens)):
         a, b = int(offsets[i]), int(offsets[i + 1])
-        out.append(Sequence_(tokens[a:b], int(prompt_lens[i]), feats[a:b]))
+        out.append(Sequence_(tokens[a:b], int(prompt_lens[i]), feats[a:b],
+                             None if final is None else final[a:b], path))
     return out
 
 
-def _mapped_features(path: Path) -> Tensor:
-    """The shard's `features` [N, F] float16 as a copy-on-write memory map of the file, not a copy in memory.
+def _mapped_tensor(path: Path, name: str) -> Tensor:
+    """The shard's float16 tensor `name` (`features` [N, F], `final_hidden` [N, H]) as a copy-on-write memory map
+    of the file, not a copy in memory.
 
     Training touches a batch of sequences per step; the page cache keeps what fits and drops the rest, so a cache
     larger than the free memory (SmolLM2, 5 features: ~5.8 KB per token, 16 GB for 12k regenerated sequences)
@@ -81,8 +95,8 @@ def _mapped_features(path: Path) -> Tensor:
     with path.open("rb") as fh:
         mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
     n = int.from_bytes(mapped[:8], "little")
-    entry = json.loads(mapped[8 : 8 + n])["features"]
-    assert entry["dtype"] == "F16", "write_shard stores float16 features"
+    entry = json.loads(mapped[8 : 8 + n])[name]
+    assert entry["dtype"] == "F16", "write_shard stores float16 features and final hidden states"
     begin, end = entry["data_offsets"]
     # frombuffer keeps a reference to the map, which stays open while any sequence's view of it lives
     flat = torch.frombuffer(mapped, dtype=torch.float16, count=(end - begin) // 2, offset=8 + n + begin)

@@ -1,5 +1,9 @@
 """Training loop: frozen target pieces (embeddings, head), cached features, AdamW + warmup + cosine, resume.
 
+A resume restores the optimizer (AdamW moments) and the schedule from the checkpoint, so k steps + resume + k
+steps == 2k steps bit for bit (tests/test_train.py). A fine-tune from a drafter without optimizer state (--init DIR)
+does not warm up again: cli.py gives it a cosine that starts at a low lr (FINETUNE_LR, no warm-up).
+
 Only the drafter (fc, hidden_norm, layers, norm) is trained; the target's embed_tokens and lm_head are read
 once and kept frozen (DFlash paper, arXiv 2602.06036, section 4). Every random choice (sequence order,
 anchors) is drawn from a generator seeded by (seed, epoch, step), so a resumed run continues exactly where the
@@ -22,8 +26,8 @@ from ..core.checkpoint import save_drafter
 from ..core.config import DraftConfig
 from ..core.drafter import DFlashDrafter
 from ..core.token_map import inverse_map, restrict_head
-from .objective import (BlockLossTerms, all_anchors, block_loss_terms, build_block_batch, expected_accept_length,
-                        loss_gamma, sample_anchors)
+from .objective import (DEFAULT_DISTILL_WEIGHT, BlockLossTerms, all_anchors, block_loss_terms, build_block_batch,
+                        expected_accept_length, loss_gamma, sample_anchors, teacher_rows)
 from .shards import Sequence_
 
 log = logging.getLogger(__name__)
@@ -46,7 +50,9 @@ class TrainConfig:
     warmup_ratio: float = 0.04
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    gamma: float | None = None  # None: paper value for the block size
+    gamma: float | None = None  # None: objective.ACCEPT_GAMMA (a weighting that follows acceptance)
+    distill_weight: float = DEFAULT_DISTILL_WEIGHT  # loss = (1 - w) CE + w KL(target || draft); 0: CE only
+    distill_temperature: float = 1.0
     seed: int = 0
     save_every: int = 100
     val_every: int | None = None  # held-out pass every this many steps (None: at every checkpoint); a multiple
@@ -135,13 +141,25 @@ def lr_lambda(total: int, warmup: int, min_ratio: float):
     return f
 
 
-def _pad_features(seqs: list[Sequence_], device) -> Tensor:
-    """[bs, T_max, F] float16 on `device`, assembled where the features live (the device, once they fit there)."""
+def _pad_rows(seqs: list[Sequence_], device, name: str = "features") -> Tensor:
+    """[bs, T_max, F] float16 on `device` of each sequence's `name` rows (features [T, F] or final_hidden [T, H]),
+    assembled where they live (the device, once they fit there)."""
     t_max = max(len(s.tokens) for s in seqs)
-    out = torch.zeros(len(seqs), t_max, seqs[0].features.shape[1], dtype=torch.float16, device=seqs[0].features.device)
-    for i, s in enumerate(seqs):
-        out[i, : len(s.tokens)] = s.features
+    rows = [getattr(s, name) for s in seqs]
+    out = torch.zeros(len(seqs), t_max, rows[0].shape[1], dtype=torch.float16, device=rows[0].device)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
     return out.to(device)
+
+
+def check_teacher(data: list[Sequence_]) -> None:
+    """Distillation needs the target's final hidden state of every sequence: refuse a cache built without it,
+    naming the shard (ValueError)."""
+    for s in data:
+        if s.final_hidden is None:
+            raise ValueError(f"{s.source or 'a training sequence'}: this feature cache has no final_hidden (the "
+                             f"target's last hidden state; caches built before logit distillation lack it): rebuild "
+                             f"it (another --cache-dir, or delete its shards) or train with --distill-weight 0")
 
 
 def _features_to_device(data: list[Sequence_], device: torch.device, max_fraction: float = 0.5) -> list[Sequence_]:
@@ -156,7 +174,8 @@ def _features_to_device(data: list[Sequence_], device: torch.device, max_fractio
                  free / 1e9)
         return data
     log.info("features moved to %s: %.1f GB", device, total / 1e9)
-    return [Sequence_(s.tokens, s.prompt_len, s.features.to(device)) for s in data]
+    return [Sequence_(s.tokens, s.prompt_len, s.features.to(device),
+                      None if s.final_hidden is None else s.final_hidden.to(device), s.source) for s in data]
 
 
 class _StopOnTerm:
@@ -192,6 +211,10 @@ class Trainer:
                  token_map: Tensor | None = None) -> None:
         if not data:
             raise ValueError("no training sequences")
+        if not 0 <= tcfg.distill_weight <= 1:
+            raise ValueError(f"--distill-weight must lie in [0, 1], got {tcfg.distill_weight}")
+        if tcfg.distill_temperature <= 0:
+            raise ValueError(f"--distill-temperature must be > 0, got {tcfg.distill_temperature}")
         self.cfg, self.tcfg, self.out = cfg, tcfg, Path(out_dir)
         self.device = torch.device(device)
         self.frozen = frozen.to(self.device)
@@ -244,20 +267,26 @@ class Trainer:
     def loss_on(self, seqs: list[Sequence_], gen: torch.Generator) -> tuple[Tensor, Tensor]:
         """Decay-weighted block loss on a list of sequences (one drafter forward for all their blocks)."""
         anchors = [sample_anchors(s.prompt_len, len(s.tokens), self.tcfg.num_anchors, gen) for s in seqs]
-        terms = self._terms(seqs, anchors)
-        return terms.loss, terms.accuracy
+        terms = self._terms(seqs, anchors, teacher=self.tcfg.distill_weight > 0)
+        return terms.mixed(self.tcfg.distill_weight), terms.accuracy
 
-    def _terms(self, seqs: list[Sequence_], anchors: list[Tensor]) -> BlockLossTerms:
+    def _terms(self, seqs: list[Sequence_], anchors: list[Tensor], teacher: bool) -> BlockLossTerms:
+        """teacher: add the KL term against the target's distribution (needs every sequence's final_hidden)."""
         dev = self.device
         batch = build_block_batch([s.tokens for s in seqs], anchors, self.cfg.block_size, self.cfg.mask_token_id,
                                   self.gamma, device=dev)
-        feats = _pad_features(seqs, dev)
+        feats = _pad_rows(seqs, dev)
+        teacher_hidden = None
+        if teacher:
+            check_teacher(seqs)
+            teacher_hidden = teacher_rows(_pad_rows(seqs, dev, "final_hidden"), batch.block_pos)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.bf16):
             ctx = self.model.fuse(feats.float())
             ctx_kv = self.model.context_kv(ctx, batch.ctx_pos)
             embeds = self.frozen.embed[batch.block_ids] * self.cfg.input_embedding_scale
             hidden = self.model(embeds, batch.block_pos, ctx_kv, batch.ctx_pos, mask=batch.mask)
-            return block_loss_terms(hidden, self.head, batch, self.model.logits, self.label_map)
+            return block_loss_terms(hidden, self.head, batch, self.model.logits, self.label_map, teacher_hidden,
+                                    self.tcfg.distill_temperature)
 
     @torch.no_grad()
     def validate(self) -> dict | None:
@@ -269,15 +298,20 @@ class Trainer:
         self.model.eval()
         terms = None
         size = self.tcfg.val_batch
+        # the held-out KL to the target whenever the cache has it, whatever the recipe (an A/B compares both)
+        teacher = all(s.final_hidden is not None for s in self.val_data)
         for i in range(0, len(self.val_data), size):
             seqs = self.val_data[i : i + size]
             anchors = [all_anchors(s.prompt_len, len(s.tokens), self.tcfg.val_anchors) for s in seqs]
-            part = self._terms(seqs, anchors)
+            part = self._terms(seqs, anchors, teacher)
             terms = part if terms is None else terms + part
         self.model.train(was_training)
         acc = terms.accuracy.cpu()
-        return {"loss": round(float(terms.loss), 4), "tau_est": round(expected_accept_length(acc), 4),
-                "acc": [round(float(a), 4) for a in acc], "labels": int(terms.counts.sum())}
+        out = {"loss": round(float(terms.loss), 4), "tau_est": round(expected_accept_length(acc), 4),
+               "acc": [round(float(a), 4) for a in acc], "labels": int(terms.counts.sum())}
+        if terms.kl is not None:
+            out["kl"] = round(float(terms.kl), 4)
+        return out
 
     def _log_validation(self, logf) -> dict | None:
         val = self.validate()
@@ -344,14 +378,19 @@ class Trainer:
         return self.step * self.tcfg.batch_size / len(self.data)
 
     # ------------------------------------------------------------------ loop
-    def train(self, progress: bool = True, time_budget_s: float | None = None, calibrate_steps: int = 10) -> dict:
+    def train(self, progress: bool = True, time_budget_s: float | None = None, calibrate_steps: int = 10,
+              stop_at: int | None = None) -> dict:
         """Run to `total_steps` and export the drafter.
 
         With `time_budget_s`, the time of `calibrate_steps` steps after the first WARMUP_STEPS sets total_steps so
         the schedule ends inside the budget (a hard stop with checkpoint + export remains as a safety net).
+        `stop_at`: stop after this step (checkpointed, not exported; the schedule still spans total_steps), as a
+        killed run would: a later train() resumes there.
         """
         from tqdm import tqdm
 
+        if self.tcfg.distill_weight > 0:
+            check_teacher(self.data)  # before any step (an evaluation-only Trainer never needs the teacher)
         self.out.mkdir(parents=True, exist_ok=True)
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", disable=not progress)
         logf = (self.out / LOG_FILE).open("a")
@@ -360,7 +399,7 @@ class Trainer:
         if self.step not in self._validated_steps():  # a resumed run's checkpoint step was validated when saved
             self._log_validation(logf)  # where this run starts (an --init drafter, a resumed step, or scratch)
         stop = _StopOnTerm()  # a stopped background job keeps the step it is on (and exits 143, not exported)
-        needs_data = False
+        needs_data = paused = False
         while self.step < self.total_steps:
             if self.tcfg.max_passes is not None and self.passes() >= self.tcfg.max_passes:
                 needs_data = True
@@ -403,6 +442,10 @@ class Trainer:
                     last["val"] = val
             if stop.requested:
                 break
+            if stop_at is not None and self.step >= stop_at and not end:
+                paused = True
+                self.save_checkpoint()
+                break
             if out_of_time:
                 log.warning("time budget reached at step %d/%d; exporting early", self.step, self.total_steps)
                 break
@@ -417,5 +460,7 @@ class Trainer:
         if stop.requested:
             log.warning("SIGTERM at step %d/%d: checkpointed, not exported", self.step, self.total_steps)
             raise SystemExit(128 + signal.SIGTERM)
+        if paused:
+            return {**last, "step": self.step, "paused": True}
         save_drafter(self.model, self.out)
         return last

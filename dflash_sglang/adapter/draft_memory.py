@@ -1,0 +1,99 @@
+"""What the draft KV pool costs, and SGLang's KV sizing told exactly that.
+
+Our pool (adapter/model.py `DraftKVPool`) keeps, for every target KV slot, K and V of every draft layer: 2 x layers x
+kv_heads x head_dim elements in the draft KV dtype (the model dtype, or fp8: core/draft_kv.py), on every TP rank (the
+drafter is replicated; only its vocabulary is split). Past the mirrored slots it has one block of scratch rows per
+request-pool slot (+ one for graph padding), which scales with the request pool, not the context, and is logged.
+
+SGLang sizes the target's token capacity (max_total_num_tokens, and from it max_running_requests) from the bytes one
+token costs; for DFLASH it adds the draft pool's share through `dflash_utils.scale_kv_cell_size_per_token_for_dflash`
+(same signature from 0.5.17 to 0.5.23): 0.5.17 scales the target's per-layer bytes by the draft's layer count (wrong
+when the draft's heads, head_dim or KV dtype differ from the target's), 0.5.23 counts the draft's own geometry and
+dtype but divides its KV heads by the TP size (our pool is not sharded). `cell_size_hook` replaces both with the exact
+bytes of our pool row, so the target pool plus ours fit the memory SGLang measured.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from dflash_sglang.core.config import DraftConfig
+from dflash_sglang.core.draft_kv import parse_kv_dtype
+
+logger = logging.getLogger(__name__)
+
+CELL_SIZE = "sglang.srt.speculative.dflash_utils.scale_kv_cell_size_per_token_for_dflash"
+
+
+@dataclass(frozen=True)
+class DraftMemory:
+    """One draft pool row (a target token's draft K/V) and what a request costs at a context length."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    element_size: int  # bytes per stored element
+    dtype: str  # the draft KV dtype's name ("auto" resolved to the model dtype's torch name)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.element_size
+
+    def bytes_per_request(self, context_len: int) -> int:
+        """A request of context_len tokens (one pool row per target KV slot it holds)."""
+        return self.bytes_per_token * context_len
+
+    def describe(self, context_len: int) -> str:
+        return (f"draft KV {self.dtype}: {self.bytes_per_token} B/token, "
+                f"{human_bytes(self.bytes_per_request(context_len))}/request at {context_len} tokens")
+
+
+def human_bytes(n: int) -> str:
+    """1536 -> '1.5 KiB' (KiB, MiB or GiB, whichever keeps the number at least 1)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
+
+
+def draft_memory(cfg: DraftConfig, kv_dtype: str, model_dtype: torch.dtype) -> DraftMemory:
+    """The pool row of a draft of config cfg stored in kv_dtype (SGLang's name; "auto": model_dtype)."""
+    dtype = parse_kv_dtype(kv_dtype) or model_dtype
+    name = kv_dtype if kv_dtype != "auto" else str(model_dtype).removeprefix("torch.")
+    return DraftMemory(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                       torch.empty((), dtype=dtype).element_size(), name)
+
+
+def cell_size_hook(original, *args, **kwargs) -> int:
+    """AROUND `scale_kv_cell_size_per_token_for_dflash(target_cell_size_per_token=..., ...)`: the target's bytes per
+    token plus our pool row's (`DFlashSettings.draft_memory`), where our worker serves; SGLang's estimate otherwise."""
+    from sglang.srt.runtime_context import get_context
+
+    estimate = original(*args, **kwargs)
+    try:
+        settings = getattr(get_context().server_args, "_dflash_settings", None)
+    except ValueError:  # no server args published in this process: not a scheduler of ours
+        return estimate
+    if settings is None:
+        return estimate
+    target = int(kwargs["target_cell_size_per_token"] if "target_cell_size_per_token" in kwargs else args[0])
+    cell = target + settings.draft_memory.bytes_per_token
+    logger.info("DFLASH (dflash-sglang): KV sizing at %d B/token = target %d + %s (SGLang's estimate: %d)", cell,
+                target, settings.draft_memory.describe(settings.context_len), estimate)
+    return cell
+
+
+def check_pool_memory(pool, memory: DraftMemory, slots: int, context_len: int) -> str:
+    """The start-up line on an allocated pool (adapter/model.py `DraftKVPool`) of `slots` mirrored rows; raises if a
+    row costs other than what SGLang's KV sizing was told at resolution (`memory`), which would let the pool outgrow
+    the memory SGLang measured."""
+    row = pool.nbytes() // pool.rows
+    if row != memory.bytes_per_token:
+        raise RuntimeError(f"DFLASH (dflash-sglang): a draft KV pool row costs {row} B, but the KV sizing counted "
+                           f"{memory.bytes_per_token} B/token ({memory.dtype}): the drafter's dtype differs from the "
+                           f"target model config's")
+    scratch = (pool.rows - slots) * row
+    return (f"{memory.describe(context_len)}, pool {human_bytes(pool.nbytes())} "
+            f"({slots} target slots + {human_bytes(scratch)} block scratch)")

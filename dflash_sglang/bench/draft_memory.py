@@ -1,0 +1,260 @@
+"""Draft KV memory options compared: acceptance (tau) per draft KV dtype, and what one memory budget holds per option.
+
+`tau`: the reference decoder (core/reference.py, greedy, the testbed pair, ShareGPT eval prompts) with the drafter
+reading its K/V as each draft KV dtype stores them (core/draft_kv.py: the model dtype, bf16, fp8_e4m3, fp8_e5m2);
+tau = committed tokens per verify step, the prefill token counted (as SGLang reports it). Greedy output must equal
+plain decoding in every arm (lossless: a mismatch exits 1). Not timed.
+
+`window`: the same decoder with the drafter's sliding context window (core/drafter.py `context_window`, the
+definition of `--speculative-draft-window-size W`) on long multi-turn ShareGPT eval contexts, tau per W. Not timed.
+
+`plan`: a fixed KV memory budget in bytes -> per option the bytes per token SGLang's sizing counts (target KV +
+our draft pool row, adapter/draft_memory.py), the token capacity (`--max-total-tokens`) that budget holds, and the
+largest batch of requests of a given length it admits; then the CPU Engine command (scripts/bench_engine.py: every
+arm at its own `--max-total-tokens` and `--max-running-requests`, token-identical to plain, tau per arm) that measures
+tokens/s at that batch. SGLang fills memory by the same division, so the capacities are what a server given that
+budget would get; the Engine run checks that the batch runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+DTYPES = ("auto", "bf16", "fp8_e4m3", "fp8_e5m2")  # draft KV arms ("auto": the model dtype)
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class BudgetRow:
+    """One draft KV option under a fixed KV memory budget."""
+
+    draft_kv: str
+    target_bytes_per_token: int
+    draft_bytes_per_token: int
+    max_total_tokens: int  # the token capacity the budget holds (target and draft pools together)
+    largest_batch: int  # requests of `request_tokens` each that fit at once
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.target_bytes_per_token + self.draft_bytes_per_token
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, element_size: int) -> int:
+    """K and V of every layer for one token."""
+    return 2 * layers * kv_heads * head_dim * element_size
+
+
+def budget_rows(budget_bytes: int, target_bytes_per_token: int, draft_rows: dict[str, int],
+                request_tokens: int) -> list[BudgetRow]:
+    """draft_rows: option -> draft pool bytes per token. Each option's capacity is budget // (target + draft) tokens
+    (SGLang's division of its KV memory by the per-token cell), its largest batch capacity // request_tokens."""
+    assert budget_bytes > 0 and request_tokens > 0
+    rows = []
+    for name, draft in draft_rows.items():
+        tokens = budget_bytes // (target_bytes_per_token + draft)
+        rows.append(BudgetRow(name, target_bytes_per_token, draft, tokens, tokens // request_tokens))
+    return rows
+
+
+def engine_command(rows: list[BudgetRow], new_tokens: int, repeats: int) -> list[str]:
+    """scripts/bench_engine.py over plain (its own default capacity: the speed baseline) and one DFLASH arm per option,
+    each at the capacity the budget gives it and its largest batch as the running limit; the concurrency is the
+    largest of those batches (an arm admitting fewer queues the rest, as a server at that budget would)."""
+    arms = ["plain"]
+    for r in rows:
+        dtype = "" if r.draft_kv == "auto" else f";speculative_draft_kv_cache_dtype={r.draft_kv}"
+        arms.append(f"kv_{r.draft_kv}:max_total_tokens={r.max_total_tokens};"
+                    f"max_running_requests={r.largest_batch}{dtype}")
+    batch = max(r.largest_batch for r in rows)
+    return [sys.executable, str(REPO / "scripts" / "bench_engine.py"), "--arms", ",".join(arms),
+            "--concurrency", str(batch), "--new-tokens", str(new_tokens), "--repeats", str(repeats),
+            "--out", str(REPO / "work_tmp" / "bench_draft_memory")]
+
+
+def reference_tau(target, drafter, prompts: list[list[int]], new_tokens: int, block: int,
+                  dtypes: tuple[str, ...] = DTYPES) -> dict[str, dict]:
+    """Per draft KV dtype: tau and whether greedy output equals plain decoding (the same prompts, one batch)."""
+    from dflash_sglang.core.draft_kv import kv_format
+    from dflash_sglang.core.reference import ReferenceDecoder
+
+    decoder = ReferenceDecoder(target, drafter)
+    plain = decoder.plain_generate(prompts, new_tokens)
+    plain_ids = [p.tokens if hasattr(p, "tokens") else p for p in plain]
+    compute = drafter.fc.weight.dtype
+    out = {}
+    try:
+        for name in dtypes:
+            drafter.kv_format = kv_format(name, compute)
+            gens = decoder.generate(prompts, new_tokens, block_size=block)
+            steps = sum(len(g.accept_lengths) for g in gens)
+            out[name] = {"tau": sum(len(g.tokens) for g in gens) / steps, "steps": steps,
+                         "lossless": [g.tokens for g in gens] == plain_ids}
+            print(f"[tau] {name}: {out[name]}", file=sys.stderr, flush=True)  # (progress on a slow machine)
+    finally:
+        drafter.kv_format = None
+    return out
+
+
+def multi_turn_prompts(tokenizer, convs, n: int, min_tokens: int, max_tokens: int) -> list[list[int]]:
+    """The first n conversations templated up to their last human turn (every earlier turn included, the assistant
+    header appended) whose length is within [min_tokens, max_tokens]: long multi-turn contexts."""
+    roles = {"human": "user", "gpt": "assistant"}
+    out = []
+    for conv in convs:
+        turns = [(roles[who], text) for who, text in conv.turns if who in roles]
+        while turns and turns[-1][0] == "assistant":
+            turns.pop()
+        if len(turns) < 3:  # at least one earlier exchange
+            continue
+        ids = list(tokenizer.apply_chat_template([{"role": r, "content": t} for r, t in turns],
+                                                 add_generation_prompt=True, tokenize=True, return_dict=True)
+                   ["input_ids"])
+        if min_tokens <= len(ids) <= max_tokens:
+            out.append(ids)
+            if len(out) >= n:
+                break
+    return out
+
+
+def window_tau(target, drafter, prompts: list[list[int]], new_tokens: int, block: int,
+               windows: tuple[int | None, ...]) -> dict[str, dict]:
+    """Per draft window W (None: the whole context): tau and greedy identity with plain decoding."""
+    from dflash_sglang.core.reference import ReferenceDecoder
+
+    decoder = ReferenceDecoder(target, drafter)
+    plain = [p.tokens if hasattr(p, "tokens") else p for p in decoder.plain_generate(prompts, new_tokens)]
+    out = {}
+    try:
+        for w in windows:
+            drafter.context_window = w
+            gens = decoder.generate(prompts, new_tokens, block_size=block)
+            steps = sum(len(g.accept_lengths) for g in gens)
+            out["full" if w is None else str(w)] = {"tau": sum(len(g.tokens) for g in gens) / steps, "steps": steps,
+                                                    "lossless": [g.tokens for g in gens] == plain}
+            print(f"[window] {w}: {out['full' if w is None else str(w)]}", file=sys.stderr, flush=True)
+    finally:
+        drafter.context_window = None
+    return out
+
+
+def _window(args: argparse.Namespace) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..core.checkpoint import load_drafter
+    from ..testbed import default_pair
+    from ..testbed.data import load_split
+
+    target_dir, draft_dir = (Path(args.target), Path(args.draft)) if args.target else default_pair()
+    dtype = getattr(torch, args.dtype)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+    drafter = load_drafter(draft_dir, dtype=dtype).eval()
+    prompts = multi_turn_prompts(AutoTokenizer.from_pretrained(target_dir), load_split("eval"), args.prompts,
+                                 args.min_prompt_tokens, args.max_prompt_tokens)
+    block = args.block or drafter.cfg.block_size
+    windows = tuple(None if w == "full" else int(w) for w in args.windows.split(","))
+    res = window_tau(target, drafter, prompts, args.new_tokens, block, windows)
+    lens = [len(p) for p in prompts]
+    print(f"reference decoder, {len(prompts)} ShareGPT eval multi-turn prompts ({min(lens)}..{max(lens)} tokens, "
+          f"mean {sum(lens) / len(lens):.0f}) x {args.new_tokens} new tokens, block {block}, model {args.dtype}")
+    print(f"{'window':<8} {'tau':>6} {'steps':>6} lossless")
+    for name, r in res.items():
+        print(f"{name:<8} {r['tau']:6.3f} {r['steps']:6d} {r['lossless']}")
+    print(json.dumps({"mode": "window", "prompts": len(prompts), "prompt_tokens": [min(lens), max(lens)],
+                      "new_tokens": args.new_tokens, "block": block, "dtype": args.dtype, "windows": res}))
+    return 0 if all(r["lossless"] for r in res.values()) else 1
+
+
+def _tau(args: argparse.Namespace) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..core.checkpoint import load_drafter
+    from ..testbed import default_pair
+    from ..testbed.data import eval_prompts
+
+    target_dir, draft_dir = (Path(args.target), Path(args.draft)) if args.target else default_pair()
+    dtype = getattr(torch, args.dtype)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+    drafter = load_drafter(draft_dir, dtype=dtype).eval()
+    prompts = [list(p.ids) for p in eval_prompts(AutoTokenizer.from_pretrained(target_dir), args.prompts,
+                                                 args.max_prompt_tokens)]
+    block = args.block or drafter.cfg.block_size
+    res = reference_tau(target, drafter, prompts, args.new_tokens, block, tuple(args.dtypes.split(",")))
+    print(f"reference decoder, {len(prompts)} ShareGPT eval prompts x {args.new_tokens} new tokens, block {block}, "
+          f"model {args.dtype}")
+    print(f"{'draft KV':<10} {'tau':>6} {'steps':>6} lossless")
+    for name, r in res.items():
+        print(f"{name:<10} {r['tau']:6.3f} {r['steps']:6d} {r['lossless']}")
+    print(json.dumps({"mode": "tau", "prompts": len(prompts), "new_tokens": args.new_tokens, "block": block,
+                      "dtype": args.dtype, "arms": res}))
+    return 0 if all(r["lossless"] for r in res.values()) else 1
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from transformers import AutoConfig
+
+    from ..core.config import DraftConfig
+    from ..core.draft_kv import parse_kv_dtype
+    from ..testbed import default_pair
+
+    target_dir, draft_dir = (Path(args.target), Path(args.draft)) if args.target else default_pair()
+    model = getattr(torch, args.dtype)
+    hf = AutoConfig.from_pretrained(target_dir)
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    elem = torch.empty((), dtype=model).element_size()
+    target = kv_bytes_per_token(hf.num_hidden_layers, hf.num_key_value_heads, head_dim, elem)
+    cfg = DraftConfig.load(draft_dir)
+    draft = {name: kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                      torch.empty((), dtype=parse_kv_dtype(name) or model).element_size())
+             for name in args.dtypes.split(",")}
+    if "auto" not in draft:
+        raise SystemExit("--dtypes must include auto (the default arm the others are compared with)")
+    request = args.prompt_tokens + args.new_tokens
+    rows = budget_rows(int(args.budget_mib * 2**20), target, draft, request)
+    print(f"KV budget {args.budget_mib} MiB, model {args.dtype}, requests of {request} tokens")
+    print(f"{'draft KV':<10} {'target B/tok':>12} {'draft B/tok':>11} {'max tokens':>10} {'largest batch':>13}")
+    for r in rows:
+        print(f"{r.draft_kv:<10} {r.target_bytes_per_token:12d} {r.draft_bytes_per_token:11d} "
+              f"{r.max_total_tokens:10d} {r.largest_batch:13d}")
+    cmd = engine_command(rows, args.new_tokens, args.repeats)
+    print("timed command (run in a quiet window):", shlex.join(cmd))
+    print(json.dumps({"mode": "plan", "budget_mib": args.budget_mib, "request_tokens": request,
+                      "rows": [asdict(r) for r in rows], "command": cmd}))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="mode", required=True)
+    for name in ("tau", "plan", "window"):
+        s = sub.add_parser(name)
+        s.add_argument("--target", help="target dir (default: the testbed pair)")
+        s.add_argument("--draft", help="draft dir (with --target)")
+        s.add_argument("--dtype", default="float32", help="model dtype (torch name)")
+        s.add_argument("--dtypes", default=",".join(DTYPES), help="draft KV arms, SGLang's names")
+        s.add_argument("--new-tokens", type=int, default=64)
+    tau = sub.choices["tau"]
+    tau.add_argument("--prompts", type=int, default=32)
+    tau.add_argument("--max-prompt-tokens", type=int, default=256)
+    tau.add_argument("--block", type=int, default=None, help="drafter block (default: the checkpoint's)")
+    window = sub.choices["window"]
+    window.add_argument("--windows", default="32,128,512,full", help="draft windows W (full: the whole context)")
+    window.add_argument("--prompts", type=int, default=16)
+    window.add_argument("--min-prompt-tokens", type=int, default=512)
+    window.add_argument("--max-prompt-tokens", type=int, default=2048)
+    window.add_argument("--block", type=int, default=None, help="drafter block (default: the checkpoint's)")
+    plan = sub.choices["plan"]
+    plan.add_argument("--budget-mib", type=float, default=64.0, help="KV memory budget (target + draft pools)")
+    plan.add_argument("--prompt-tokens", type=int, default=256, help="prompt tokens per request")
+    plan.add_argument("--repeats", type=int, default=3)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return {"tau": _tau, "plan": _plan, "window": _window}[args.mode](args)
