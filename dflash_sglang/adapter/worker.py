@@ -256,6 +256,17 @@ class DFlashWorker(BaseSpecWorker):
         # rank agrees without a collective (SGLang's default generator also serves other draws)
         seed = int(self.server_args.random_seed or 0)
         self.walk_generator = torch.Generator(self.vocab.weight.device).manual_seed(seed)
+        # The accept's uniforms: torch's default generator, which SGLang seeds alike in every scheduler. Under DP
+        # attention each group draws its own (--random-seed offset by the group): requests in different groups are
+        # sampled independently, as one server's requests are (the ranks of one group still draw alike).
+        self.accept_generator: torch.Generator | None = None
+        if self.dp is not None:
+            logger.warning("DFLASH (dflash-sglang): DP attention (experimental): greedy output is validated identical "
+                           "to plain decoding; sampled requests are not yet shown to follow the target's exact "
+                           "distribution under DP attention (docs/sglang.md, Scale-out)")
+            group = int(getattr(self._target_worker, "tp_rank", 0)) // self.dp.attn_tp
+            self.walk_generator.manual_seed(seed + 7919 * group)
+            self.accept_generator = torch.Generator(self.vocab.weight.device).manual_seed(seed + 7919 * group + 1)
         scratch = ""
         if self.hybrid is not None:  # SGLang allocated them from the verify rows we declared (adapter/hybrid.py)
             scratch = f", target state per verify row {state_scratch_bytes(req_to_token_pool) / 2**20:.1f} MiB"
@@ -475,7 +486,7 @@ class DFlashWorker(BaseSpecWorker):
             self.penalties.penalize(logits, penalized, proposal.ids, tree.parent if tree is not None else None)
         self._bias_and_grammar(logits, batch, grammar, grammar_barrier)
         slots = inputs.out_cache_loc if tree is not None else None  # a tree's verify splits commit / free slots
-        result = accept(proposal, logits, params, None, slots, ops.TREE_KERNELS)
+        result = accept(proposal, logits, params, self.accept_generator, slots, ops.TREE_KERNELS)
         if self.simulation is not None and n > 1:  # the verify ran as usual (same cost); only its outcome is forced
             result = AcceptResult(*self.simulation.force(proposal.ids[:, 1:], logits.argmax(-1),
                                                          self.simulation.sample_commit_len(n)))
