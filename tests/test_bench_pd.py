@@ -45,7 +45,7 @@ def test_each_arm_starts_its_servers_with_the_right_flags(monkeypatch, tmp_path,
             pass
 
     monkeypatch.setattr(pd, "Server", FakeServer)
-    monkeypatch.setattr(pd, "_await_workers", lambda url: None)
+    monkeypatch.setattr(pd, "await_router_workers", lambda url, params: None)
     args = pd.build_parser().parse_args(["--target", "T", "--draft", "D", "--out", str(tmp_path)])
     with ExitStack() as stack:
         url = pd.launch(stack, args, arm, 0)

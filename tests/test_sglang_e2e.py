@@ -1224,31 +1224,13 @@ def test_dp_attention_matches_plain(runs, qwen3_dir, mode):
     assert all(a is not None and a > 1.0 for a in spec["replica_avg_accept"]), spec["replica_avg_accept"]
 
 
-def _await_router_workers(url: str, params: dict, timeout: float = 120.0) -> None:
-    """sglang-router answers /health before it has registered its workers, and 503 to requests until then: wait for
-    a request to go through."""
-    import urllib.error
-
-    from dflash_sglang.bench.server import http_json
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            http_json(url + "/generate", {"input_ids": [1, 2], "sampling_params": params})
-            return
-        except urllib.error.HTTPError as e:
-            if e.code != 503 or time.monotonic() > deadline:
-                raise
-            time.sleep(1)
-
-
 def test_router_in_front_of_two_servers_matches_plain(runs, pair_dir, tmp_path):
     """sglang-router (round robin) in front of two DFLASH HTTP servers (goodput controller, one each), as users scale
     out: every greedy prompt, sent through the router at once, comes back identical to the plain Engine's, and both
     servers decoded with drafts accepted."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from dflash_sglang.bench.server import ROUTER, Server, cpu_env, http_json
+    from dflash_sglang.bench.server import ROUTER, Server, await_router_workers, cpu_env, http_json
 
     argv = ["--model-path", str(pair_dir / "target"), "--device", "cpu", "--attention-backend", "torch_native",
             "--dtype", "float32", "--random-seed", "0", "--max-total-tokens", "16384", "--chunked-prefill-size",
@@ -1263,7 +1245,7 @@ def test_router_in_front_of_two_servers_matches_plain(runs, pair_dir, tmp_path):
         router_argv = ["--worker-urls", *[s.url for s in servers], "--policy", "round_robin"]
         with Server(router_argv, env, tmp_path / "router.log", startup_timeout=120, module=ROUTER) as router:
             params = {"temperature": 0, "max_new_tokens": GREEDY_NEW, "ignore_eos": True}
-            _await_router_workers(router.url, params)
+            await_router_workers(router.url, params)
             with ThreadPoolExecutor(8) as pool:
                 outs = list(pool.map(lambda p: http_json(router.url + "/generate", {
                     "input_ids": p, "sampling_params": params}), greedy_prompts()))
@@ -1286,7 +1268,8 @@ def test_pd_disaggregation_over_mooncake_matches_plain(runs, pair_dir, tmp_path,
     the requests that arrived without draft K/V in its log (adapter/disagg.py `PeerCheck`)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from dflash_sglang.bench.server import ROUTER, Server, cpu_env, free_port, http_json
+    from dflash_sglang.bench.pd import PREFILL_ENV
+    from dflash_sglang.bench.server import ROUTER, Server, await_router_workers, cpu_env, free_port, http_json
 
     if not seam_probes()["pd_disaggregation_supported"]:  # (the plugin tests check the refusal)
         pytest.skip(f"sglang {version('sglang')} has no DFLASH path for PD disaggregation")
@@ -1300,8 +1283,7 @@ def test_pd_disaggregation_over_mooncake_matches_plain(runs, pair_dir, tmp_path,
     # server keeps retracted requests' KV in CPU tensors instead of its pinned host pool)
     prefill = Server(common + (spec if peer == "dflash" else []) +
                      ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap)],
-                     {**cpu_env(REPO), "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1",
-                      "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0"}, tmp_path / "prefill.log")
+                     {**cpu_env(REPO), **PREFILL_ENV}, tmp_path / "prefill.log")
     decode = Server(common + spec + ["--disaggregation-mode", "decode", "--disaggregation-decode-retraction-backup",
                                      "cpu_tensor"], cpu_env(REPO), tmp_path / "decode.log")
     try:
@@ -1313,7 +1295,7 @@ def test_pd_disaggregation_over_mooncake_matches_plain(runs, pair_dir, tmp_path,
                        "--policy", "round_robin"]
         with Server(router_argv, cpu_env(REPO), tmp_path / "router.log", startup_timeout=120, module=ROUTER) as router:
             params = {"temperature": 0, "max_new_tokens": GREEDY_NEW, "ignore_eos": True}
-            _await_router_workers(router.url, params)
+            await_router_workers(router.url, params)
             with ThreadPoolExecutor(8) as pool:
                 outs = list(pool.map(lambda p: http_json(router.url + "/generate", {
                     "input_ids": p, "sampling_params": params}), greedy_prompts()))

@@ -83,24 +83,23 @@ class PeerCheck:
         Health checks are not transfers (SGLang gives them a fake bootstrap host and no KV): not checked."""
         from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 
-        transferred = torch.tensor([getattr(r, "bootstrap_host", None) != FAKE_BOOTSTRAP_HOST for r in batch.reqs],
-                                   device=batch.seq_lens.device)
-        lens = batch.seq_lens * transferred
-        longest = int(lens.max())
+        transferred = [getattr(r, "bootstrap_host", None) != FAKE_BOOTSTRAP_HOST for r in batch.reqs]
+        lens_cpu = batch.seq_lens_cpu if batch.seq_lens_cpu is not None else batch.seq_lens.cpu()
+        longest = max((int(n) for n, t in zip(lens_cpu.tolist(), transferred) if t), default=0)
         if longest == 0:
             return
+        lens = batch.seq_lens * torch.tensor(transferred, device=batch.seq_lens.device)
         cols = torch.arange(longest, device=lens.device)
         slots = batch.req_to_token_pool.req_to_token[batch.req_pool_indices][:, :longest].to(torch.int64)
         valid = cols[None, :] < lens[:, None]
-        missing = self.pool.unsent(slots.masked_fill(~valid, 0), valid)
-        count = int(missing.sum())  # (one host sync per batch of arrivals)
-        self.checked += int(transferred.sum())
-        if count == 0:
+        missing = self.pool.unsent(slots.masked_fill(~valid, 0), valid).tolist()  # (one host sync per arrivals batch)
+        self.checked += sum(transferred)
+        if not any(missing):
             return
-        self.unsent += count
+        self.unsent += sum(missing)
         if self.reported == 0 or self.unsent >= 2 * self.reported:  # the first, then at each doubling
             self.reported = self.unsent
-            rids = [r.rid for r, m in zip(batch.reqs, missing.tolist()) if m]
+            rids = [r.rid for r, m in zip(batch.reqs, missing) if m]
             logger.error(
                 "DFLASH (dflash-sglang) PD: %d of %d transferred requests arrived without draft K/V (now: %s): their "
                 "prefill server runs no DFLASH draft pool of the same layout (plain, SGLang's builtin DFLASH, or "

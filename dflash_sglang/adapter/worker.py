@@ -53,11 +53,11 @@ from dflash_sglang.core.speculate import DraftScores, accept, committed_ranks, d
 from dflash_sglang.core.token_map import read_token_map
 
 from .adaptive import ShapeSchedule
+from .args import TREE_ATTENTION_BACKENDS, UnsupportedFlagError
 from .disagg import TransferredDraftPool, watch_transfers
 from .dp_attention import DECODE, EXTEND, IDLE, AttentionDP
-from .draft_memory import check_pool_memory
-from .args import TREE_ATTENTION_BACKENDS, UnsupportedFlagError
 from .draft_graphs import DraftGraphs, default_sizes, graph_mode
+from .draft_memory import check_pool_memory
 from .hidden import FinalHiddenStates, decode_rows, prefill_rows
 from .hybrid import HybridTarget, state_scratch_bytes
 from .logprobs import attach_logprobs
@@ -255,7 +255,6 @@ class DFlashWorker(BaseSpecWorker):
         # verify the same rows); ranks run the same steps with the same batch, so a generator seeded alike on each
         # rank agrees without a collective (SGLang's default generator also serves other draws)
         seed = int(self.server_args.random_seed or 0)
-        self.walk_generator = torch.Generator(self.vocab.weight.device).manual_seed(seed)
         # The accept's uniforms: torch's default generator, which SGLang seeds alike in every scheduler. Under DP
         # attention each group draws its own (--random-seed offset by the group): requests in different groups are
         # sampled independently, as one server's requests are (the ranks of one group still draw alike).
@@ -264,9 +263,9 @@ class DFlashWorker(BaseSpecWorker):
             logger.warning("DFLASH (dflash-sglang): DP attention (experimental): greedy output is validated identical "
                            "to plain decoding; sampled requests are not yet shown to follow the target's exact "
                            "distribution under DP attention (docs/sglang.md, Scale-out)")
-            group = int(getattr(self._target_worker, "tp_rank", 0)) // self.dp.attn_tp
-            self.walk_generator.manual_seed(seed + 7919 * group)
-            self.accept_generator = torch.Generator(self.vocab.weight.device).manual_seed(seed + 7919 * group + 1)
+            seed += 7919 * (int(getattr(self._target_worker, "tp_rank", 0)) // self.dp.attn_tp)  # (the group)
+            self.accept_generator = torch.Generator(self.vocab.weight.device).manual_seed(seed + 1)
+        self.walk_generator = torch.Generator(self.vocab.weight.device).manual_seed(seed)
         scratch = ""
         if self.hybrid is not None:  # SGLang allocated them from the verify rows we declared (adapter/hybrid.py)
             scratch = f", target state per verify row {state_scratch_bytes(req_to_token_pool) / 2**20:.1f} MiB"

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .noise import RatioSpread
 from .quiet import busy_share, cpu_model, training_paused
-from .server import ROUTER, Server, cpu_env, free_port, http_json
+from .server import ROUTER, Server, await_router_workers, cpu_env, free_port, http_json
 
 ARMS = ("whole", "pd", "plain", "plain-pd")
 # (CPU: SGLang's prefill sender allocates CUDA events on two paths these switches avoid; the decode server keeps a
@@ -96,23 +96,8 @@ def launch(stack: ExitStack, args, arm: str, repeat: int) -> str:
     router = stack.enter_context(Server(["--pd-disaggregation", "--prefill", prefill.url, str(bootstrap), "--decode",
                                          decode.url, "--policy", "round_robin"], cpu_env(),
                                         Path(f"{log}.router.log"), startup_timeout=120, module=ROUTER))
-    _await_workers(router.url)
+    await_router_workers(router.url, {"max_new_tokens": 1})
     return router.url
-
-
-def _await_workers(url: str, timeout: float = 120.0) -> None:
-    """sglang-router answers 503 until it has registered its workers."""
-    import urllib.error
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            http_json(url + "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
-            return
-        except urllib.error.HTTPError as e:
-            if e.code != 503 or time.monotonic() > deadline:
-                raise
-            time.sleep(1)
 
 
 def send(url: str, prompts: list[list[int]], args) -> tuple[float, list[dict]]:

@@ -65,6 +65,20 @@ def cpu_env(repo: Path | None = None) -> dict[str, str]:
 ROUTER = "sglang_router.launch_router"  # PyPI sglang-router: the load balancer in front of SGLang servers
 
 
+def await_router_workers(url: str, params: dict, timeout: float = 120.0) -> None:
+    """sglang-router answers /health before it has registered its workers, and 503 to requests until then: wait for
+    a request (sampling `params`) to go through."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            http_json(url + "/generate", {"input_ids": [1, 2], "sampling_params": params})
+            return
+        except urllib.error.HTTPError as e:
+            if e.code != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
 class Server:
     """`with Server(argv, env, log) as s:` runs `python -m sglang.launch_server argv` until the block exits;
     `module=ROUTER` runs sglang-router instead (argv: e.g. `--worker-urls URL URL --policy round_robin`)."""
