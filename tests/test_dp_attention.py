@@ -38,6 +38,7 @@ class _Group:
 
     def __init__(self, rows: list[list[int]], rank: int) -> None:
         self.rows, self.rank, self.world_size, self.cpu_group = rows, rank, len(rows), object()
+        self.rank_in_group = rank  # (SGLang's GroupCoordinator's name)
 
 
 @pytest.fixture(autouse=True)
@@ -70,6 +71,8 @@ def test_every_rank_of_every_group_derives_the_same_plan(gather, rank):
     dp = _dp(2, 2, rows, rank, gather)
     plan = dp.plan(mine[0], SpecShape(mine[1], mine[2]))
     assert plan == StepPlan((DECODE, DECODE), SpecShape(4, 1))
+    # the group whose random stream the rank draws (worker: --random-seed offset by it): shared within a group only
+    assert dp.index == rank // 2
 
 
 def test_an_idle_rank_takes_part_and_apply_writes_coordinated_counts(gather):

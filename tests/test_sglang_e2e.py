@@ -706,9 +706,9 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
         # DP attention (--attn-dp-size 2 --tp 2, --enable-dp-lm-head; --speculative-dflash-experimental) on the Qwen3
         # pair (SGLang's Llama has no DP-attention path): every step agreed over the groups (adapter/dp_attention.py),
         # idle groups in the target's IDLE forward. The controller (with the overlap scheduler; its chains and trees
-        # agreed over the groups), greedy: sampling under DP attention is not yet shown exact (docs/sglang.md)
+        # agreed over the groups), greedy and sampled
         *[dict(name=f"attn_dp2_{mode}", root=str(qwen3_dir), spec=True, full=False,
-               staggered=True,
+               staggered=True, sampled=True,
                env={**attn_dp_env(), **debug_env(qwen3_dir), **(FIXED_COST if mode == "goodput" else {})},
                engine_kwargs={"tp_size": 2, "attn_dp_size": 2, "enable_dp_lm_head": True,
                               "speculative_dflash_experimental": True}, **TP_SHAPES.get(mode, {}))
@@ -1195,9 +1195,9 @@ def test_data_parallel_replicas_match_plain(runs, mode):
 
 @pytest.mark.parametrize("mode", ["goodput"])
 def test_dp_attention_matches_plain(runs, qwen3_dir, mode):
-    """--attn-dp-size 2 --tp 2 (adapter/dp_attention.py): greedy output identical to plain decoding of the target, and
-    both attention-DP groups decoded with drafts accepted. (Sampling is not checked here: its chi-square against the
-    target's exact distribution failed for 2 of 3 seeds, docs/sglang.md "Scale-out"; open.)"""
+    """--attn-dp-size 2 --tp 2 (adapter/dp_attention.py): greedy output identical to plain decoding of the target,
+    sampled continuations in the target's exact distribution (the same prompt in both groups: their draws must be
+    independent), and both attention-DP groups decoded with drafts accepted."""
     from dflash_sglang.core.checkpoint import load_drafter
     from dflash_sglang.core.reference import ReferenceDecoder
     from transformers import AutoModelForCausalLM
@@ -1222,6 +1222,8 @@ def test_dp_attention_matches_plain(runs, qwen3_dir, mode):
     shapes = set(re.findall(r"DFLASH goodput step: shape=(\d+)x(\d+)", log))
     assert any(k != "1" for _, k in shapes), shapes
     assert all(a is not None and a > 1.0 for a in spec["replica_avg_accept"]), spec["replica_avg_accept"]
+    for key, n, settings in SAMPLED:
+        assert_target_distribution(spec[f"sampled_{key}"], qwen3_dir, n, settings)
 
 
 def test_router_in_front_of_two_servers_matches_plain(runs, pair_dir, tmp_path):

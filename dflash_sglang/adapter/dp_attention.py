@@ -89,6 +89,11 @@ class AttentionDP:
         groups = dp[1]
         return cls(groups, int(cfg.tp_size) // groups, get_tp_group())  # (attention CP is refused: 1)
 
+    @property
+    def index(self) -> int:
+        """This rank's attention-DP group: the TP group's ranks are group-major (`plan` reads them so too)."""
+        return int(self.group.rank_in_group) // self.attn_tp
+
     def plan(self, phase: int, shape: SpecShape | None) -> StepPlan:
         """This rank's phase (and, decoding, its shape) -> the step's plan, the same on every rank. Host integers over
         the TP group's CPU (gloo) group: no device work, no device sync."""

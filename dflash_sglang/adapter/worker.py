@@ -255,16 +255,16 @@ class DFlashWorker(BaseSpecWorker):
         # verify the same rows); ranks run the same steps with the same batch, so a generator seeded alike on each
         # rank agrees without a collective (SGLang's default generator also serves other draws)
         seed = int(self.server_args.random_seed or 0)
-        # The accept's uniforms: torch's default generator, which SGLang seeds alike in every scheduler. Under DP
-        # attention each group draws its own (--random-seed offset by the group): requests in different groups are
-        # sampled independently, as one server's requests are (the ranks of one group still draw alike).
-        self.accept_generator: torch.Generator | None = None
+        # SGLang seeds torch's default generator alike in every scheduler; the target's sampler (each prompt's first
+        # token) and our accept draw from it. Under DP attention each group samples its own requests, so two groups
+        # running alike batches would draw alike uniforms: the same prompt in both groups got the same tokens (the
+        # chi-square of tests/test_sglang_e2e.py caught it). Each group reseeds it once, at its first forward (SGLang
+        # reseeds after building the workers), with --random-seed offset by the group, and seeds its walk generator
+        # so; the ranks of one group still draw alike.
+        self._group_seed: int | None = None
         if self.dp is not None:
-            logger.warning("DFLASH (dflash-sglang): DP attention (experimental): greedy output is validated identical "
-                           "to plain decoding; sampled requests are not yet shown to follow the target's exact "
-                           "distribution under DP attention (docs/sglang.md, Scale-out)")
-            seed += 7919 * (int(getattr(self._target_worker, "tp_rank", 0)) // self.dp.attn_tp)  # (the group)
-            self.accept_generator = torch.Generator(self.vocab.weight.device).manual_seed(seed + 1)
+            seed += 7919 * self.dp.index
+            self._group_seed = seed
         self.walk_generator = torch.Generator(self.vocab.weight.device).manual_seed(seed)
         scratch = ""
         if self.hybrid is not None:  # SGLang allocated them from the verify rows we declared (adapter/hybrid.py)
@@ -320,6 +320,9 @@ class DFlashWorker(BaseSpecWorker):
     def forward_batch_generation(self, batch: ScheduleBatch, on_publish=None, grammar_barrier=None,
                                  pp_proxy_tensors=None):
         assert pp_proxy_tensors is None, "pipeline parallelism is refused at start-up"
+        if self._group_seed is not None:  # (DP attention: this group's own random stream, see __init__)
+            torch.manual_seed(self._group_seed)
+            self._group_seed = None
         # The local mode: under DP attention `is_extend_in_batch` says whether any group prefills this step
         if batch.forward_mode.is_extend() or (batch.is_extend_in_batch and self.dp is None):
             return self._prefill(batch, on_publish)
@@ -485,7 +488,7 @@ class DFlashWorker(BaseSpecWorker):
             self.penalties.penalize(logits, penalized, proposal.ids, tree.parent if tree is not None else None)
         self._bias_and_grammar(logits, batch, grammar, grammar_barrier)
         slots = inputs.out_cache_loc if tree is not None else None  # a tree's verify splits commit / free slots
-        result = accept(proposal, logits, params, self.accept_generator, slots, ops.TREE_KERNELS)
+        result = accept(proposal, logits, params, None, slots, ops.TREE_KERNELS)
         if self.simulation is not None and n > 1:  # the verify ran as usual (same cost); only its outcome is forced
             result = AcceptResult(*self.simulation.force(proposal.ids[:, 1:], logits.argmax(-1),
                                                          self.simulation.sample_commit_len(n)))
