@@ -41,6 +41,25 @@ def test_engine_command_runs_each_option_at_its_capacity():
     assert cmd[cmd.index("--concurrency") + 1] == str(max(r.largest_batch for r in rows))
 
 
+def test_a_window_option_pays_its_rings_per_request_slot():
+    """A draft window W: 0 draft B/token; b requests need b + 1 request slots' rings beside their target KV, the rest
+    of the budget is target tokens. Its Engine arm runs at that capacity with the window and no radix cache."""
+    target, request, ring = 46080, 320, 20 * 3072
+    budget = 50_000_000
+    rows = budget_rows(budget, target, {"auto": 3072}, request, windows={16: ring})
+    auto, window = rows
+    assert (window.draft_kv, window.window, window.draft_bytes_per_token, window.draft_bytes_per_request) == (
+        "window16", 16, 0, ring)
+    b = window.largest_batch
+    assert b * request * target + (b + 1) * ring <= budget < (b + 1) * request * target + (b + 2) * ring
+    assert window.max_total_tokens == (budget - (b + 1) * ring) // target >= b * request
+    assert window.largest_batch >= auto.largest_batch  # (short requests: the rings cost about what the rows do)
+    cmd = engine_command(rows, 64, 1)
+    name, kw = parse_arm(cmd[cmd.index("--arms") + 1].split(",")[2], "/draft")
+    assert name == "kv_window16" and kw["speculative_draft_window_size"] == 16 and kw["disable_radix_cache"] is True
+    assert (kw["max_total_tokens"], kw["max_running_requests"]) == (window.max_total_tokens, b)
+
+
 def test_reference_tau_reports_every_arm_lossless():
     target = tiny_target("llama", vocab=96, seed=3)
     drafter = tiny_drafter(draft_config_for(target, block_size=4))
@@ -85,7 +104,7 @@ def pair():
         pytest.skip(f"testbed pair unavailable: {e}")
 
 
-@pytest.mark.parametrize("args", [["plan", "--budget-mib", "16"],
+@pytest.mark.parametrize("args", [["plan", "--budget-mib", "16", "--windows", "64"],
                                   ["tau", "--prompts", "2", "--new-tokens", "6", "--dtypes", "auto,fp8_e4m3"]],
                          ids=["plan", "tau"])
 def test_script_tiny_run(pair, args):
@@ -98,6 +117,7 @@ def test_script_tiny_run(pair, args):
         assert rows["fp8_e4m3"]["draft_bytes_per_token"] * 4 == rows["auto"]["draft_bytes_per_token"]  # fp32 model
         assert rows["fp8_e4m3"]["max_total_tokens"] >= rows["auto"]["max_total_tokens"]
         assert "scripts/bench_engine.py" in res["command"][1]
+        assert rows["window64"]["draft_bytes_per_token"] == 0 and rows["window64"]["draft_bytes_per_request"] > 0
     else:
         assert set(res["arms"]) == {"auto", "fp8_e4m3"} and all(a["lossless"] for a in res["arms"].values())
 

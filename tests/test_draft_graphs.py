@@ -1,8 +1,8 @@
 """The draft pass and commit as static-buffer graphs (adapter/draft_graphs.py): padded replays equal the eager path
-on mixed batches (CPU, static mode), DFlash v1 and DFlash2 (its selector's candidates and walk replayed with the pass,
-adapter/selector_graph.py: chains greedy and sampled, trees, one process or the TP layout), the captured bodies and a
-DFlash2 step's whole draft side do no host sync (meta tensors), mode selection; on a GPU, captured CUDA graphs against
-the eager path."""
+on mixed batches (CPU, static mode), DFlash v1 and DFlash2 over full, causal and sliding-window layers (DFlash2: its
+selector's candidates and walk replayed with the pass, adapter/selector_graph.py: chains greedy and sampled, trees,
+one process or the TP layout), the captured bodies and a DFlash2 step's whole draft side do no host sync (meta
+tensors), mode selection; on a GPU, captured CUDA graphs against the eager path."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from factories import DFLASH2_DRAFT, draft_config_for, tiny_drafter, tiny_target
+from factories import DFLASH2_DRAFT, GEMMA4_DRAFT, draft_config_for, tiny_drafter, tiny_target
 from sglang_support import requires_flashinfer_gpu, requires_sglang
 
 pytestmark = requires_sglang
@@ -22,16 +22,22 @@ SIZES = (2, 4, 8)
 STEPS = [((5, 1, 12), (3, 0, 5)), ((7,), (2,)), ((9, 3, 1, 20), (1, 4, 0, 2)), ((2,) * 9, (0,) * 9)]
 
 
-# A DFlash2 draft the paged pass serves (and so the draft graphs): the published layout's convolutions, selector and
-# scaled, soft-capped logits, over full-attention layers (sliding-window layers take the dense path, never graphed)
-DFLASH2_PAGED = {k: v for k, v in DFLASH2_DRAFT.items() if k not in ("layer_types", "sliding_window")}
+# The drafts the graphs replay: DFlash (full layers), a Gemma-4 style DFlash (causal sliding-window layers and a full
+# one), DFlash2 as published (convolutions, selector, scaled soft-capped logits over bidirectional sliding-window
+# layers) and over full layers. Windows of 5 (>= BLOCK: FlashInfer expresses them), shorter than most STEPS contexts.
+DRAFTS = {
+    "dflash": {},
+    "gemma4": {**GEMMA4_DRAFT, "sliding_window": 5},
+    "dflash2": {**DFLASH2_DRAFT, "sliding_window": 5},
+    "dflash2_full": {k: v for k, v in DFLASH2_DRAFT.items() if k not in ("layer_types", "sliding_window")},
+}
 
 
-def _setup(device="cpu", dtype=torch.float32, hidden=32, attention="torch", dflash2=False):
+def _setup(device="cpu", dtype=torch.float32, hidden=32, attention="torch", draft="dflash"):
     """A PagedDrafter over a pool with committed contexts for every request slot, its TargetHead, req_to_token."""
     from dflash_sglang.adapter.model import DraftKVPool, PagedDrafter, TargetHead
 
-    cfg = draft_config_for(tiny_target("qwen3", hidden=hidden), block_size=BLOCK, **(DFLASH2_PAGED if dflash2 else {}))
+    cfg = draft_config_for(tiny_target("qwen3", hidden=hidden), block_size=BLOCK, **DRAFTS[draft])
     torch.manual_seed(0)
     core = tiny_drafter(cfg).to(device, dtype).requires_grad_(False)  # served weights (SGLang runs without autograd)
     slots = 1 + REQ_SLOTS * WIDTH  # slot 0: SGLang's padding slot, never a request's
@@ -64,10 +70,12 @@ def _step_inputs(seq_lens, pool_idx, cfg, device="cpu"):
                                                                                                           device=device)
 
 
-def test_static_draft_replays_equal_eager_on_mixed_batches():
+@pytest.mark.parametrize("draft", ["dflash", "gemma4"])
+def test_static_draft_replays_equal_eager_on_mixed_batches(draft):
     from dflash_sglang.adapter.model import EagerDraftPass
 
-    cfg, paged, head, r2t = _setup()
+    cfg, paged, head, r2t = _setup(draft=draft)
+    assert paged.attention is not None  # (causal and sliding-window layers on the paged path)
     graphs = _graphs(paged, head, r2t, cfg)
     eager = EagerDraftPass(paged, head, r2t)  # the same call as the graphs'
     assert graphs.sizes == list(SIZES) and not graphs.captured
@@ -157,9 +165,10 @@ def _same_scores(got, want, bonus, exact=True):
     assert torch.equal(got.ranks(got.argmax(depth)), want.ranks(want.argmax(depth)))
 
 
+@pytest.mark.parametrize("draft", ["dflash2", "dflash2_full"])
 @pytest.mark.parametrize("layout", ["one_process", "tp_layout"])
 @pytest.mark.parametrize("sampling", ["greedy", "mixed"])
-def test_static_dflash2_selection_equals_eager(layout, sampling):
+def test_static_dflash2_selection_equals_eager(layout, sampling, draft):
     """A DFlash2 draft's pass and selection replayed (static mode: the shared buffers and padding of the CUDA graphs)
     equal the eager pass + SelectorScores.of bit for bit over mixed batch sizes (padded, over a larger batch's stale
     rows, temperatures and uniforms, exact, too large for any graph): one process (candidates and walk inside the
@@ -169,7 +178,7 @@ def test_static_dflash2_selection_equals_eager(layout, sampling):
     from dflash_sglang.adapter.model import EagerDraftPass
     from dflash_sglang.core.selector import SelectorScores
 
-    cfg, paged, head, r2t = _setup(dflash2=True)
+    cfg, paged, head, r2t = _setup(draft=draft)
     in_graph = layout == "one_process"
     top = _top(cfg.vocab_size, 1 if in_graph else 2)
     graphs = _graphs(paged, head, r2t, cfg, top=top, in_graph=in_graph)
@@ -198,7 +207,7 @@ def test_static_dflash2_selection_equals_eager(layout, sampling):
 
 
 def test_graphs_of_a_dflash2_draft_refuse_the_v1_call():
-    cfg, paged, head, r2t = _setup(dflash2=True)
+    cfg, paged, head, r2t = _setup(draft="dflash2")
     graphs = _graphs(paged, head, r2t, cfg, top=_top(cfg.vocab_size, 1))
     bonus, sl, sl_cpu, idx = _step_inputs((5, 1), (3, 0), cfg)
     with pytest.raises(AssertionError, match="replays through select"):
@@ -216,7 +225,7 @@ class _MetaAttention:
     def plan(self, layout):
         pass
 
-    def run(self, q, k_rows, v_rows):
+    def run(self, q, k_rows, v_rows, kind=None):
         return torch.empty_like(q)
 
 
@@ -225,7 +234,7 @@ def _meta_graphs(dflash2: bool = False, in_graph: bool = True):
     from dflash_sglang.adapter.draft_graphs import DraftGraphs
     from dflash_sglang.adapter.model import DraftKVPool, PagedDrafter, TargetHead, random_drafter
 
-    cfg = draft_config_for(tiny_target("qwen3"), block_size=BLOCK, **(DFLASH2_PAGED if dflash2 else {}))
+    cfg = draft_config_for(tiny_target("qwen3"), block_size=BLOCK, **DRAFTS["dflash2" if dflash2 else "dflash"])
     pool = DraftKVPool(cfg.num_hidden_layers, 64 + (REQ_SLOTS + 1) * BLOCK, cfg.num_key_value_heads, cfg.head_dim,
                        torch.float32, "meta")
     paged = PagedDrafter(random_drafter(cfg, "meta", torch.float32).requires_grad_(False), pool, 64, BLOCK,
@@ -251,7 +260,7 @@ def test_captured_bodies_do_no_host_sync(draft):
         graphs._draft_body(graphs.drafts[size])
         assert graphs.drafts[size].logits.shape == (size, BLOCK - 1, cfg.vocab_size)
         if graphs.selection is not None:
-            k = DFLASH2_PAGED["dflash2"].selector_top_k
+            k = DFLASH2_DRAFT["dflash2"].selector_top_k
             assert graphs.drafts[size].selection.walk_q.shape == (size, BLOCK - 1, k)
         for nodes in (3, 1):
             graphs._commit_body(graphs.commits[(size, nodes)])
@@ -306,21 +315,23 @@ def test_graph_mode_follows_the_target():
     assert graph_mode("cuda", False, flashinfer) is None  # follows the target (eager here: --disable-cuda-graph)
     assert graph_mode("cuda", True, flashinfer) == "capture"
     assert graph_mode("cuda", True, torch_) is None  # the torch reference reads layouts on the host
-    assert graph_mode("cuda", True, None) is None  # dense path (causal / sliding-window layers)
+    assert graph_mode("cuda", True, None) is None  # dense path (a bidirectional window narrower than the block)
     assert graph_mode("cpu", False, torch_, "static") == "static"  # --speculative-dflash-draft-graphs static
     assert graph_mode("cuda", True, flashinfer, "static") == "static"
     assert graph_mode("cuda", True, flashinfer, "eager") is None
-    with pytest.raises(ValueError, match="^--speculative-dflash-draft-graphs static: the drafter has causal"):
+    with pytest.raises(ValueError, match="^--speculative-dflash-draft-graphs static: the drafter has a bidirectional"):
         graph_mode("cpu", False, None, "static")
     assert default_sizes(10) == [1, 2, 4, 8, 10] and default_sizes(4096)[-1] == 256
 
 
 @requires_flashinfer_gpu
-def test_captured_graphs_match_eager_on_gpu():
-    """Captured CUDA graphs (FlashInfer graph-mode wrappers) against the eager pass and commit, same pool."""
+@pytest.mark.parametrize("draft", ["dflash", "gemma4"])
+def test_captured_graphs_match_eager_on_gpu(draft):
+    """Captured CUDA graphs (FlashInfer graph-mode wrappers, one per layer kind) against the eager pass and commit,
+    same pool."""
     from dflash_sglang.adapter.model import EagerDraftPass
 
-    cfg, paged, head, r2t = _setup("cuda", torch.bfloat16, hidden=256, attention="flashinfer")  # head_dim 64
+    cfg, paged, head, r2t = _setup("cuda", torch.bfloat16, hidden=256, attention="flashinfer", draft=draft)  # d 64
     graphs = _graphs(paged, head, r2t, cfg, nodes=(3,), capture=True)
     eager = EagerDraftPass(paged, head, r2t)
     assert graphs.captured and all(g.graph is not None for g in graphs.drafts.values())
@@ -330,7 +341,7 @@ def test_captured_graphs_match_eager_on_gpu():
         want = eager(bonus, sl, sl_cpu, idx).float()
         torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
-    _, eager, _, _ = _setup("cuda", torch.bfloat16, hidden=256, attention="flashinfer")
+    _, eager, _, _ = _setup("cuda", torch.bfloat16, hidden=256, attention="flashinfer", draft=draft)
     rows = torch.arange(9, device="cuda")
     hidden = torch.randn(9, cfg.n_features * cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     assert graphs.commit(hidden, WIDTH + rows, 1 + rows * 7, bs=3, nodes=3)
@@ -341,8 +352,9 @@ def test_captured_graphs_match_eager_on_gpu():
 
 
 @requires_flashinfer_gpu
+@pytest.mark.parametrize("draft", ["dflash2", "dflash2_full"])
 @pytest.mark.parametrize("sampling", ["greedy", "mixed"])
-def test_captured_dflash2_graphs_match_eager_on_gpu(sampling):
+def test_captured_dflash2_graphs_match_eager_on_gpu(sampling, draft):
     """A DFlash2 draft's pass, candidates and walk captured as CUDA graphs (a host sync anywhere in them fails the
     capture): each replay's selection equals the eager selection over the replay's own states and logits (candidates,
     walk and tree tokens equal; scores and q within float32 rounding), and the pass is the eager pass's up to bf16
@@ -350,7 +362,7 @@ def test_captured_dflash2_graphs_match_eager_on_gpu(sampling):
     from dflash_sglang.adapter.model import EagerDraftPass
     from dflash_sglang.core.selector import SelectorScores
 
-    cfg, paged, head, r2t = _setup("cuda", torch.bfloat16, hidden=256, attention="flashinfer", dflash2=True)
+    cfg, paged, head, r2t = _setup("cuda", torch.bfloat16, hidden=256, attention="flashinfer", draft=draft)
     top = _top(cfg.vocab_size, 1)
     graphs = _graphs(paged, head, r2t, cfg, capture=True, top=top)
     eager = EagerDraftPass(paged, head, r2t)

@@ -63,3 +63,129 @@ def test_reference_decoder_with_a_window_is_lossless(window):
     spec = dec.generate(prompts, 20, block_size=BLOCK)
     plain = dec.plain_generate(prompts, 20)
     assert [g.tokens for g in spec] == [p.tokens if hasattr(p, "tokens") else p for p in plain]
+
+
+# ---------------------------------------------------------------------------------------------- the bounded pool
+# adapter/draft_window.py `WindowRows` behind adapter/model.py `PagedDrafter`: the worker's draft pass and commits
+# (prefill chunks, each decode step's verify rows, rejected ones included) on a ring of R rows per request slot.
+POOL_IDX = (3, 0, 5, 2)  # request-pool slots, not in batch order
+REQ_SLOTS, WINDOW, NODES = 6, 5, BLOCK  # R = W + N - 1 = 8
+
+
+def _window_rows():
+    from dflash_sglang.adapter.draft_window import WindowRows, ring_size
+
+    return WindowRows(WINDOW, ring_size(WINDOW, NODES), REQ_SLOTS)
+
+
+def test_window_layout_reads_ring_rows_of_the_last_w_positions():
+    pytest.importorskip("sglang")
+    rows = _window_rows()
+    assert rows.ring == 8 and rows.rows == REQ_SLOTS * 8
+    seq_lens, scratch = torch.tensor([3, 12, 5, 30]), 1000
+    layout = rows.layout(torch.empty(0), torch.tensor(POOL_IDX), seq_lens, BLOCK, scratch)
+    assert layout.kv_indptr_cpu.tolist() == [0, 7, 16, 25, 34]
+    assert layout.qo_indptr_cpu.tolist() == [0, 4, 8, 12, 16]
+    kv = layout.kv_indices.tolist()
+    for i, (n, r) in enumerate(zip(seq_lens.tolist(), POOL_IDX)):
+        seg = kv[layout.kv_indptr_cpu[i]:layout.kv_indptr_cpu[i + 1]]
+        ring = [r * 8 + p % 8 for p in range(max(0, n - WINDOW), n)]
+        assert seg == ring + [scratch + r * BLOCK + j for j in range(BLOCK)]
+
+
+def test_prefill_writes_only_the_last_r_positions_of_a_long_chunk():
+    """A chunk longer than R writes its last R positions only (no repeated scatter index); shorter ones all."""
+    pytest.importorskip("sglang")
+    rows = _window_rows()
+    extend = [3, 13, 8]  # (13 > R = 8)
+    prefix = [0, 4, 20]
+    positions = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, extend)])
+    index, got = rows.prefill(positions, torch.full_like(positions, -1), torch.tensor(POOL_IDX[:3]), extend)
+    keep = list(range(3)) + list(range(3 + 5, 3 + 13)) + list(range(16, 24))
+    assert index.tolist() == keep
+    owners = [POOL_IDX[0]] * 3 + [POOL_IDX[1]] * 8 + [POOL_IDX[2]] * 8
+    assert got.tolist() == [r * 8 + int(positions[k]) % 8 for r, k in zip(owners, keep)]
+    assert len(set(got.tolist())) == len(keep)
+    index, _ = rows.prefill(positions[:3], positions[:3], torch.tensor(POOL_IDX[:1]), [3])
+    assert index is None  # every token written: no gather
+
+
+def test_window_pool_is_bounded_by_request_slots():
+    """The pool holds req_slots x R context rows (+ the block scratch) whatever the target's KV capacity."""
+    pytest.importorskip("sglang")
+    from dflash_sglang.adapter.model import PagedDrafter, pool_rows
+
+    core = tiny_drafter(draft_config_for(tiny_target("qwen3"), block_size=BLOCK))
+    sizes = {PagedDrafter.load("unused", slots, REQ_SLOTS, BLOCK, torch.float32, "cpu", weights=core,
+                               context_rows=_window_rows()).pool.rows for slots in (64, 4096, 1 << 16)}
+    assert sizes == {pool_rows(REQ_SLOTS * 8, REQ_SLOTS, BLOCK)}
+
+
+@pytest.mark.parametrize("shape", ["qwen3", "gemma4"])
+def test_paged_window_pass_and_commits_equal_the_reference_drafter(shape):
+    """Mixed-length batch; chunked prefill (a chunk longer than R; two requests per extend batch); decode steps whose
+    verify rows are all committed to the ring, rejected ones with features that are not the context's (the next step
+    rewrites them); contexts grow past W and R. Every pass equals the core drafter with `context_window` W over the
+    true context (and differs from the full-context pass once a context is longer than W). gemma4: causal
+    sliding-window layers on the paged path over the window's keys."""
+    pytest.importorskip("sglang")
+    from factories import GEMMA4_DRAFT
+
+    from dflash_sglang.adapter.model import PagedDrafter
+
+    torch.manual_seed(0)
+    overrides = {**GEMMA4_DRAFT, "sliding_window": 3} if shape == "gemma4" else {}
+    cfg = draft_config_for(tiny_target("qwen3"), block_size=BLOCK, **overrides)
+    core = tiny_drafter(cfg)
+    rows = _window_rows()
+    paged = PagedDrafter.load("unused", 64, REQ_SLOTS, BLOCK, torch.float32, "cpu", weights=core, context_rows=rows)
+    if paged.attention is None:
+        pytest.skip("this drafter takes the dense path, refused under a window")
+    H, F = cfg.hidden_size, cfg.n_features * cfg.hidden_size
+    rpi = torch.tensor(POOL_IDX)
+    prompts = (3, 13, 21, 6)
+    truth = [torch.randn(n, F) for n in prompts]  # each request's committed features, position by position
+
+    def extend(pieces):  # [(request, start, end)]: one extend batch
+        positions = torch.cat([torch.arange(s, e) for _, s, e in pieces])
+        hidden = torch.cat([truth[i][s:e] for i, s, e in pieces])
+        index, out = rows.prefill(positions, positions, rpi[[i for i, _, _ in pieces]], [e - s for _, s, e in pieces])
+        if index is not None:
+            hidden, positions = hidden[index], positions[index]
+        paged.commit(hidden, positions, out)
+
+    extend([(0, 0, 3), (1, 0, 13), (2, 0, 12)])
+    extend([(2, 12, 21), (3, 0, 6)])
+
+    def reference(i: int, embeds, pos, window):
+        n = pos[0, 0].item()
+        ctx_pos = torch.arange(n)[None]
+        core.context_window = window
+        try:
+            return core(embeds, pos, core.context_kv(core.fuse(truth[i][:n])[None], ctx_pos), ctx_pos)[0]
+        finally:
+            core.context_window = None
+
+    g = torch.Generator().manual_seed(1)
+    differs = 0
+    for step in range(10):
+        lens = torch.tensor([t.shape[0] for t in truth])
+        b = BLOCK if step % 3 else 2  # a short chain drafts with a block of its own length
+        embeds = torch.randn(len(prompts), b, H)
+        pos = lens[:, None] + torch.arange(b)
+        got = paged.draft(embeds, pos, torch.empty(0, dtype=torch.int32), rpi, lens)
+        for i in range(len(prompts)):
+            want = reference(i, embeds[i:i + 1], pos[i:i + 1], WINDOW)
+            torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)
+            if lens[i] > WINDOW:
+                differs += not torch.allclose(got[i], reference(i, embeds[i:i + 1], pos[i:i + 1], None), atol=1e-4)
+        # the verify: n rows at L .. L+n-1, accepted a + 1 of them; every row's K/V written (rejected: other features)
+        n = NODES if step % 2 else 3
+        verify_pos = lens[:, None] + torch.arange(n)
+        accepted = torch.randint(0, n, (len(prompts),), generator=g)
+        hidden = torch.randn(len(prompts), n, F)
+        for i in range(len(prompts)):
+            truth[i] = torch.cat([truth[i], hidden[i, :accepted[i] + 1]])
+        paged.commit(hidden.reshape(-1, F), verify_pos.reshape(-1), rows.decode(verify_pos, verify_pos, rpi))
+    assert min(t.shape[0] for t in truth) > rows.ring  # every ring wrapped around
+    assert differs > 0

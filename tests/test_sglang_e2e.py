@@ -13,8 +13,11 @@ imports sglang:
   stop strings / max_new_tokens landing inside an accepted block or path; an aborted request; sampled
   requests (DFLASH only) for a distribution test.
 - Qwen3 target, DFLASH with `speculative_num_draft_tokens=4` (not the checkpoint's 8), greedy prompts.
+- Llama target, a chain with a draft window of 8 positions (`speculative_draft_window_size=8`, the radix cache off):
+  greedy and sampled, prompts prefilled in chunks longer than the window's ring.
 - The SmolLM2-135M testbed pair (real target, the shipped trained drafter, block 16), when installed: 32
-  ShareGPT eval-split prompts (chat template) sent concurrently, DFLASH chain and plain Engines.
+  ShareGPT eval-split prompts (chat template) sent concurrently, DFLASH chain and plain Engines; and HiCache
+  (tests/cpu_hicache.py) DFLASH chain and plain Engines whose shared prefix goes to host memory and comes back.
 The tree, adaptive and ShareGPT DFLASH Engines draft and commit through the draft-graph runner's static buffers
 (`speculative_dflash_draft_graphs="static"`: the CUDA-graph path's padding and buffers, replayed without
 capture); the
@@ -43,6 +46,8 @@ import pytest
 import torch
 from cpu_dp_attention import DP_ATTENTION_ENV
 from cpu_dp_attention import patch as patch_cpu_dp_attention
+from cpu_hicache import CPU_HICACHE, HICACHE_ENV
+from cpu_hicache import patch as patch_cpu_hicache
 from factories import STEP_COST_ENV
 from sglang_support import requires_sglang, seam_probes
 
@@ -87,6 +92,8 @@ TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 
 if os.environ.get(DP_ATTENTION_ENV) == "1":  # every process of a DP-attention Engine (the schedulers import this file)
     patch_cpu_dp_attention()
+if os.environ.get(HICACHE_ENV) == "1":  # ... and of a HiCache Engine (tests/cpu_hicache.py)
+    patch_cpu_hicache()
 
 
 def attn_dp_env() -> dict[str, str]:
@@ -223,7 +230,7 @@ def run_child(job: dict) -> None:
     engine = sgl.Engine(
         model_path=target, device=job.get("device", "cpu"), dtype=job.get("dtype", "float32"),
         attention_backend=job.get("attention_backend", "torch_native"), log_level="warning", random_seed=0,
-        max_total_tokens=16384, chunked_prefill_size=job.get("chunk", CHUNK), **spec,
+        max_total_tokens=job.get("max_total_tokens", 16384), chunked_prefill_size=job.get("chunk", CHUNK), **spec,
         **({"enable_return_hidden_states": True} if job["full"] else {}),  # (the hidden-states scenario)
         **{"decode_log_interval": 1, **job.get("engine_kwargs", {})},  # every decode batch reaches the metrics
     )
@@ -248,6 +255,8 @@ def run_child(job: dict) -> None:
             res["staggered"] = engine.loop.run_until_complete(_staggered_scenario(engine))
         if job.get("json"):
             res["json"] = _json_scenario(engine)
+        if job.get("hicache"):
+            res["hicache"] = _hicache_scenario(engine, job["hicache"], new_tokens)
         if job.get("engine_kwargs", {}).get("enable_metrics"):
             res["dflash_metrics"] = _dflash_metrics()
     finally:
@@ -280,6 +289,23 @@ def _full_scenario(engine, job: dict, res: dict) -> None:
     if job["spec"]:
         res["refusal"] = engine.loop.run_until_complete(_refusal_scenario(engine))
         _sampled_scenario(engine, res)
+
+
+def _hicache_scenario(engine, fill: list[list[int]], new_tokens: int) -> dict:
+    """After the greedy phase (the prompts, sharing a long prefix): each prompt alone with its prefix on the device,
+    then `fill` evicts the prefix to host memory (write-through backups, a device pool too small for both), then each
+    prompt alone again, its prefix loaded back from host. One request at a time, so both rounds run the same steps."""
+    prompts = hicache_case()[0]
+    params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    rounds = {}
+    for name in ("device", "fill", "host"):
+        if name == "fill":
+            engine.generate(input_ids=fill, sampling_params={**params, "max_new_tokens": 2})
+            continue
+        outs = [engine.generate(input_ids=p, sampling_params=params) for p in prompts]
+        rounds[name] = [{"ids": o["output_ids"], "meta": _meta(o),
+                         "cached": o["meta_info"].get("cached_tokens_details") or {}} for o in outs]
+    return rounds
 
 
 def _sampled_scenario(engine, res: dict) -> None:
@@ -491,15 +517,21 @@ def write_pair(root: Path, arch: str, hidden: int = 32) -> Path:
     return root
 
 
+# The DFlash2 draft's first layer is a bidirectional sliding-window one, as the published drafts' are, with a window
+# of the block size (the narrowest FlashInfer expresses) that the prompts and sampled contexts outrun
+DFLASH2_WINDOW = BLOCK
+
+
 def write_dflash2_draft(root: Path) -> Path:
     """A DFlash2 draft derived from the pair's DFlash draft (dflash_sglang/testbed/dflash2.py: the same layers inside
-    near-identity convolutions, a selector over the top 4 candidates), so that its drafts are accepted about as often;
-    core/'s tests check the DFlash2 arithmetic against the authors' code."""
+    near-identity convolutions, a selector over the top 4 candidates, the first layer sliding-window), so that its
+    drafts are accepted about as often; core/'s tests check the DFlash2 arithmetic against the authors' code."""
     from factories import DFLASH2_DRAFT
 
     from dflash_sglang.testbed.dflash2 import derive_dflash2
 
-    return derive_dflash2(root / "draft", root / "dflash2", DFLASH2_DRAFT["dflash2"])
+    return derive_dflash2(root / "draft", root / "dflash2", DFLASH2_DRAFT["dflash2"], is_causal=False,
+                          layer_types=("sliding_attention", "full_attention"), sliding_window=DFLASH2_WINDOW)
 
 
 TOKEN_MAP = [0, 1, 3, 4, 6]  # a reduced draft vocabulary: the drafter proposes only these ids
@@ -639,6 +671,36 @@ def sharegpt_jobs(root: Path) -> list[dict]:
             dict(name="sharegpt_plain", spec=False, **common)]
 
 
+HICACHE_NEW, HICACHE_POOL = 16, 640  # HiCache jobs: new tokens; device KV slots (a prefix and the fill do not both fit)
+
+
+@functools.cache
+def hicache_case() -> tuple[list[list[int]], list[list[int]]] | None:
+    """(prompts, fill) on the testbed pair: three ShareGPT questions after one long shared conversation, and one
+    prompt of its own nearly as long as the HICACHE_POOL-slot device pool, which pushes that conversation out."""
+    if (case := sharegpt_case()) is None:
+        return None
+    prompts = case[2]
+    shared = prompts[1][:-5]
+    fill = [t for p in prompts[6:] for t in p][:HICACHE_POOL - 40]
+    return [shared + p[-40:] for p in prompts[2:5]], [fill]  # (a question's last 40 tokens: its own words)
+
+
+def hicache_jobs(root: Path) -> list[dict]:
+    """HiCache (tests/cpu_hicache.py's host pools on the CPU; --speculative-dflash-experimental): a DFLASH chain of 8
+    and a plain Engine, both with HiCache, on the testbed pair ([] without the testbed, or on a release where our
+    draft pool cannot follow HiCache)."""
+    if (case := sharegpt_case()) is None or not seam_probes()["hicache_draft_served"]:
+        return []
+    target, draft, _ = case
+    prompts, fill = hicache_case()
+    common = dict(root=str(root), target=target, draft=draft, full=False, chunk=128, prompts=prompts,
+                  new_tokens=HICACHE_NEW, hicache=fill, max_total_tokens=HICACHE_POOL, env={HICACHE_ENV: "1"})
+    return [dict(name="hicache", spec=True, block=BLOCK,
+                 engine_kwargs={**CPU_HICACHE, "speculative_dflash_experimental": True}, **common),
+            dict(name="hicache_plain", spec=False, engine_kwargs=dict(CPU_HICACHE), **common)]
+
+
 def fp8_jobs(root: Path) -> list[dict]:
     """fp8 draft KV (core/draft_kv.py): a chain whose draft pool alone is fp8 (`--speculative-draft-kv-cache-dtype`,
     where SGLang has the flag; greedy and sampled), and a chain whose target and draft pools follow
@@ -685,7 +747,13 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
                   # the tiny vocab (8 ids) has no token 100, the builtin's `fixed` filler
                   "SGLANG_SIMULATE_ACC_TOKEN_MODE": "real-draft-token"}),
         *sharegpt_jobs(pair_dir),
+        *hicache_jobs(pair_dir),  # HiCache: the draft pool offloaded to host and loaded back with the target's
         *fp8_jobs(pair_dir),
+        # a draft window of W = BLOCK positions (adapter/draft_window.py): a ring of R = W + N - 1 = 15 rows per request
+        # slot; prompts up to 40 tokens prefilled in chunks of 32 (longer than R), contexts up to 64 (the rings wrap)
+        dict(name="window", root=str(pair_dir), spec=True, full=False, sampled=True, block=BLOCK, chunk=32,
+             env=debug_env(pair_dir),
+             engine_kwargs={"speculative_draft_window_size": BLOCK, "disable_radix_cache": True}),
         dict(name="token_map", root=str(pair_dir), spec=True, full=False,
              engine_kwargs={"speculative_token_map": str(write_token_map(pair_dir)), **STATIC_GRAPHS}),
         *[dict(name=f"tp2_{mode}", root=str(pair_dir), spec=mode != "plain", full=False,
@@ -1101,6 +1169,8 @@ def test_static_draft_graphs_served_padded_batches(runs, pair_dir, mode):  # run
             "tp2_dflash2_chain": "candidates merged over TP ranks and its walk after the replay"}.get(
         mode, "draft pass and commit as ")
     assert body in log and "as static buffers replayed eagerly" in log, log[-3000:]
+    if "dflash2" in mode:  # its sliding-window layer on the paged path (one plan per layer kind), graphs and all
+        assert f"draft attention paged torch (sliding-window {DFLASH2_WINDOW} layers)" in log, log[-3000:]
     firsts = re.findall(r"first (draft|commit of \d+ rows per request) replay of size (\d+) \(batch of (\d+)\)", log)
     assert {what for what, _, _ in firsts} >= {"draft"} and any(w.startswith("commit") for w, _, _ in firsts)
     assert any(int(bs) < int(size) for _, size, bs in firsts), firsts  # some replays were padded
@@ -1129,6 +1199,39 @@ def test_sharegpt_prompts_on_the_testbed_pair(runs):
     ref_tau = sum(len(g.tokens) for g in ref) / sum(len(g.accept_lengths) for g in ref)
     assert sgl_tau == pytest.approx(ref_tau, rel=0.05)
     assert sgl_tau > 1.3  # the trained drafter's drafts are accepted
+
+
+def _hicache_runs(runs) -> tuple[dict, dict]:
+    if "hicache" not in runs:
+        pytest.skip("no HiCache Engine ran (the SmolLM2 testbed pair is not installed, the release cannot serve it, "
+                    f"or {ENGINES_ENV} left it out)")
+    return runs["hicache"], runs["hicache_plain"]
+
+
+def test_hicache_greedy_matches_plain_hicache_engine(runs):
+    """HiCache on the testbed pair (adapter/hicache.py): the DFLASH Engine's tokens are the plain HiCache Engine's, in
+    the batch, with the prefix on the device and after it came back from host memory; the last round did load it."""
+    spec, plain = _hicache_runs(runs)
+    assert [r["ids"] for r in spec["greedy"]] == [r["ids"] for r in plain["greedy"]]
+    for name in ("device", "host"):
+        assert [r["ids"] for r in spec["hicache"][name]] == [r["ids"] for r in plain["hicache"][name]]
+        assert [r["ids"] for r in spec["hicache"][name]] == [r["ids"] for r in spec["greedy"]]
+    for res in (spec, plain):
+        host = [r["cached"].get("host", 0) for r in res["hicache"]["host"]]
+        assert host[0] > 64 and all(n > 0 for n in host), host  # the shared conversation came back from host
+        assert all(r["cached"].get("host", 0) == 0 for r in res["hicache"]["device"])
+
+
+def test_hicache_acceptance_after_a_host_reload(runs):
+    """The draft K/V came back with the target's: each request's verify steps after its prefix was loaded back
+    from host equal those with the prefix on the device (the same steps: one request at a time, the same cached
+    length). Without the draft pool in HiCache's plan the prefix's draft rows would be another request's (the fill's)
+    and acceptance would drop (outputs would stay lossless)."""
+    spec, _ = _hicache_runs(runs)
+    device, host = spec["hicache"]["device"], spec["hicache"]["host"]
+    assert [sum(r["cached"].values()) for r in host] == [sum(r["cached"].values()) for r in device]
+    assert [r["meta"]["spec_verify_ct"] for r in host] == [r["meta"]["spec_verify_ct"] for r in device]
+    assert sum(r["meta"]["spec_verify_ct"] for r in device) < len(device) * (HICACHE_NEW - 1)  # drafts accepted
 
 
 def test_token_map_greedy_matches_plain(runs):
@@ -1434,3 +1537,51 @@ def _assert_sized_for_the_draft_pool(log_path: Path, dtype: str) -> None:
     for cell, target, got_dtype, draft in sized:
         assert (got_dtype, int(draft), int(cell)) == (dtype, row, int(target) + row)
     assert f"draft KV {dtype}: {row} B/token" in log.split("KV sizing at")[-1]  # the worker's start-up line
+
+
+# ---------------------------------------------------------------------------------------------- draft window
+WINDOW_RING = BLOCK + BLOCK - 1  # R = W + N - 1 of the window Engine (W = N = BLOCK)
+
+
+def test_draft_window_greedy_matches_plain_and_the_windowed_reference(runs, pair_dir):
+    """--speculative-draft-window-size BLOCK: greedy token-identical to the plain Engine (and the greedy requests riding
+    in the sampled batch); each request's verify steps equal the reference decoder's with the same `context_window`
+    (core/drafter.py), which differ from the whole-context drafter's: the Engine drafts from the last W positions."""
+    from dflash_sglang.core.checkpoint import load_drafter
+    from dflash_sglang.core.reference import ReferenceDecoder
+    from transformers import AutoModelForCausalLM
+
+    spec = runs["window"]
+    assert [r["ids"] for r in spec["greedy"]] == [r["ids"] for r in runs["plain"]["greedy"]]
+    assert spec["greedy_in_sampled_batch"] == [r["ids"] for r in runs["plain"]["greedy"][:N_MIXED_GREEDY]]
+    target = AutoModelForCausalLM.from_pretrained(pair_dir / "target", dtype=torch.float32).eval()
+    drafter = load_drafter(pair_dir / "draft", dtype=torch.float32)
+    steps = {}
+    for window in (BLOCK, None):
+        drafter.context_window = window
+        ref = ReferenceDecoder(target, drafter).generate(greedy_prompts(), GREEDY_NEW, block_size=BLOCK)
+        assert [g.tokens for g in ref] == [r["ids"] for r in spec["greedy"]]
+        steps[window] = [len(g.accept_lengths) for g in ref]
+    engine = [r["meta"]["spec_verify_ct"] for r in spec["greedy"]]
+    assert engine == steps[BLOCK]
+    assert steps[BLOCK] != steps[None]
+    assert max(r["meta"]["spec_accept_length"] for r in spec["greedy"]) >= 2
+
+
+@pytest.mark.parametrize("key,n,settings", SAMPLED, ids=[k for k, _, _ in SAMPLED])
+def test_draft_window_sampling_matches_target_distribution(runs, pair_dir, key, n, settings):
+    assert_target_distribution(runs["window"][f"sampled_{key}"], pair_dir, n, settings)
+
+
+def test_draft_window_pool_is_sized_per_request_slot(runs, pair_dir):
+    """The KV sizing counted 0 draft B/token, and the worker's pool holds (max running requests + 1) x R ring rows,
+    allocated before the sizing (its start-up line)."""
+    import re
+
+    runs["window"]  # noqa: B018 (the Engine ran)
+    log = (pair_dir / "window.log").read_text()
+    sized = re.findall(r"KV sizing at (\d+) B/token = target (\d+) \+ draft KV \S+: window (\d+), 0 B/token", log)
+    assert sized and all(cell == target and int(w) == BLOCK for cell, target, w in sized), log[-3000:]
+    pool = re.search(rf"(\d+) request slots x {WINDOW_RING} ring rows, allocated before SGLang's KV sizing", log)
+    assert pool is not None, log[-3000:]
+    assert int(pool.group(1)) == 48 + 1  # the declared cap (DEFAULT_MAX_RUNNING_REQUESTS) + 1

@@ -439,7 +439,16 @@ def test_tree_refuses_attention_backends_without_a_tree_mask(plugin, monkeypatch
     [
         (dict(speculative_num_draft_tokens=1), r"^--speculative-num-draft-tokens 1: the block size must be >= 2"),
         (dict(speculative_num_draft_tokens=5000), r"^--speculative-num-draft-tokens 5000: at most 256 verify tokens"),
-        (dict(speculative_draft_window_size=64), r"^--speculative-draft-window-size 64: not supported yet"),
+        # a draft window (adapter/draft_window.py): W >= the block (6 here), and nothing that addresses the draft pool
+        # by target KV slot
+        (dict(speculative_draft_window_size=4, disable_radix_cache=True),
+         r"^--speculative-draft-window-size 4: must be an integer >= the draft block size \(6\)"),
+        (dict(speculative_draft_window_size=64), r"^--speculative-draft-window-size 64: a radix-cache hit would find "
+         r"no draft K/V .* add --disable-radix-cache"),
+        (dict(speculative_draft_window_size=64, disable_radix_cache=True, speculative_eagle_topk=2),
+         r"^--speculative-draft-window-size 64: tree verification \(top-k 2\) is not served with a draft window"),
+        (dict(speculative_draft_window_size=64, disable_radix_cache=True, speculative_dflash_draft_graphs="static"),
+         r"^--speculative-draft-window-size 64: the draft CUDA graphs read their key rows through req_to_token"),
         (dict(speculative_num_draft_tokens=4, speculative_dflash_block_size=5),
          r"^--speculative-num-draft-tokens 4 and"),
         (dict(speculative_eagle_topk=0), r"^--speculative-eagle-topk 0: must be >= 1"),
@@ -779,6 +788,8 @@ def test_missing_gpu_dependency_on_cuda(plugin, monkeypatch):
 
 # Without --speculative-dflash-experimental: not validated on a GPU yet (0.5.23), or not served by this release at all
 DP_ATTENTION = r"DP attention is not (yet validated end to end on a GPU|served by dflash-sglang on SGLang 0\.5\.)"
+HICACHE = (r"(HiCache is not yet validated end to end on a GPU with dflash-sglang: pass "
+           r"--speculative-dflash-experimental|SGLang 0\.5\.\d+ gives a DFLASH draft KV pool no HiCache host pool)")
 CONTEXT_PARALLEL = r"is not supported \(the drafter reads every context position's draft K/V on each rank\)"
 
 
@@ -799,8 +810,12 @@ CONTEXT_PARALLEL = r"is not supported \(the drafter reads every context position
         (dict(enable_prefill_cp=True, cp_strategy="zigzag"), r"^--enable-prefill-cp: prefill context parallelism is "
          r"not supported"),
         # what would serve with a stale or foreign draft KV pool, or not as asked
-        (dict(enable_hierarchical_cache=True), r"^--enable-hierarchical-cache: the draft KV pool cannot be offloaded"),
+        (dict(enable_hierarchical_cache=True), rf"^--enable-hierarchical-cache: {HICACHE}"),
+        (dict(enable_unified_cache_external_linker=True), r"^--enable-unified-cache-external-linker: the draft KV pool "
+         r"is not registered"),
         (dict(speculative_use_block_verification=True), r"^--speculative-use-block-verification: block verification"),
+        (dict(speculative_draft_window_size=64, disable_radix_cache=True, speculative_draft_sink_size=4),
+         r"^--speculative-draft-sink-size 4: the draft window keeps no sink rows"),
         # (SGLang itself refuses deterministic inference with torch_native; with triton it reaches our check)
         (dict(attention_backend="triton", enable_deterministic_inference=True),
          r"^--enable-deterministic-inference: seeded \(sampling_seed\)"),
@@ -826,35 +841,48 @@ def test_refusals_through_sglangs_own_resolution(plugin, pair, monkeypatch, kw, 
 DP_LM_HEAD = r"DFLASH under DP attention needs --enable-dp-lm-head"
 
 
-@pytest.mark.parametrize("kw, served_match", [
-    (dict(tp_size=2, attn_dp_size=2), rf"^--attn-dp-size 2: {DP_LM_HEAD}"),
-    (dict(tp_size=2, enable_dp_attention=True, dp_size=2), rf"^(--attn-dp-size|--enable-dp-attention --dp-size) 2: "
-                                                           rf"{DP_LM_HEAD}"),
-    (dict(tp_size=2, attn_dp_size=2, enable_dp_lm_head=True), None),  # served
-    (dict(tp_size=4, attn_dp_size=2, enable_dp_lm_head=True), None),  # two attention-TP ranks per group
+# What --speculative-dflash-experimental serves where the release has what it needs: feature -> (the probe, the refusal
+# naming the release where it has not, what SGLang's resolved args say when served)
+EXPERIMENTAL_FEATURES = {
+    "dp_attention": ("attention_dp_served", r"DP attention is not served by dflash-sglang on SGLang {v} \(0\.5\.23 has",
+                     lambda versions, cfg: versions.attention_dp(cfg) == ("--attn-dp-size", 2)),
+    "hicache": ("hicache_draft_served", r"^--enable-hierarchical-cache: SGLang {v} gives a DFLASH draft KV pool no "
+                r"HiCache host pool", lambda versions, cfg: cfg.enable_hierarchical_cache is True),
+}
+
+
+@pytest.mark.parametrize("feature, kw, served_match", [
+    ("dp_attention", dict(tp_size=2, attn_dp_size=2), rf"^--attn-dp-size 2: {DP_LM_HEAD}"),
+    ("dp_attention", dict(tp_size=2, enable_dp_attention=True, dp_size=2),
+     rf"^(--attn-dp-size|--enable-dp-attention --dp-size) 2: {DP_LM_HEAD}"),
+    ("dp_attention", dict(tp_size=2, attn_dp_size=2, enable_dp_lm_head=True), None),  # served
+    ("dp_attention", dict(tp_size=4, attn_dp_size=2, enable_dp_lm_head=True), None),  # two attention-TP ranks per group
+    ("hicache", dict(enable_hierarchical_cache=True), None),  # served (adapter/hicache.py)
+    ("hicache", dict(enable_hierarchical_cache=True, hicache_io_backend="direct", hicache_mem_layout="layer_first",
+                     kv_cache_dtype="fp8_e4m3"), None),  # the CPU tests' transfer settings, an fp8 draft pool
 ], ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else str(v))
 @child_only
-def test_dp_attention_with_the_experimental_flag_through_sglangs_own_resolution(plugin, pair, monkeypatch, kw,
-                                                                                served_match):
-    """DP attention under --speculative-dflash-experimental (adapter/dp_attention.py), through SGLang's own resolution:
-    served with the lm_head split per group where this release has what our step needs (the probe), refused
-    without --enable-dp-lm-head; refused with the release named where it has not."""
+def test_served_under_the_experimental_flag_through_sglangs_own_resolution(plugin, pair, monkeypatch, feature, kw,
+                                                                           served_match):
+    """Under --speculative-dflash-experimental, through SGLang's own resolution: DP attention (adapter/dp_attention.py)
+    served with the lm_head split per group, refused without --enable-dp-lm-head; HiCache (adapter/hicache.py) served;
+    each where this release has what it needs (its probe), refused with the release named where it has not."""
+    from dflash_sglang.adapter import versions
     from dflash_sglang.adapter.args import UnsupportedFlagError
-    from dflash_sglang.adapter.versions import attention_dp, attention_dp_served, view
 
+    probe, unserved, served = EXPERIMENTAL_FEATURES[feature]
     kw = {**kw, "speculative_dflash_experimental": True}
     missing = [f for f in _argv(Path("."), **kw) if f.startswith("--") and not _sglang_has_flag(f)]
     if missing:
         pytest.skip(f"sglang {version('sglang')} has no {' '.join(missing)}")
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
-    match = served_match if attention_dp_served() else rf"DP attention is not served by dflash-sglang on SGLang " \
-                                                     rf"{re.escape(version('sglang'))} \(0\.5\.23 has"
+    match = served_match if getattr(versions, probe)() else unserved.format(v=re.escape(version("sglang")))
     if match is not None:
         with pytest.raises(UnsupportedFlagError, match=match):
             _server_args(pair, **kw)
         return
     resolved = _server_args(pair, **kw)
-    assert attention_dp(view(resolved)) == ("--attn-dp-size", 2)
+    assert served(versions, versions.view(resolved))
 
 
 @pytest.mark.parametrize("kw, dtype, element", [
@@ -885,6 +913,34 @@ def test_draft_kv_dtype_through_sglangs_own_resolution(plugin, pair, monkeypatch
     row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
     assert s.draft_memory.bytes_per_token == row * element
     assert s.context_len > 0
+
+
+@pytest.mark.parametrize("kw, mode", [
+    (dict(), "goodput"),  # no shape flag: the controller, over chains only under a window
+    (dict(speculative_num_draft_tokens=6), "chain"),
+])
+@child_only
+def test_draft_window_resolution(plugin, pair, monkeypatch, kw, mode):
+    """--speculative-draft-window-size W (with --disable-radix-cache) resolves to a ring of R = W + N - 1 rows per
+    request slot: 0 B/token for SGLang's KV sizing (the hook adds nothing), R rows per request at any context length,
+    a declared request cap (the rings are allocated per request slot before KV sizing), chains, eager draft passes."""
+    from sglang.srt.runtime_context import get_context
+    from sglang.srt.speculative import dflash_utils
+
+    from dflash_sglang.adapter.settings import settings_of
+    from dflash_sglang.adapter.versions import resolved_value
+
+    monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
+    server_args = _server_args(pair, speculative_draft_window_size=16, disable_radix_cache=True, **kw)
+    s = settings_of(server_args)
+    assert (s.mode, s.topk, s.draft_window, s.draft_graphs) == (mode, 1, 16, "eager")
+    memory = s.draft_memory
+    assert (memory.window, memory.ring, memory.bytes_per_token) == (16, 16 + s.nodes - 1, 0)
+    assert memory.bytes_per_request(10) == memory.bytes_per_request(10**6) == memory.ring * memory.bytes_per_row > 0
+    assert s.max_running_requests == resolved_value(server_args, "max_running_requests") == 48
+    get_context().set_server_args(server_args)
+    kv = dict(target_cell_size_per_token=1000, target_num_layers=4, draft_num_layers=2)
+    assert dflash_utils.scale_kv_cell_size_per_token_for_dflash(**kv) == 1000
 
 
 @child_only
@@ -975,6 +1031,108 @@ def test_transferred_draft_pool_is_laid_out_as_sglangs_kv_pool(plugin):
         assert ctypes.c_float.from_address(k_at).value == 100.0
         assert ctypes.c_float.from_address(k_at + row - 4).value == 100.0 + heads * dim - 1
         assert ctypes.c_float.from_address(ptrs[layers + layer] + g * item_lens[0] + offset * row).value == -5.0
+
+
+@child_only
+@pytest.mark.parametrize("case, match", [
+    ("slots", None),  # one row per target slot, as many layers as the target or fewer: SIDECAR
+    ("window", r"^--enable-hierarchical-cache with --speculative-draft-window-size: the windowed draft pool keeps no "
+               r"rows at the target's KV slots"),
+    ("deeper", r"^--enable-hierarchical-cache: the draft has 4 layers, more than the target's 3 HiCache transfer"),
+    ("no_offload", None),  # no HiCache, no host-pool retraction backup: no plan
+])
+def test_hicache_draft_plan(plugin, monkeypatch, case, match):
+    """adapter/hicache.py `draft_plan`: SGLang's SIDECAR plan over our pool where KV goes to host memory; refused for
+    a draft window's rings and for more draft layers than the target's transfer stages; none without offloading."""
+    from dflash_sglang.adapter import hicache
+    from dflash_sglang.adapter.args import UnsupportedFlagError
+    from dflash_sglang.adapter.draft_window import SlotRows, WindowRows
+    from dflash_sglang.adapter.model import DraftKVPool
+    from dflash_sglang.adapter.versions import hicache_draft_served
+
+    if not hicache_draft_served():
+        pytest.skip(f"sglang {version('sglang')}: no HiCache draft plan over a pool's buffer description")
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.speculative.base_spec_worker import HiCacheDraftMode
+
+    monkeypatch.setattr(hicache, "offloads_to_host", lambda: case != "no_offload")
+    target = MHATokenToKVPool(size=16, page_size=1, dtype=torch.float32, head_num=2, head_dim=8, layer_num=3,
+                              device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    pool = DraftKVPool(4 if case == "deeper" else 2, 40, 2, 8, torch.float32, "cpu")
+    rows = WindowRows(window=4, ring=8, req_slots=2) if case == "window" else SlotRows(17)
+    drafter = SimpleNamespace(pool=pool, context_rows=rows)
+    if match is not None:
+        with pytest.raises(UnsupportedFlagError, match=match):
+            hicache.draft_plan(drafter, target)
+        return
+    plan = hicache.draft_plan(drafter, target)
+    if case == "no_offload":
+        assert plan.mode == HiCacheDraftMode.NONE and plan.device_pools == ()
+        return
+    [face] = plan.device_pools
+    assert plan.mode == HiCacheDraftMode.SIDECAR and isinstance(face, MHATokenToKVPool) and face.size == 16
+    assert [b.data_ptr() for b in face.k_buffer] == [pool.k[i].data_ptr() for i in range(2)]
+    assert all(b.shape[0] == 17 for b in face.k_buffer + face.v_buffer)  # target slots only, no scratch
+
+
+@child_only
+@pytest.mark.parametrize("kv_dtype", [None, "fp8_e4m3"])
+@pytest.mark.parametrize("page", [1, 4])
+def test_hicache_offloads_the_draft_context_rows_through_sglangs_host_pool(plugin, kv_dtype, page):
+    """adapter/hicache.py: our draft pool's face as SGLang's HiCache reads a draft pool: described as SGLang's own
+    MHATokenToKVPool of the same shape describes itself (geometry, NHD per-layer buffers, pointer tables), only the rows
+    at target slot ids (not the block scratch). SGLang's host pool for it, built as `build_full_draft_pools` builds a
+    draft sidecar's, backs up some pages' rows (every layer) and loads them back layer by layer at other slot ids:
+    exactly what the pool stored there (fp8 bytes included), the scratch rows untouched."""
+    from dflash_sglang.adapter.versions import hicache_draft_served
+
+    if not hicache_draft_served():
+        pytest.skip(f"sglang {version('sglang')}: no HiCache draft plan over a pool's buffer description")
+    from cpu_hicache import patch as patch_cpu_hicache
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _build_mha_mla_host_pool
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from dflash_sglang.adapter.hicache import HiCacheDraftPool
+    from dflash_sglang.adapter.model import DraftKVPool, pool_rows
+    from dflash_sglang.core.draft_kv import kv_format
+
+    patch_cpu_hicache()  # (SGLang's host pools on the CPU: tests/cpu_hicache.py)
+    size, layers, heads, dim, block = 16, 2, 2, 8, 4
+    target = MHATokenToKVPool(size=size, page_size=page, dtype=torch.float32, head_num=heads, head_dim=dim,
+                              layer_num=layers + 1, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    fmt = kv_format(kv_dtype, torch.float32) if kv_dtype else None
+    pool = DraftKVPool(layers, pool_rows(size + page, 3, block), heads, dim, torch.float32, "cpu", kv_format=fmt)
+    stored = pool.store(torch.randn(layers, pool.rows, heads, dim), torch.randn(layers, pool.rows, heads, dim))
+    pool.k.copy_(stored[0])
+    pool.v.copy_(stored[1])
+    before_k, before_v = pool.k.clone(), pool.v.clone()
+    face = HiCacheDraftPool(pool, target)
+    ours, theirs = face.get_device_pool_infos()[0], target.get_device_pool_infos()[0]
+    mine, their = ours.buffer_info, theirs.buffer_info
+    assert (ours.pool_name.value, ours.indices_from_pool, ours.layer_ids) == ("draft", theirs.pool_name,
+                                                                              tuple(range(layers)))
+    assert (mine.page_size, mine.head_num, mine.head_dim, mine.v_head_dim, mine.buffers.layout) == (
+        their.page_size, their.head_num, their.head_dim, their.v_head_dim, their.buffers.layout)
+    assert mine.dtype == (torch.uint8 if fmt else torch.float32)  # fp8 rows as bytes, as SGLang stores its own
+    for b, t in zip(mine.buffers.k + mine.buffers.v, their.buffers.k[:layers] + their.buffers.v[:layers]):
+        assert (b.shape, b.stride(), b.nbytes) == (t.shape, t.stride(), t.nbytes * b.element_size() // 4)
+    assert mine.buffers.k_data_ptrs.tolist() == [pool.k[i].data_ptr() for i in range(layers)]
+    assert face.size == size and face.get_kv_size_bytes()[0] == layers * (size + page) * heads * dim * \
+        pool.k.element_size()
+    host = _build_mha_mla_host_pool(pool=face, host_to_device_ratio=2.0, page_size=page, layout="layer_first",
+                                    allocator_type="default", pool_label="draft", host_token_capacity=2 * size)
+    old = torch.arange(page, 3 * page) if page > 1 else torch.tensor([3, 7, 8])  # device slots backed up ...
+    new = old + (size + page - 3 * page if page > 1 else 5)  # ... loaded back here
+    slots = torch.arange(page, page + old.numel())  # host slots
+    host.backup_from_device_all_layer(face, slots, old, "direct")
+    pool.k[:, new] = pool.v[:, new] = torch.zeros((), dtype=pool.k.dtype)  # the slots reused meanwhile
+    for layer in range(layers):
+        host.load_to_device_per_layer(face, slots, new, layer, "direct")
+    as_bytes = (lambda t: t.view(torch.uint8)) if fmt else (lambda t: t)
+    assert torch.equal(as_bytes(pool.k[:, new]), as_bytes(before_k[:, old]))
+    assert torch.equal(as_bytes(pool.v[:, new]), as_bytes(before_v[:, old]))
+    scratch = slice(size + page, None)  # the block scratch: never described, never copied
+    assert torch.equal(as_bytes(pool.k[:, scratch]), as_bytes(before_k[:, scratch]))
 
 
 @child_only

@@ -151,7 +151,8 @@ def test_signature_probes_agree_with_the_functions():
 def test_field_and_module_probes_agree_with_the_release():
     """`attn_dp_size` is a field of a built record where the probe says so; the tracking grid and the DFLASH PD
     builder exist where their probes say (and SpeculativeAlgorithm's PD dispatch names the builder only there); the
-    ForwardBatch takes coordinated DP-attention counts where our worker's DP attention is served."""
+    ForwardBatch takes coordinated DP-attention counts where our worker's DP attention is served; a HiCache draft
+    sidecar's host pool is built from the pool's buffer description where our draft pool is offloaded."""
     import inspect
 
     from sglang.srt import runtime_context
@@ -172,6 +173,19 @@ def test_field_and_module_probes_agree_with_the_release():
 
     coordinated = "dp_spec_prefill_coordination_applied" in inspect.getsource(ForwardBatch)
     assert attention_dp_served() == (coordinated and callable(getattr(runtime_context, "get_parallel", None)))
+    # HiCache: a draft sidecar's MHA host pool is built from the pool's buffer description (adapter/hicache.py)
+    import importlib.util
+
+    from dflash_sglang.adapter.versions import hicache_draft_served
+
+    assembler = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler"
+    from_info = False
+    if importlib.util.find_spec(assembler) is not None:
+        module = importlib.import_module(assembler)
+        inputs = getattr(module, "_mha_host_inputs", None)
+        from_info = (hasattr(module, "build_full_draft_pools") and inputs is not None
+                     and "get_device_pool_infos()[0].buffer_info" in inspect.getsource(inputs))
+    assert hicache_draft_served() == from_info
 
 
 @child_only

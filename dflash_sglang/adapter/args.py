@@ -48,11 +48,12 @@ from dflash_sglang.ops import MAX_NODES, find_nvcc
 
 from .adaptive import AdaptiveConfigError, adaptive_limits
 from .draft_memory import draft_memory
+from .draft_window import ring_size
 from .settings import (DRAFT_ATTENTION, DRAFT_GRAPHS, IMPL_ENV, PLUGIN_DEFAULTS, DFlashSettings, plugin_flags_of,
                        refuse_retired_env)
 from .simulate import STEP_COST_ENV, SimulatedAcceptance, simulated_step_cost
-from .versions import (SGLANG_VERSION, attention_dp, attention_dp_served, declare, draft_kv_cache_dtype, model_config,
-                       pd_disaggregation_supported, view)
+from .versions import (SGLANG_VERSION, attention_dp, attention_dp_served, declare, draft_kv_cache_dtype,
+                       hicache_draft_served, model_config, pd_disaggregation_supported, view)
 
 if TYPE_CHECKING:
     from sglang.srt.server_args import ServerArgs
@@ -105,14 +106,16 @@ def check_supported_flags(cfg, experimental: bool = False) -> None:
         _refuse("--device", device, f"only {' and '.join(DEVICES)} are supported")
     check_parallel_layout(cfg, bool(experimental))
     refusals = (
-        ("--speculative-draft-window-size", "speculative_draft_window_size", (None,), "not supported yet"),
+        # (SGLang 0.5.23's StreamingLLM sink beside a draft window: its builtin DFLASH does not keep one either)
+        ("--speculative-draft-sink-size", "speculative_draft_sink_size", (None, 0),
+         "the draft window keeps no sink rows (dflash-sglang reads the last W context positions only)"),
         ("--speculative-adaptive-config", "speculative_adaptive_config", (None, ""),
          "EAGLE's adaptive tuning file; DFLASH's adaptive shapes are --speculative-dflash-adaptive-table"),
         ("--speculative-use-block-verification", "speculative_use_block_verification", (None, False),
          "block verification is not supported (sampled drafts are verified by lossless rejection sampling)"),
-        # The draft KV pool is not offloaded with the target's: it would go stale (lossless, but tau drops).
-        ("--enable-hierarchical-cache", "enable_hierarchical_cache", (None, False),
-         "the draft KV pool cannot be offloaded yet"),
+        # (an external KV linker would move the target's KV without the draft's: lossless, but tau would collapse)
+        ("--enable-unified-cache-external-linker", "enable_unified_cache_external_linker", (None, False),
+         "the draft KV pool is not registered with the external KV linker"),
         # sampling_seed is read only in this mode; our rejection sampling draws its own randomness, and the verify is
         # not batch-invariant, so a seeded request would not give the same answer twice.
         ("--enable-deterministic-inference", "enable_deterministic_inference", (None, False),
@@ -122,6 +125,8 @@ def check_supported_flags(cfg, experimental: bool = False) -> None:
         value = getattr(cfg, name, None)
         if value not in ok:
             _refuse(flag, "" if value is True else value, why)
+    if getattr(cfg, "enable_hierarchical_cache", False):
+        check_hicache(bool(experimental))
     pd = disaggregation(cfg)
     if pd is not None and not pd_disaggregation_supported():
         _refuse("--disaggregation-mode", pd, f"SGLang {SGLANG_VERSION} has no DFLASH path for PD disaggregation "
@@ -137,6 +142,18 @@ def check_supported_flags(cfg, experimental: bool = False) -> None:
             find_nvcc()  # our kernels are built at worker start-up (cached); a missing compiler fails here, not mid-run
         except RuntimeError as e:
             raise UnsupportedFlagError(f"--device cuda: {e}") from None
+
+
+def check_hicache(experimental: bool) -> None:
+    """--enable-hierarchical-cache: served where SGLang's HiCache takes our draft pool (adapter/hicache.py), behind
+    --speculative-dflash-experimental until a GPU has run SGLang's transfer kernels over it."""
+    flag = "--enable-hierarchical-cache"
+    if not hicache_draft_served():
+        _refuse(flag, "", f"SGLang {SGLANG_VERSION} gives a DFLASH draft KV pool no HiCache host pool built from "
+                "its buffers (0.5.23 has: the draft pool offloaded and loaded back with the target's)")
+    if not experimental:
+        _refuse(flag, "", f"HiCache is not yet validated end to end on a GPU with dflash-sglang: pass {EXPERIMENTAL} "
+                f"to serve it with ours, or set {IMPL_ENV}=builtin")
 
 
 # Layouts with more than one rank of something that our worker does not serve yet: (flag, field, why). Read from the
@@ -223,6 +240,16 @@ def handle_dflash_args(server_args: ServerArgs) -> DFlashSettings:
     simulation = SimulatedAcceptance.from_env()
     mode, block, nodes, topk, table = resolve_shape(server_args, draft, flags, requested, simulation)
     max_running, budget = running_limits(mode, nodes, requested, flags["speculative_dflash_adaptive_token_budget"])
+    graphs = draft_graphs(flags["speculative_dflash_draft_graphs"])
+    if cfg.speculative_draft_window_size is not None:
+        if mode == "goodput" and cfg.speculative_eagle_topk is None:
+            topk = 1  # the window's rings serve chains: the controller's shapes are chains (1..N rows)
+        window = draft_window(cfg, draft, block, topk, graphs)
+        # its rings are allocated per request slot when the worker is built (adapter/draft_memory.py): a known cap
+        max_running = max_running if max_running is not None else DEFAULT_MAX_RUNNING_REQUESTS
+        graphs = "eager"  # (`auto`: draft_window refused `static`)
+    else:
+        window = None
     step_cost = simulated_step_cost()
     target, kv_dtype = model_config(server_args), draft_kv_dtype(cfg)
     if step_cost is not None and mode != "goodput":
@@ -232,8 +259,9 @@ def handle_dflash_args(server_args: ServerArgs) -> DFlashSettings:
         draft_dir=str(cfg.speculative_draft_model_path), draft=draft, mode=mode, block_size=block, nodes=nodes,
         topk=topk, max_running_requests=max_running, device=str(cfg.device),
         draft_attention=draft_attention(flags["speculative_draft_attention_backend"], str(cfg.device)),
-        draft_graphs=draft_graphs(flags["speculative_dflash_draft_graphs"]), draft_kv_dtype=kv_dtype,
-        draft_memory=draft_memory(draft, kv_dtype, target.dtype), context_len=int(target.context_len),
+        draft_graphs=graphs, draft_kv_dtype=kv_dtype, draft_window=window,
+        draft_memory=draft_memory(draft, kv_dtype, target.dtype, window, ring_size(window, nodes) if window else 0),
+        context_len=int(target.context_len),
         tree_cuda_graph=bool(flags["speculative_dflash_tree_cuda_graph"]) and topk > 1,
         dummy_draft=dummy, adaptive_table=table,
         token_map=token_map_path(cfg.speculative_token_map, str(cfg.speculative_draft_model_path), draft),
@@ -289,6 +317,31 @@ def draft_kv_dtype(cfg) -> str:
     flag, value = draft_kv_cache_dtype(cfg)
     if value not in DRAFT_KV_DTYPES:
         _refuse(flag, value, f"the draft KV pool stores {', '.join(DRAFT_KV_DTYPES)} (block-scaled or fp4 KV not yet)")
+    return value
+
+
+def draft_window(cfg, draft: DraftConfig, block: int, topk: int, graphs: str) -> int:
+    """--speculative-draft-window-size W (set): the drafter reads the last W context positions from a ring of rows per
+    request slot (adapter/draft_window.py). W >= the block size (SGLang's rule); refused with what addresses the draft
+    pool by target KV slot or reads it through req_to_token. cfg: the resolved view; topk: the resolved top-k."""
+    flag, value = "--speculative-draft-window-size", cfg.speculative_draft_window_size
+    if isinstance(value, bool) or not isinstance(value, int) or value < block:
+        _refuse(flag, value, f"must be an integer >= the draft block size ({block})")
+    refusals = (
+        (not cfg.disable_radix_cache, "a radix-cache hit would find no draft K/V for the cached prefix in the "
+         "request's window rows; add --disable-radix-cache"),
+        (topk > 1, f"tree verification (top-k {topk}) is not served with a draft window; verify chains "
+         "(--speculative-eagle-topk 1)"),
+        (disaggregation(cfg) is not None, "PD disaggregation transfers the draft pool by target KV slot"),
+        (bool(getattr(cfg, "enable_hierarchical_cache", False)), "HiCache offloads the draft pool by target KV slot"),
+        (attention_dp(cfg) is not None, "DP attention is not served with a draft window yet"),
+        (draft.dflash2 is not None, "DFlash2 drafters are not served with a draft window yet"),
+        (graphs == "static", "the draft CUDA graphs read their key rows through req_to_token: the draft pass runs "
+         "eagerly under a window (--speculative-dflash-draft-graphs auto or eager)"),
+    )
+    for refused, why in refusals:
+        if refused:
+            _refuse(flag, value, why)
     return value
 
 

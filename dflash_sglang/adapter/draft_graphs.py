@@ -50,12 +50,13 @@ def graph_mode(device, target_captures: bool, attention: PagedAttention | None, 
     both off), `eager` never captures, `static` replays the static buffers without capture on any device.
 
     target_captures: the target replays its decode/verify steps as CUDA graphs; attention: the drafter's paged
-    backend (None: causal / sliding-window layers on the dense path, which has no static shapes and runs eagerly).
+    backend (None: a layer kind the backend cannot express on the dense path, which has no static shapes and runs
+    eagerly; model.py `PagedDrafter`).
     """
     if attention is None:
         if choice == "static":
-            raise ValueError("--speculative-dflash-draft-graphs static: the drafter has causal or sliding-window "
-                             "layers, whose dense attention path runs eagerly")
+            raise ValueError("--speculative-dflash-draft-graphs static: the drafter has a bidirectional sliding window "
+                             "narrower than its block, whose dense attention path runs eagerly")
         return None
     if choice != "auto":
         return "static" if choice == "static" else None

@@ -11,6 +11,13 @@ token costs; for DFLASH it adds the draft pool's share through `dflash_utils.sca
 when the draft's heads, head_dim or KV dtype differ from the target's), 0.5.23 counts the draft's own geometry and
 dtype but divides its KV heads by the TP size (our pool is not sharded). `cell_size_hook` replaces both with the exact
 bytes of our pool row, so the target pool plus ours fit the memory SGLang measured.
+
+With a draft window (`--speculative-draft-window-size W`, adapter/draft_window.py) the pool has no per-token term: it
+holds R = W + N - 1 rows per request-pool slot, a per-request term SGLang's per-token sizing cannot express. The worker
+allocates that pool when it is built (`DFlashWorker.__init__`, as it loads the draft weights), before SGLang measures
+the memory its KV pools may take, so the measurement counts it, and the hook adds 0 B/token. The request slots it
+serves are --max-running-requests + 1 (SGLang's req_to_token rows), which the resolution always declares under a
+window (adapter/args.py); the worker checks SGLang's table against it.
 """
 from __future__ import annotations
 
@@ -29,23 +36,36 @@ CELL_SIZE = "sglang.srt.speculative.dflash_utils.scale_kv_cell_size_per_token_fo
 
 @dataclass(frozen=True)
 class DraftMemory:
-    """One draft pool row (a target token's draft K/V) and what a request costs at a context length."""
+    """One draft pool row (a token's draft K/V) and what a request costs at a context length."""
 
     layers: int
     kv_heads: int
     head_dim: int
     element_size: int  # bytes per stored element
     dtype: str  # the draft KV dtype's name ("auto" resolved to the model dtype's torch name)
+    window: int | None = None  # W (--speculative-draft-window-size), None: a row per target KV slot
+    ring: int = 0  # R: rows per request-pool slot under a window (adapter/draft_window.py `ring_size`)
+
+    def __post_init__(self) -> None:
+        assert (self.window is None) == (self.ring == 0), self
+
+    @property
+    def bytes_per_row(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.element_size
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.element_size
+        """What a target KV slot costs the draft pool (SGLang's per-token sizing): a row, or 0 under a window."""
+        return self.bytes_per_row if self.window is None else 0
 
     def bytes_per_request(self, context_len: int) -> int:
-        """A request of context_len tokens (one pool row per target KV slot it holds)."""
-        return self.bytes_per_token * context_len
+        """A request of context_len tokens: one row per target KV slot it holds, or its ring under a window."""
+        return self.bytes_per_row * (context_len if self.window is None else self.ring)
 
     def describe(self, context_len: int) -> str:
+        if self.window is not None:
+            return (f"draft KV {self.dtype}: window {self.window}, 0 B/token, {self.ring} rows x {self.bytes_per_row} "
+                    f"B = {human_bytes(self.bytes_per_request(context_len))}/request at any context length")
         return (f"draft KV {self.dtype}: {self.bytes_per_token} B/token, "
                 f"{human_bytes(self.bytes_per_request(context_len))}/request at {context_len} tokens")
 
@@ -58,12 +78,14 @@ def human_bytes(n: int) -> str:
     return f"{n / 2**10:.1f} KiB"
 
 
-def draft_memory(cfg: DraftConfig, kv_dtype: str, model_dtype: torch.dtype) -> DraftMemory:
-    """The pool row of a draft of config cfg stored in kv_dtype (SGLang's name; "auto": model_dtype)."""
+def draft_memory(cfg: DraftConfig, kv_dtype: str, model_dtype: torch.dtype, window: int | None = None,
+                 ring: int = 0) -> DraftMemory:
+    """The pool row of a draft of config cfg stored in kv_dtype (SGLang's name; "auto": model_dtype); under a draft
+    window W, R rows per request slot."""
     dtype = parse_kv_dtype(kv_dtype) or model_dtype
     name = kv_dtype if kv_dtype != "auto" else str(model_dtype).removeprefix("torch.")
     return DraftMemory(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                       torch.empty((), dtype=dtype).element_size(), name)
+                       torch.empty((), dtype=dtype).element_size(), name, window, ring)
 
 
 def cell_size_hook(original, *args, **kwargs) -> int:
@@ -86,14 +108,16 @@ def cell_size_hook(original, *args, **kwargs) -> int:
 
 
 def check_pool_memory(pool, memory: DraftMemory, slots: int, context_len: int) -> str:
-    """The start-up line on an allocated pool (adapter/model.py `DraftKVPool`) of `slots` mirrored rows; raises if a
-    row costs other than what SGLang's KV sizing was told at resolution (`memory`), which would let the pool outgrow
-    the memory SGLang measured."""
+    """The start-up line on an allocated pool (adapter/model.py `DraftKVPool`) of `slots` context rows (mirrored
+    target slots, or the window rings); raises if a row costs other than what SGLang's KV sizing was told at
+    resolution (`memory`), which would let the pool outgrow the memory SGLang measured."""
     row = pool.nbytes() // pool.rows
-    if row != memory.bytes_per_token:
+    if row != memory.bytes_per_row:
         raise RuntimeError(f"DFLASH (dflash-sglang): a draft KV pool row costs {row} B, but the KV sizing counted "
-                           f"{memory.bytes_per_token} B/token ({memory.dtype}): the drafter's dtype differs from the "
+                           f"{memory.bytes_per_row} B/row ({memory.dtype}): the drafter's dtype differs from the "
                            f"target model config's")
     scratch = (pool.rows - slots) * row
+    held = (f"{slots // memory.ring} request slots x {memory.ring} ring rows, allocated before SGLang's KV sizing"
+            if memory.window is not None else f"{slots} target slots")
     return (f"{memory.describe(context_len)}, pool {human_bytes(pool.nbytes())} "
-            f"({slots} target slots + {human_bytes(scratch)} block scratch)")
+            f"({held} + {human_bytes(scratch)} block scratch)")

@@ -3,16 +3,19 @@
 The draft keeps one K/V row per target KV slot, under the target's slot ids (SGLang's allocator and
 `req_to_token` table are shared), so radix-cache prefix hits, chunked prefill and request aborts need
 no bookkeeping of their own: a slot's draft row is written whenever the slot's target KV is committed
-and is dead when the slot is freed.
+and is dead when the slot is freed. Under a draft window (`--speculative-draft-window-size`) the context
+rows are instead a bounded ring per request slot (adapter/draft_window.py `WindowRows`, `context_rows`).
 
 - `commit` turns target features of committed tokens into every layer's context K/V (fc + hidden_norm,
   then each layer's k_proj/k_norm/RoPE and v_proj, i.e. `DFlashDrafter.context_kv`) and writes them at
   the tokens' slots.
-- `draft` runs one non-causal block pass whose keys/values are [the request's committed context rows |
-  the block rows]: the block's K/V go to per-request scratch rows past the target's slots and each layer
-  is one ragged paged prefill over the pool (adapter/draft_attention.py: FlashInfer on CUDA, torch on
-  CPU). Drafters with causal or sliding-window layers take the dense path instead: context rows gathered
-  through `req_to_token` into padded tensors and the core drafter's masked attention.
+- `draft` runs one block pass whose keys/values are [the request's committed context rows | the block
+  rows]: the block's K/V go to per-request scratch rows past the target's slots and each layer is one
+  ragged paged prefill over the pool (adapter/draft_attention.py: FlashInfer on CUDA, torch on CPU),
+  non-causal, causal or sliding-window as the layer's kind says (one plan per kind per step). A drafter
+  with a kind the backend cannot express (FlashInfer: a bidirectional window narrower than the block)
+  takes the dense path instead: context rows gathered through `req_to_token` into padded tensors and the
+  core drafter's masked attention, eager.
 
 The weights come from the z-lab checkpoint through `dflash_sglang.core.checkpoint.load_drafter`, with
 the same parameter names, so what SGLang serves is exactly what the reference decoder runs.
@@ -29,15 +32,17 @@ from torch import Tensor
 
 from dflash_sglang.core.block import build_block_inputs
 from dflash_sglang.core.checkpoint import load_drafter
-from dflash_sglang.core.config import DraftConfig
+from dflash_sglang.core.config import DraftConfig, LayerKind
 from dflash_sglang.core.draft_kv import DraftKVFormat, kv_format
 from dflash_sglang.core.drafter import KV, Attend, DFlashDrafter
 
-from .draft_attention import PagedAttention, build_layout, select_backend
+from .draft_attention import PagedAttention, select_backend
+from .draft_window import ContextRows, SlotRows
 
 
 class DraftKVPool:
-    """k, v [num_layers, rows, kv_heads, head_dim]; row i belongs to target KV slot i.
+    """k, v [num_layers, rows, kv_heads, head_dim]; context rows first (row i: target KV slot i, or a window ring's row,
+    adapter/draft_window.py), then the block scratch.
 
     Stored in `dtype` (the drafter's compute dtype) or, with a `kv_format` (core/draft_kv.py: fp8 draft KV), in the
     format's dtype: `write` quantizes, `gather` and the attention backends read the stored values back in `dtype`.
@@ -90,9 +95,17 @@ class DraftKVPool:
 
 
 def pool_rows(slots: int, req_slots: int, block: int) -> int:
-    """Rows of a draft pool: `slots` mirrored target KV slots, then one block of scratch per request-pool slot and
-    one for the padded requests of a graph replay (`PagedDrafter`)."""
+    """Rows of a draft pool: `slots` context rows (mirrored target KV slots, or the window rings), then one block of
+    scratch per request-pool slot and one for the padded requests of a graph replay (`PagedDrafter`)."""
     return slots + (req_slots + 1) * block
+
+
+def new_pool(cfg: DraftConfig, context_rows: int, req_slots: int, block: int, dtype: torch.dtype, device,
+             kv_dtype: str | None = None) -> DraftKVPool:
+    """A draft pool of `pool_rows(context_rows, req_slots, block)` rows for a draft of config cfg, stored in kv_dtype
+    (SGLang's name; None / "auto": dtype)."""
+    return DraftKVPool(cfg.num_hidden_layers, pool_rows(context_rows, req_slots, block), cfg.num_key_value_heads,
+                       cfg.head_dim, dtype, device, kv_format(kv_dtype, dtype))
 
 
 @torch.no_grad()
@@ -136,17 +149,21 @@ class TargetHead:
 
 
 class PagedDrafter:
-    """A `DFlashDrafter` whose context K/V live in a `DraftKVPool` indexed by target slot ids.
+    """A `DFlashDrafter` whose context K/V live in a `DraftKVPool`.
 
-    Pool rows [0, scratch_base) mirror the target's KV slots; rows scratch_base + r*B .. + B-1 are the block
+    Pool rows [0, scratch_base) hold context K/V where `context_rows` says (adapter/draft_window.py: the target's KV
+    slots, or a ring per request under a draft window); rows scratch_base + r*B .. + B-1 are the block
     scratch of request-pool slot r (B = block size), written by every paged drafter pass. `pad_slot` (when the
     pool has one more scratch block than request slots) owns the scratch of the padded requests of a CUDA-graph
     replay (adapter/draft_graphs.py), so they never write a real request's rows.
     """
 
     def __init__(self, drafter: DFlashDrafter, pool: DraftKVPool, scratch_base: int, block: int,
-                 pad_slot: int | None = None, attention: str = "auto") -> None:
+                 pad_slot: int | None = None, attention: str = "auto", context_rows: ContextRows | None = None) -> None:
         self.drafter = drafter
+        # where the context K/V live (None: one row per target KV slot, the rows below scratch_base)
+        self.context_rows = context_rows if context_rows is not None else SlotRows(scratch_base)
+        assert self.context_rows.rows <= scratch_base, "the scratch rows follow the context rows"
         self.cfg = drafter.cfg
         self.pool = pool
         # The core drafter reads its K/V as the pool stores them (its dense path and its definition, core/draft_kv.py);
@@ -157,31 +174,47 @@ class PagedDrafter:
         assert pad_slot is None or scratch_base + (pad_slot + 1) * block <= pool.rows, "the padding scratch fits"
         self._offsets = torch.arange(block, device=pool.k.device)
         cfg = self.cfg
-        plain = all(not cfg.layer_is_causal(i) and cfg.layer_window(i) is None for i in range(cfg.num_hidden_layers))
-        self.attention: PagedAttention | None = None  # None: the dense path
-        if plain:
-            self.attention = select_backend(pool.k.device, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                            cfg.head_dim, pool.dtype, attention, pool.kv_format)
+        self.kinds = [cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)]  # what each layer's queries see
+        # None: the dense path (a layer kind the backend cannot express)
+        self.attention: PagedAttention | None = select_backend(
+            pool.k.device, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, pool.dtype, attention,
+            pool.kv_format, kinds=tuple(dict.fromkeys(self.kinds)), block=block)
+        if self.attention is None and not isinstance(self.context_rows, SlotRows):
+            # (the dense path gathers context rows through req_to_token, by target slot)
+            raise ValueError(f"--speculative-draft-window-size: the drafter runs the dense attention path "
+                             f"({self.backend_name}), which reads the pool by target KV slot; serve it without "
+                             f"a window")
 
     @classmethod
     def load(cls, draft_dir: str | Path, slots: int, req_slots: int, block: int, dtype: torch.dtype, device,
              dummy: bool = False, attention: str = "auto", kv_dtype: str | None = None,
-             weights: DFlashDrafter | None = None) -> PagedDrafter:
+             weights: DFlashDrafter | None = None, context_rows: ContextRows | None = None,
+             pool: DraftKVPool | None = None) -> PagedDrafter:
         """slots: target KV slots (pool rows mirrored), req_slots: request-pool slots (block scratch owners; one
-        more scratch block is the padding slot). dummy: random weights of the checkpoint's config
+        more scratch block is the padding slot). context_rows: where context K/V live (None: `SlotRows(slots)`; a
+        draft window's rings instead); pool: allocated already (`new_pool` on context_rows.rows, before SGLang's KV
+        sizing), None: allocated here. dummy: random weights of the checkpoint's config
         (`--speculative-draft-load-format dummy`), no weight files read, for capacity planning with simulated
         acceptance. attention: the paged backend ("auto", "flashinfer" or "torch", see `select_backend`). kv_dtype:
         the draft KV dtype's SGLang name (None / "auto": the model dtype; "fp8_e4m3", ...: core/draft_kv.py).
         weights: the drafter, loaded already (`load_draft_weights`; None: loaded here)."""
         drafter = weights if weights is not None else load_draft_weights(draft_dir, dtype, device, dummy)
-        cfg = drafter.cfg
-        pool = DraftKVPool(cfg.num_hidden_layers, pool_rows(slots, req_slots, block), cfg.num_key_value_heads,
-                           cfg.head_dim, dtype, device, kv_format(kv_dtype, dtype))
-        return cls(drafter, pool, slots, block, pad_slot=req_slots, attention=attention)
+        rows = context_rows if context_rows is not None else SlotRows(slots)
+        if pool is None:
+            pool = new_pool(drafter.cfg, rows.rows, req_slots, block, dtype, device, kv_dtype)
+        assert pool.rows >= pool_rows(rows.rows, req_slots, block), "the scratch of every request slot fits"
+        return cls(drafter, pool, rows.rows, block, pad_slot=req_slots, attention=attention, context_rows=rows)
 
     @property
     def backend_name(self) -> str:
-        return self.attention.name if self.attention is not None else "dense (causal / sliding-window layers)"
+        """The draft attention path, for the start-up line: the paged backend and its layer kinds, or the dense path
+        and why."""
+        narrowing = sorted({_kind_name(k) for k in self.kinds if k.narrows})
+        kinds = f" ({', '.join(narrowing)} layers)" if narrowing else ""
+        if self.attention is not None:
+            return f"paged {self.attention.name}{kinds}"
+        return (f"dense{kinds}: the paged backend cannot limit a query's keys to the right, which a bidirectional "
+                f"window narrower than the block {self.block} does")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -193,12 +226,23 @@ class PagedDrafter:
 
         target_hidden [N, n_features * H]  target layer outputs at the draft's layer ids, concatenated
         positions     [N] int64            absolute positions of the tokens
-        slots         [N] int64            their target KV slots
+        slots         [N] int64            their pool rows (`context_rows`: the target KV slots, or ring rows)
         """
         if slots.numel() == 0:
             return
         ctx = self.drafter.fuse(target_hidden.to(self.dtype))[None]
         self.pool.write(self.drafter.context_kv(ctx, positions.to(torch.int64)[None]), slots.to(torch.int64))
+
+    @torch.inference_mode()
+    def commit_extend(self, target_hidden: Tensor, positions: Tensor, out_cache_loc: Tensor, req_pool_indices: Tensor,
+                      extend_lens: list[int]) -> None:
+        """An extend batch's context K/V: target_hidden [T, n_features * H], positions / out_cache_loc [T] int64 of its
+        tokens (request after request, extend_lens each), req_pool_indices [bs]; written where `context_rows` keeps
+        them (a window keeps each request's last R)."""
+        index, rows = self.context_rows.prefill(positions, out_cache_loc, req_pool_indices, extend_lens)
+        if index is not None:
+            target_hidden, positions = target_hidden[index], positions[index]
+        self.commit(target_hidden, positions, rows)
 
     def scratch_rows(self, req_pool_indices: Tensor, block: int | None = None) -> Tensor:
         """[bs] request-pool slots -> [bs*b] int64 pool rows of their block scratch (where each pass writes the
@@ -255,7 +299,8 @@ class PagedDrafter:
         if self.attention is None:
             return self._draft_dense(block_embeds, positions, req_to_token, req_pool_indices, seq_lens_cpu)
         # eager: the layout's length (the sum of the context lengths) is data dependent
-        self.attention.plan(build_layout(req_to_token, req_pool_indices, seq_lens_cpu, b, self.scratch_base))
+        self.attention.plan(self.context_rows.layout(req_to_token, req_pool_indices, seq_lens_cpu, b,
+                                                     self.scratch_base))
         return self._run_block(block_embeds, positions, self.scratch_rows(req_pool_indices, b), self.attention)
 
     def _run_block(self, block_embeds: Tensor, positions: Tensor, block_rows: Tensor, attention) -> Tensor:
@@ -269,12 +314,12 @@ class PagedDrafter:
         return out.view(bs, b, hidden)
 
     def _paged_attend(self, layer: int, block_rows: Tensor, attention) -> Attend:
-        k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
+        k_pool, v_pool, kind = self.pool.k[layer], self.pool.v[layer], self.kinds[layer]
 
         def attend(q: Tensor, k_blk: Tensor, v_blk: Tensor) -> Tensor:
             # q [1, h, T, d], k_blk / v_blk [1, kvh, T, d] -> [1, h, T, d]; the block's rows stored as the context's
             k_pool[block_rows], v_pool[block_rows] = self.pool.store(k_blk[0].transpose(0, 1), v_blk[0].transpose(0, 1))
-            return attention.run(q[0].transpose(0, 1), k_pool, v_pool).transpose(0, 1)[None]
+            return attention.run(q[0].transpose(0, 1), k_pool, v_pool, kind).transpose(0, 1)[None]
 
         return attend
 
@@ -298,6 +343,12 @@ class PagedDrafter:
         rejection sampling lossless for any target sampling settings.
         """
         return self.drafter.logits(hidden[:, 1:].to(lm_head_weight.dtype), lm_head_weight, out=out)
+
+
+def _kind_name(kind: LayerKind) -> str:
+    """"causal", "sliding-window 2048", "causal sliding-window 512", ... (a narrowing kind, for the start-up line)."""
+    window = f"sliding-window {kind.window}" if kind.window is not None else ""
+    return " ".join(w for w in ("causal" if kind.causal else "", window) if w)
 
 
 class DraftPass(Protocol):

@@ -122,6 +122,7 @@ class DFlashSettings:
     draft_graphs: str  # one of DRAFT_GRAPHS
     draft_kv_dtype: str  # the draft KV pool's dtype, SGLang's name ("auto": the model dtype; "fp8_e4m3", ...)
     draft_memory: DraftMemory  # its pool row's bytes, what SGLang's KV sizing counts (adapter/draft_memory.py)
+    draft_window: int | None  # --speculative-draft-window-size W (adapter/draft_window.py), None: the whole context
     context_len: int  # the target's context length (a request's most draft pool rows)
     tree_cuda_graph: bool  # target verify graphs captured with the tree mask (CUDA, trees)
     dummy_draft: bool  # random draft weights (--speculative-draft-load-format dummy)

@@ -32,7 +32,11 @@ release, what each function adapts (upstream symbol, and the first release with 
   `build_dflash_disagg_draft_input`, which `SpeculativeAlgorithm.build_disagg_draft_input` calls for DFLASH; 0.5.18
   and 0.5.19 ship the module without a DFLASH caller): none -> the decode server relays DFLASH's state;
 - DP attention in our worker (`attention_dp_served`, 0.5.23: coordinated per-step row counts on ScheduleBatch, the
-  runtime layout and the attention-TP group accessor): none -> DP attention refused, naming the release.
+  runtime layout and the attention-TP group accessor): none -> DP attention refused, naming the release;
+- HiCache with our draft pool (`hicache_draft_served`, 0.5.23: the spec worker's `HiCacheDraftPlan` and host pools
+  built from a pool's buffer description, `mem_cache/device_pool_info.MHABufferInfo`; 0.5.18 .. 0.5.22 build a draft
+  sidecar's host pool from SGLang's own pool object): none -> `--enable-hierarchical-cache` refused, naming the
+  release.
 
 What did not change (checked against the seven wheels): the plugin entry-point group and `HookRegistry`, the hooked
 symbols (adapter/plugin.py), `DFlashDraftInputV2` / `DFlashVerifyInput`, `get_context().server_args`, and the
@@ -167,7 +171,7 @@ def has_mamba_track_grid() -> bool:
 # tests/sglang_support.py reports them to tests that do not import sglang.
 PROBES = ("sealed_resolution", "public_acc_len_sampler", "stops_before_cap", "min_new_tokens_holds_eos",
           "hidden_mode_reads_server_args", "cpu_bind_entry_per_rank", "has_mamba_track_grid", "has_attn_dp_size",
-          "pd_disaggregation_supported", "has_draft_kv_cache_dtype", "attention_dp_served")
+          "pd_disaggregation_supported", "has_draft_kv_cache_dtype", "attention_dp_served", "hicache_draft_served")
 
 
 def resolve(server_args: Any) -> Any:
@@ -311,6 +315,20 @@ def attention_dp_served() -> bool:
 
     return (hasattr(ScheduleBatch, "dp_spec_prefill_coordination_applied") and hasattr(runtime_context, "get_parallel")
             and hasattr(dp_attention, "get_dp_tp_group"))
+
+
+@cache
+def hicache_draft_served() -> bool:
+    """Whether HiCache can offload our draft pool here: the spec worker hands the scheduler a `HiCacheDraftPlan`
+    (`speculative/base_spec_worker.py`, SIDECAR: a draft pool whose slots follow the target's) and SGLang builds the
+    sidecar's host pool from the pool's buffer description (`mem_cache/device_pool_info.py` `MHABufferInfo`, read
+    through `get_device_pool_infos`), which adapter/hicache.py gives. Decided by what the installed SGLang has."""
+    from sglang.srt.speculative import base_spec_worker
+
+    mode = getattr(base_spec_worker, "HiCacheDraftMode", None)
+    return (mode is not None and hasattr(mode, "SIDECAR")
+            and importlib.util.find_spec("sglang.srt.mem_cache.device_pool_info") is not None
+            and hasattr(importlib.import_module("sglang.srt.mem_cache.device_pool_info"), "MHABufferInfo"))
 
 
 def attention_tp_group() -> Any:

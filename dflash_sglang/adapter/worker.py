@@ -58,6 +58,8 @@ from .disagg import TransferredDraftPool, watch_transfers
 from .dp_attention import DECODE, EXTEND, IDLE, AttentionDP
 from .draft_graphs import DraftGraphs, default_sizes, graph_mode
 from .draft_memory import check_pool_memory
+from .draft_window import WindowPool
+from .hicache import draft_plan as hicache_draft_plan
 from .hidden import FinalHiddenStates, decode_rows, prefill_rows
 from .hybrid import HybridTarget, state_scratch_bytes
 from .logprobs import attach_logprobs
@@ -84,8 +86,8 @@ class _NoDraftRunner:
 class DraftHandle:
     """What the scheduler reads off `spec_worker.draft_worker` (SGLang assumes a draft TpModelWorker).
 
-    Our drafter is not a TpModelWorker, so graph/weight accounting is empty and there is no draft KV pool
-    for PD disaggregation or HiCache to register (both unsupported yet).
+    Our drafter is not a TpModelWorker, so graph/weight accounting is empty and it has no draft ModelRunner: the
+    worker hands its draft KV pool to PD transfer (`primary_draft_kv_pool`) and HiCache (`init_hicache_draft_plan`).
     """
 
     draft_runner: _NoDraftRunner = field(default_factory=_NoDraftRunner)
@@ -164,6 +166,9 @@ class DFlashWorker(BaseSpecWorker):
         total, books = weight_bytes(self.draft_weights)
         logger.info("DFLASH (dflash-sglang): draft weights %.1f MiB%s, resident before SGLang sizes the KV pools",
                     total / 2**20, f" (DFlash2 selector codebooks {books / 2**20:.1f} MiB)" if books else "")
+        # A draft window's pool (a ring per request slot, adapter/draft_window.py) is resident now for the same reason:
+        # SGLang's per-token KV sizing cannot count it (adapter/draft_memory.py). None: the pool mirrors target slots.
+        self.window = WindowPool.allocate(self.settings, self.draft_weights, self.model_runner.dtype, self.device)
         self.schedule = ShapeSchedule.from_settings(self.settings)
         if (self.schedule.controller is not None and getattr(server_args, "enable_metrics", False)
                 and getattr(target_worker, "tp_rank", 0) == 0):  # (rank 0 decides every rank's shape)
@@ -193,13 +198,18 @@ class DFlashWorker(BaseSpecWorker):
 
     @property
     def primary_draft_kv_pool(self) -> TransferredDraftPool | None:
-        # SGLang 0.5.23 reads it for PD transfer (adapter/disagg.py) and HiCache (refused at start-up)
+        # SGLang 0.5.23 reads it for PD transfer (adapter/disagg.py); HiCache reads hicache_draft_plan instead
         if not self.settings.disaggregation or getattr(self, "drafter", None) is None:
             return None
         pool = TransferredDraftPool(self.drafter.pool, int(self.model_runner.token_to_kv_pool.page_size))
         if self.settings.disaggregation == "decode":  # every transfer checked for draft K/V (adapter/disagg.py)
             watch_transfers(pool)
         return pool
+
+    def init_hicache_draft_plan(self) -> None:
+        # SGLang (0.5.18 on) asks after alloc_memory_pool and reads `hicache_draft_plan`: our draft pool's context rows
+        # offloaded with the target's KV (adapter/hicache.py; SGLang's own plan reads a draft ModelRunner we lack)
+        self._hicache_draft_plan = hicache_draft_plan(self.drafter, self.model_runner.token_to_kv_pool)
 
     @property
     def preloaded_weights_bytes(self) -> int:
@@ -235,11 +245,14 @@ class DFlashWorker(BaseSpecWorker):
         if kernels is not None:
             logger.info("DFLASH (dflash-sglang): CUDA ops %s", kernels)
         req_slots = int(req_to_token_pool.req_to_token.shape[0])
+        context_rows, pool = self.window.serving(req_slots) if self.window is not None else (None, None)
         self.drafter = PagedDrafter.load(self.draft_dir, rows, req_slots, self.block_size, self.model_runner.dtype,
                                          self.device, dummy=self.settings.dummy_draft,
                                          attention=self.settings.draft_attention, kv_dtype=self.settings.draft_kv_dtype,
-                                         weights=self.draft_weights)  # (loaded when the worker was built)
-        memory = check_pool_memory(self.drafter.pool, self.settings.draft_memory, rows, self.context_len)
+                                         weights=self.draft_weights,  # (loaded when the worker was built)
+                                         context_rows=context_rows, pool=pool)
+        memory = check_pool_memory(self.drafter.pool, self.settings.draft_memory, self.drafter.scratch_base,
+                                   self.context_len)
         target = self.model_runner.model
         # The drafter proposes over the token map of the settings (checked at start-up) or the whole vocabulary.
         token_map = read_token_map(self.settings.token_map, self.cfg.vocab_size) if self.settings.token_map else None
@@ -344,7 +357,8 @@ class DFlashWorker(BaseSpecWorker):
         hidden = out.logits_output.hidden_states
         if hidden is None:
             raise RuntimeError("DFLASH: the target returned no captured features (is its architecture supported?)")
-        self.drafter.commit(hidden, _extend_positions(batch, hidden.device), batch.out_cache_loc)
+        self.drafter.commit_extend(hidden, _extend_positions(batch, hidden.device), batch.out_cache_loc,
+                                   batch.req_pool_indices, list(batch.extend_lens))
         # the features are the drafter's: the scheduler gets the final hidden states where a request asks for them
         out.logits_output.hidden_states = (prefill_rows(self.final_hidden.take(), list(batch.extend_lens),
                                                         prefill_hidden_full(batch, self.server_args))
@@ -409,9 +423,10 @@ class DFlashWorker(BaseSpecWorker):
         if batch.return_logprob:
             logits = logits_output.next_token_logits.view(seq_lens.numel(), step.positions.shape[1], -1)
             attach_logprobs(batch, logits_output, logits, step.out_tokens, accept_nodes)
-        # Every verify row's draft K/V goes to that row's own slot: rejected rows land past the new committed
-        # length (reserved slots the next step rewrites), so none is filtered out (a boolean gather = a host sync).
-        rows = (logits_output.hidden_states, step.positions.reshape(-1), step.slots.reshape(-1))
+        # Every verify row's draft K/V goes to that row's own slot (or window ring row): rejected rows land past the new
+        # committed length (rows the next step rewrites), so none is filtered out (a boolean gather = a host sync).
+        rows = (logits_output.hidden_states, step.positions.reshape(-1),
+                self.drafter.context_rows.decode(step.positions, step.slots, batch.req_pool_indices))
         if self.graphs is None or not self.graphs.commit(*rows, bs=seq_lens.numel(), nodes=step.positions.shape[1]):
             self.drafter.commit(*rows)
         logits_output.hidden_states = (None if step.final_hidden is None else

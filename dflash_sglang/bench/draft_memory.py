@@ -6,14 +6,18 @@ tau = committed tokens per verify step, the prefill token counted (as SGLang rep
 plain decoding in every arm (lossless: a mismatch exits 1). Not timed.
 
 `window`: the same decoder with the drafter's sliding context window (core/drafter.py `context_window`, the
-definition of `--speculative-draft-window-size W`) on long multi-turn ShareGPT eval contexts, tau per W. Not timed.
+definition of `--speculative-draft-window-size W`) on long multi-turn ShareGPT eval contexts, tau per W. With
+`--engine`, also one CPU Engine per W (one at a time, greedy chains of the drafter block, the radix cache off in every
+arm): its tau from SGLang's per-request verify counts and whether its output equals the reference decoder's. Not
+timed.
 
 `plan`: a fixed KV memory budget in bytes -> per option the bytes per token SGLang's sizing counts (target KV +
-our draft pool row, adapter/draft_memory.py), the token capacity (`--max-total-tokens`) that budget holds, and the
-largest batch of requests of a given length it admits; then the CPU Engine command (scripts/bench_engine.py: every
-arm at its own `--max-total-tokens` and `--max-running-requests`, token-identical to plain, tau per arm) that measures
-tokens/s at that batch. SGLang fills memory by the same division, so the capacities are what a server given that
-budget would get; the Engine run checks that the batch runs.
+our draft pool row, adapter/draft_memory.py) and, for a draft window W (`--windows`), the bytes per request slot of
+its ring (R = W + N - 1 rows, adapter/draft_window.py; 0 B/token), the token capacity (`--max-total-tokens`) that
+budget holds, and the largest batch of requests of a given length it admits; then the CPU Engine command
+(scripts/bench_engine.py: every arm at its own `--max-total-tokens` and `--max-running-requests`, token-identical to
+plain, tau per arm) that measures tokens/s at that batch. SGLang fills memory by the same division, so the
+capacities are what a server given that budget would get; the Engine run checks that the batch runs.
 """
 from __future__ import annotations
 
@@ -34,11 +38,13 @@ REPO = Path(__file__).resolve().parents[2]
 class BudgetRow:
     """One draft KV option under a fixed KV memory budget."""
 
-    draft_kv: str
+    draft_kv: str  # the option's name: a draft KV dtype, or `window<W>`
     target_bytes_per_token: int
     draft_bytes_per_token: int
     max_total_tokens: int  # the token capacity the budget holds (target and draft pools together)
     largest_batch: int  # requests of `request_tokens` each that fit at once
+    draft_bytes_per_request: int = 0  # a draft window's ring per request slot (0: the pool grows per token)
+    window: int | None = None  # W of a window option
 
     @property
     def bytes_per_token(self) -> int:
@@ -51,14 +57,21 @@ def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, element_size: 
 
 
 def budget_rows(budget_bytes: int, target_bytes_per_token: int, draft_rows: dict[str, int],
-                request_tokens: int) -> list[BudgetRow]:
+                request_tokens: int, windows: dict[int, int] | None = None) -> list[BudgetRow]:
     """draft_rows: option -> draft pool bytes per token. Each option's capacity is budget // (target + draft) tokens
-    (SGLang's division of its KV memory by the per-token cell), its largest batch capacity // request_tokens."""
+    (SGLang's division of its KV memory by the per-token cell), its largest batch capacity // request_tokens.
+    windows: W -> the ring's bytes per request slot; the largest batch b is the most with b + 1 request slots' rings
+    (SGLang's req_to_token rows: --max-running-requests + 1, allocated before the sizing) and b requests' target KV
+    within the budget, and the capacity what is left after the rings, in target tokens."""
     assert budget_bytes > 0 and request_tokens > 0
     rows = []
     for name, draft in draft_rows.items():
         tokens = budget_bytes // (target_bytes_per_token + draft)
         rows.append(BudgetRow(name, target_bytes_per_token, draft, tokens, tokens // request_tokens))
+    for window, ring in (windows or {}).items():
+        batch = max(0, (budget_bytes - ring) // (request_tokens * target_bytes_per_token + ring))
+        tokens = max(0, budget_bytes - (batch + 1) * ring) // target_bytes_per_token
+        rows.append(BudgetRow(f"window{window}", target_bytes_per_token, 0, tokens, batch, ring, window))
     return rows
 
 
@@ -68,9 +81,12 @@ def engine_command(rows: list[BudgetRow], new_tokens: int, repeats: int) -> list
     largest of those batches (an arm admitting fewer queues the rest, as a server at that budget would)."""
     arms = ["plain"]
     for r in rows:
-        dtype = "" if r.draft_kv == "auto" else f";speculative_draft_kv_cache_dtype={r.draft_kv}"
+        if r.window is not None:  # (the radix cache off, as a window needs; bench_engine's prompts share no prefix)
+            extra = f";speculative_draft_window_size={r.window};disable_radix_cache=True"
+        else:
+            extra = "" if r.draft_kv == "auto" else f";speculative_draft_kv_cache_dtype={r.draft_kv}"
         arms.append(f"kv_{r.draft_kv}:max_total_tokens={r.max_total_tokens};"
-                    f"max_running_requests={r.largest_batch}{dtype}")
+                    f"max_running_requests={r.largest_batch}{extra}")
     batch = max(r.largest_batch for r in rows)
     return [sys.executable, str(REPO / "scripts" / "bench_engine.py"), "--arms", ",".join(arms),
             "--concurrency", str(batch), "--new-tokens", str(new_tokens), "--repeats", str(repeats),
@@ -136,8 +152,9 @@ def window_tau(target, drafter, prompts: list[list[int]], new_tokens: int, block
             gens = decoder.generate(prompts, new_tokens, block_size=block)
             steps = sum(len(g.accept_lengths) for g in gens)
             out["full" if w is None else str(w)] = {"tau": sum(len(g.tokens) for g in gens) / steps, "steps": steps,
-                                                    "lossless": [g.tokens for g in gens] == plain}
-            print(f"[window] {w}: {out['full' if w is None else str(w)]}", file=sys.stderr, flush=True)
+                                                    "lossless": [g.tokens for g in gens] == plain,
+                                                    "ids": [g.tokens for g in gens]}
+            print(f"[window] {w}: tau {out['full' if w is None else str(w)]['tau']:.3f}", file=sys.stderr, flush=True)
     finally:
         drafter.context_window = None
     return out
@@ -159,15 +176,55 @@ def _window(args: argparse.Namespace) -> int:
     block = args.block or drafter.cfg.block_size
     windows = tuple(None if w == "full" else int(w) for w in args.windows.split(","))
     res = window_tau(target, drafter, prompts, args.new_tokens, block, windows)
+    if args.engine:
+        engine = window_engine_tau(target_dir, draft_dir, prompts, args.new_tokens, block, windows, args.dtype,
+                                   Path(args.out))
+        for name, r in engine.items():
+            ref = res[name]
+            r["equals_reference"] = r["ids"] == ref.pop("ids")
+            res[name] = {**ref, "engine_tau": r["tau"], "engine_steps": r["steps"],
+                         "engine_equals_reference": r["equals_reference"]}
+    for r in res.values():
+        r.pop("ids", None)
     lens = [len(p) for p in prompts]
     print(f"reference decoder, {len(prompts)} ShareGPT eval multi-turn prompts ({min(lens)}..{max(lens)} tokens, "
           f"mean {sum(lens) / len(lens):.0f}) x {args.new_tokens} new tokens, block {block}, model {args.dtype}")
-    print(f"{'window':<8} {'tau':>6} {'steps':>6} lossless")
+    print(f"{'window':<8} {'tau':>6} {'steps':>6} lossless" + (" engine_tau engine=reference" if args.engine else ""))
     for name, r in res.items():
-        print(f"{name:<8} {r['tau']:6.3f} {r['steps']:6d} {r['lossless']}")
+        engine = f" {r['engine_tau']:10.3f} {r['engine_equals_reference']}" if "engine_tau" in r else ""
+        print(f"{name:<8} {r['tau']:6.3f} {r['steps']:6d} {r['lossless']}{engine}")
     print(json.dumps({"mode": "window", "prompts": len(prompts), "prompt_tokens": [min(lens), max(lens)],
                       "new_tokens": args.new_tokens, "block": block, "dtype": args.dtype, "windows": res}))
-    return 0 if all(r["lossless"] for r in res.values()) else 1
+    return 0 if all(r["lossless"] and r.get("engine_equals_reference", True) for r in res.values()) else 1
+
+
+def window_engine_tau(target_dir: Path, draft_dir: Path, prompts: list[list[int]], new_tokens: int, block: int,
+                      windows: tuple[int | None, ...], dtype: str, out: Path) -> dict[str, dict]:
+    """Per draft window W (None: the whole context): one CPU Engine (bench/engine.py's child, one at a time), greedy
+    chains of `block` rows, the radix cache off -> tau (committed tokens per verify step, SGLang's counts) and its
+    output ids. A failed Engine raises."""
+    from .engine import run_arm
+
+    out.mkdir(parents=True, exist_ok=True)
+    args = argparse.Namespace(new_tokens=new_tokens, sampling=[], out=out, env={}, child_timeout=3600.0)
+    longest = max(len(p) for p in prompts) + new_tokens + 2 * block
+    common = dict(model_path=str(target_dir), speculative_algorithm="DFLASH",
+                  speculative_draft_model_path=str(draft_dir), speculative_num_draft_tokens=block, device="cpu",
+                  dtype=dtype, attention_backend="torch_native", disable_radix_cache=True, log_level="warning",
+                  random_seed=0, max_total_tokens=len(prompts) * longest, chunked_prefill_size=512)
+    plan = [{"key": "window", "pass": 0, "group": "window", "c": len(prompts), "phase": "eval", "ids": prompts}]
+    res = {}
+    for w in windows:
+        name = "full" if w is None else str(w)
+        kwargs = {} if w is None else {"speculative_draft_window_size": w}
+        got = run_arm(f"window_{name}", kwargs, plan, args, common)
+        if got is None:
+            raise RuntimeError(f"the Engine with draft window {name} failed (log in {out})")
+        rnd = got["rounds"][0]
+        steps = sum(rnd["verify_ct"])
+        res[name] = {"tau": sum(len(i) for i in rnd["ids"]) / steps, "steps": steps, "ids": rnd["ids"]}
+        print(f"[window engine] {name}: tau {res[name]['tau']:.3f}", file=sys.stderr, flush=True)
+    return res
 
 
 def _tau(args: argparse.Namespace) -> int:
@@ -214,13 +271,16 @@ def _plan(args: argparse.Namespace) -> int:
              for name in args.dtypes.split(",")}
     if "auto" not in draft:
         raise SystemExit("--dtypes must include auto (the default arm the others are compared with)")
+    # a window's ring: R = W + N - 1 rows in the model dtype, N = the drafter block (bench_engine's DFLASH arms)
+    windows = {w: (w + cfg.block_size - 1) * draft["auto"] for w in map(int, filter(None, args.windows.split(",")))}
     request = args.prompt_tokens + args.new_tokens
-    rows = budget_rows(int(args.budget_mib * 2**20), target, draft, request)
+    rows = budget_rows(int(args.budget_mib * 2**20), target, draft, request, windows)
     print(f"KV budget {args.budget_mib} MiB, model {args.dtype}, requests of {request} tokens")
-    print(f"{'draft KV':<10} {'target B/tok':>12} {'draft B/tok':>11} {'max tokens':>10} {'largest batch':>13}")
+    print(f"{'draft KV':<10} {'target B/tok':>12} {'draft B/tok':>11} {'draft B/req':>11} {'max tokens':>10} "
+          f"{'largest batch':>13}")
     for r in rows:
         print(f"{r.draft_kv:<10} {r.target_bytes_per_token:12d} {r.draft_bytes_per_token:11d} "
-              f"{r.max_total_tokens:10d} {r.largest_batch:13d}")
+              f"{r.draft_bytes_per_request:11d} {r.max_total_tokens:10d} {r.largest_batch:13d}")
     cmd = engine_command(rows, args.new_tokens, args.repeats)
     print("timed command (run in a quiet window):", shlex.join(cmd))
     print(json.dumps({"mode": "plan", "budget_mib": args.budget_mib, "request_tokens": request,
@@ -248,10 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
     window.add_argument("--min-prompt-tokens", type=int, default=512)
     window.add_argument("--max-prompt-tokens", type=int, default=2048)
     window.add_argument("--block", type=int, default=None, help="drafter block (default: the checkpoint's)")
+    window.add_argument("--engine", action="store_true", help="also tau per W in a CPU Engine (one at a time)")
+    window.add_argument("--out", default=str(REPO / "work_tmp" / "bench_draft_window"), help="--engine's logs")
     plan = sub.choices["plan"]
     plan.add_argument("--budget-mib", type=float, default=64.0, help="KV memory budget (target + draft pools)")
     plan.add_argument("--prompt-tokens", type=int, default=256, help="prompt tokens per request")
     plan.add_argument("--repeats", type=int, default=3)
+    plan.add_argument("--windows", default="", help="draft windows W to plan beside the dtypes (comma list)")
     return p
 
 

@@ -42,6 +42,34 @@ class DFlash2Fields:
     selector_top_k: int  # k: candidates per block position (the top-k draft logits)
 
 
+@dataclass(frozen=True)
+class LayerKind:
+    """Which keys a draft layer's queries see, beyond the base visibility (all valid context rows and the whole block).
+
+    causal: only keys at or before the query's position; window W: only keys fewer than W positions before the query
+    (q_pos - k_pos < W) and, for a bidirectional layer, fewer than W after it (k_pos - q_pos < W). The drafter's dense
+    masks (core/drafter.py) and the paged backends (adapter/draft_attention.py) both apply `visible`.
+    """
+
+    causal: bool = False
+    window: int | None = None
+
+    @property
+    def narrows(self) -> bool:
+        """False for a full bidirectional layer: every base-visible key is seen."""
+        return self.causal or self.window is not None
+
+    def visible(self, delta: Any) -> Any:
+        """delta [..., Q, K] int query position minus key position -> [..., Q, K] bool (True = attend; all True when
+        the kind does not narrow)."""
+        keep = delta >= 0 if self.causal else delta == delta  # (all True, for tensors and arrays alike)
+        if self.window is not None:
+            keep = keep & (delta < self.window)
+            if not self.causal:
+                keep = keep & (-delta < self.window)
+        return keep
+
+
 class CheckpointError(ValueError):
     """A draft checkpoint is malformed or does not fit its target. The message names file and field."""
 
@@ -107,6 +135,10 @@ class DraftConfig:
 
     def layer_window(self, i: int) -> int | None:
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    def layer_kind(self, i: int) -> LayerKind:
+        """Layer i's key visibility (causal, sliding window): what its attention mask narrows."""
+        return LayerKind(self.layer_is_causal(i), self.layer_window(i))
 
     # ---------------------------------------------------------------- parsing
     @classmethod

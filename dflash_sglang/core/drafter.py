@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import DraftConfig
+from .config import DraftConfig, LayerKind
 from .conv import DynamicConv
 from .draft_kv import DraftKVFormat
 from .selector import CandidateSelector
@@ -292,22 +292,14 @@ class DFlashDrafter(nn.Module):
 
     def _layer_masks(self, mask: Tensor, q_pos: Tensor, k_pos: Tensor) -> list[Tensor]:
         """Per-layer [bs, 1, Q, K] masks: the base mask, narrowed for causal and sliding-window layers."""
-        cache: dict[tuple[bool, int | None], Tensor] = {}
+        cache: dict[LayerKind, Tensor] = {}
         out = []
         delta = q_pos[:, :, None] - k_pos[:, None, :]  # [bs, Q, K]: query position minus key position
         for i in range(len(self.layers)):
-            key = (self.cfg.layer_is_causal(i), self.cfg.layer_window(i))
-            if key not in cache:
-                m = mask
-                causal, window = key
-                if causal:
-                    m = m & (delta >= 0)
-                if window is not None:
-                    m = m & (delta < window)
-                    if not causal:
-                        m = m & (-delta < window)
-                cache[key] = m[:, None]
-            out.append(cache[key])
+            kind = self.cfg.layer_kind(i)
+            if kind not in cache:
+                cache[kind] = (mask & kind.visible(delta) if kind.narrows else mask)[:, None]
+            out.append(cache[kind])
         return out
 
     def logits(self, hidden: Tensor, lm_head_weight: Tensor, out: Tensor | None = None) -> Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,14 +25,15 @@ CONV_NOISE, PAIR_LOGITS = 0.05, 0.5
 
 
 def derive_dflash2(draft_dir: str | Path, out_dir: str | Path, fields: DFlash2Fields, seed: int = 3,
-                   dtype: torch.dtype = torch.float32) -> Path:
+                   dtype: torch.dtype = torch.float32, **config: Any) -> Path:
     """Write the DFlash2 draft derived from the DFlash draft at `draft_dir` (fields: its convolution and selector
-    settings) to `out_dir`; returns `out_dir`."""
+    settings) to `out_dir`; returns `out_dir`. config: other DraftConfig fields to set, e.g. `layer_types`,
+    `sliding_window` and `is_causal` for sliding-window layers as the published drafts have (same weights)."""
     dflash = load_drafter(draft_dir, dtype=torch.float32)
     if dflash.cfg.dflash2 is not None:
         raise ValueError(f"{draft_dir}: already a DFlash2 draft")
     torch.manual_seed(seed)
-    drafter = DFlashDrafter(replace(dflash.cfg, dflash2=fields))
+    drafter = DFlashDrafter(replace(dflash.cfg, dflash2=fields, **config))
     unexpected = drafter.load_state_dict(dflash.state_dict(), strict=False).unexpected_keys
     assert not unexpected, unexpected
     hidden, rank = drafter.cfg.hidden_size, fields.selector_rank

@@ -1,0 +1,167 @@
+"""Which draft pool rows hold a request's context K/V: one per target KV slot, or a bounded ring per request.
+
+`SlotRows` (the default): pool row i is target KV slot i. A committed token's draft K/V go to its target slot and the
+drafter reads them through SGLang's `req_to_token`, so radix-cache hits, PD transfer and trees need no bookkeeping of
+their own; the pool grows with the target's token capacity.
+
+`WindowRows` (`--speculative-draft-window-size W`): the drafter reads only the last W context positions (core/drafter.py
+`context_window`), so each request-pool slot r owns a ring of R = W + N - 1 rows and position p lives at row
+r*R + p % R (N: the most verify rows a step commits). Why R: a decode step writes every verify row (positions
+L .. L+n-1, n <= N, rejected ones included), overwriting positions p - R; the next step, at a committed length
+L' >= L+1, reads L'-W .. L'-1, and L+n-1-R < L+1-W holds for R >= W + n - 1. A position is rewritten by the step that
+commits it before any pass reads it, and a pass at length L reads only positions this request committed (< L), so a
+ring reused by a new request is never read stale. The pool costs req_slots x R rows, whatever the context length.
+
+Both give the same three things (`ContextRows`): the pass's key layout (`layout`), and the rows a prefill's and a
+decode step's commits write (`prefill`, `decode`), so the worker's step calls one interface either way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from .draft_attention import DraftLayout, build_layout, host_indptrs
+
+
+class ContextRows(Protocol):
+    """Where a draft pool keeps context K/V (rows [0, rows); the block scratch rows follow)."""
+
+    rows: int
+
+    def layout(self, req_to_token: Tensor, req_pool_indices: Tensor, seq_lens_cpu: Tensor, block: int,
+               scratch_base: int) -> DraftLayout:
+        """The pass's keys: request i's context rows, then its block scratch rows (scratch_base + r*block + j)."""
+        ...
+
+    def prefill(self, positions: Tensor, out_cache_loc: Tensor, req_pool_indices: Tensor,
+                extend_lens: list[int]) -> tuple[Tensor | None, Tensor]:
+        """An extend batch's commit: positions / out_cache_loc [T] of its tokens (request after request, extend_lens
+        each), req_pool_indices [bs] -> (indices [M] int64 of the tokens to write, None: all T; their pool rows [M])."""
+        ...
+
+    def decode(self, positions: Tensor, slots: Tensor, req_pool_indices: Tensor) -> Tensor:
+        """A decode step's commit: positions / slots [bs, n] of every verify row, req_pool_indices [bs] -> pool rows
+        [bs*n] int64."""
+        ...
+
+
+@dataclass(frozen=True)
+class SlotRows:
+    """One pool row per target KV slot (rows = the target pool's slots, padding slot included)."""
+
+    rows: int
+
+    def layout(self, req_to_token: Tensor, req_pool_indices: Tensor, seq_lens_cpu: Tensor, block: int,
+               scratch_base: int) -> DraftLayout:
+        return build_layout(req_to_token, req_pool_indices, seq_lens_cpu, block, scratch_base)
+
+    def prefill(self, positions: Tensor, out_cache_loc: Tensor, req_pool_indices: Tensor,
+                extend_lens: list[int]) -> tuple[Tensor | None, Tensor]:
+        return None, out_cache_loc
+
+    def decode(self, positions: Tensor, slots: Tensor, req_pool_indices: Tensor) -> Tensor:
+        return slots.reshape(-1)
+
+
+@dataclass(frozen=True)
+class WindowRows:
+    """A ring of `ring` rows per request-pool slot for the last `window` context positions (module docstring)."""
+
+    window: int  # W: context positions a pass reads (--speculative-draft-window-size)
+    ring: int  # R >= W + N - 1 rows per request-pool slot (`ring_size`)
+    req_slots: int  # request-pool slots the rings serve (SGLang's req_to_token rows)
+
+    def __post_init__(self) -> None:
+        assert 1 <= self.window < self.ring and self.req_slots >= 1, self
+
+    @property
+    def rows(self) -> int:
+        return self.req_slots * self.ring
+
+    def ring_rows(self, req_pool_indices: Tensor, positions: Tensor) -> Tensor:
+        """Request-pool slots and positions (broadcastable, device) -> int64 pool rows r*R + p % R."""
+        return req_pool_indices.to(torch.int64) * self.ring + positions.to(torch.int64).remainder(self.ring)
+
+    def key_lens(self, seq_lens_cpu: Tensor) -> Tensor:
+        """[bs] committed lengths (host) -> [bs] int64 context rows a pass reads: min(L, W)."""
+        return seq_lens_cpu.to(torch.int64).clamp(max=self.window)
+
+    def layout(self, req_to_token: Tensor, req_pool_indices: Tensor, seq_lens_cpu: Tensor, block: int,
+               scratch_base: int) -> DraftLayout:
+        """Request i at committed length L reads ring rows of positions L-k .. L-1 (k = min(L, W)), then its block
+        scratch. The ragged sizes come from the host lengths; one gather of the request-pool slots on the device."""
+        device = req_pool_indices.device
+        lens = self.key_lens(seq_lens_cpu)
+        qo_indptr, kv_indptr = host_indptrs(lens, block)
+        bs, per_req = lens.numel(), lens + block
+        owner = torch.repeat_interleave(torch.arange(bs), per_req)  # [total] request of each key
+        offset = torch.arange(int(kv_indptr[-1]), dtype=torch.int64) - kv_indptr[:-1].to(torch.int64)[owner]
+        ctx = offset < lens[owner]
+        # a context key's position, or a block key's offset j within the block
+        value = torch.where(ctx, seq_lens_cpu.to(torch.int64)[owner] - lens[owner] + offset, offset - lens[owner])
+        host = torch.stack([owner, value, ctx.to(torch.int64)]).to(device, non_blocking=True)
+        slot = req_pool_indices.to(torch.int64)[host[0]]
+        rows = torch.where(host[2].bool(), self.ring_rows(slot, host[1]), scratch_base + slot * block + host[1])
+        return DraftLayout(qo_indptr, kv_indptr, rows.to(torch.int32))
+
+    def prefill(self, positions: Tensor, out_cache_loc: Tensor, req_pool_indices: Tensor,
+                extend_lens: list[int]) -> tuple[Tensor | None, Tensor]:
+        """Only each request's last R extended tokens are written: earlier ones would land on the same ring rows
+        (a scatter with repeated indices keeps an unspecified one), and no later pass reads them."""
+        device = positions.device
+        lens = torch.tensor(extend_lens, dtype=torch.int64)
+        starts = torch.cumsum(lens, 0) - lens
+        kept = lens.clamp(max=self.ring)
+        owner = torch.repeat_interleave(torch.arange(lens.numel()), kept)
+        index = (starts + lens - kept)[owner] + torch.arange(int(kept.sum())) - (torch.cumsum(kept, 0) - kept)[owner]
+        slot = req_pool_indices.to(torch.int64)[owner.to(device)]
+        if int(kept.sum()) == positions.numel():
+            return None, self.ring_rows(slot, positions)
+        index = index.to(device)
+        return index, self.ring_rows(slot, positions[index])
+
+    def decode(self, positions: Tensor, slots: Tensor, req_pool_indices: Tensor) -> Tensor:
+        assert positions.shape[1] <= self.ring - self.window + 1, "a step verifies at most N rows (R >= W + N - 1)"
+        return self.ring_rows(req_pool_indices.to(positions.device)[:, None], positions).reshape(-1)
+
+
+def ring_size(window: int, nodes: int) -> int:
+    """R for window W and at most N (>= 2) verify rows a step commits (module docstring)."""
+    assert nodes >= 2, nodes
+    return window + nodes - 1
+
+
+@dataclass(frozen=True)
+class WindowPool:
+    """A draft window's rings and the pool holding them, allocated when the worker is built (before SGLang sizes its
+    KV pools, so that its measurement counts them: adapter/draft_memory.py)."""
+
+    rows: WindowRows
+    pool: object  # adapter/model.py DraftKVPool: req_slots x R ring rows, then the block scratch
+
+    @classmethod
+    def allocate(cls, settings, weights, dtype: torch.dtype, device) -> WindowPool | None:
+        """settings: the resolved DFlashSettings (None unless --speculative-draft-window-size); weights: the drafter.
+        Request slots: --max-running-requests + 1, the req_to_token rows SGLang allocates for it (the resolution
+        declares a cap under a window)."""
+        if settings.draft_window is None:
+            return None
+        from .model import new_pool  # (model.py imports this module)
+
+        assert settings.max_running_requests is not None, "declared under a window (adapter/args.py)"
+        req_slots = settings.max_running_requests + 1
+        rows = WindowRows(settings.draft_window, settings.draft_memory.ring, req_slots)
+        pool = new_pool(weights.cfg, rows.rows, req_slots, settings.block_size, dtype, device, settings.draft_kv_dtype)
+        return cls(rows, pool)
+
+    def serving(self, req_slots: int) -> tuple[WindowRows, object]:
+        """(context rows, pool) for SGLang's request pool of req_slots rows; a table larger than the rings were
+        allocated for is an error at start-up (it would index past them)."""
+        if req_slots > self.rows.req_slots:
+            raise RuntimeError(f"--speculative-draft-window-size: SGLang allocated {req_slots} request slots, the "
+                               f"draft window's rings were allocated for {self.rows.req_slots} (--max-running-requests "
+                               f"+ 1); set --max-running-requests")
+        return self.rows, self.pool
