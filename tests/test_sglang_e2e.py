@@ -793,16 +793,19 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
         jobs = [job for job in jobs if job["name"] in selected.split(",")]
     for job in jobs:
         job["out"] = str(Path(job["root"]) / f"{job['name']}.json")
-    # Four waves: the multi-process Engines (a scheduler per rank or replica, ~2.5 GB each) after the others, the TP
-    # ones, the DP ones, then the DP-attention ones, so that the machine's memory (24 GB on CI's 2-core machine) holds
-    # one wave's processes
+    # Five waves, so that the machine's memory (24 GB on CI's 2-core machine) holds one wave's processes: the tiny
+    # pairs' one-process Engines (~1.5 GB each with their scheduler), the testbed pair's (SmolLM2: ~2 GB each), then
+    # the multi-process Engines (a scheduler per rank or replica, ~2.5 GB each): the TP ones, the DP ones, the
+    # DP-attention ones
     for i, job in enumerate(jobs):  # apart: Engines starting together would race for the same derived ZMQ ports
         job.setdefault("engine_kwargs", {}).setdefault("port", 21000 + 400 * i)
+    testbed = [job for job in jobs if "target" in job]
     tp = [job for job in jobs if job["name"].startswith("tp2_")]
     dp = [job for job in jobs if job["name"].startswith("dp2_")]
     attn_dp = [job for job in jobs if job["name"].startswith("attn_dp2_")]
+    rest = [job for job in jobs if job not in testbed + tp + dp + attn_dp]
     waves = ([[job] for job in jobs] if os.environ.get(SERIAL_ENV) == "1"
-             else [wave for wave in ([job for job in jobs if job not in tp + dp + attn_dp], tp, dp, attn_dp) if wave])
+             else [wave for wave in (rest, testbed, tp, dp, attn_dp) if wave])
     return {name: result for wave in waves for name, result in run_children(wave).items()}
 
 
