@@ -36,7 +36,7 @@ COMMON=(
   "dill==0.4.1" "uvloop==0.23.0" "pybase64==1.5.1" "psutil==7.2.2" "pillow==13.0.0" "partial_json_parser==0.2.1.1.post7"
   "einops==0.8.2" "loguru==0.7.3" "setproctitle==1.3.8" "requests" "ipython" "gguf" "jiter" "orjson"
   "python-multipart" "soundfile==0.13.1" "jsonschema==4.26.0"  # jsonschema: the OpenAI chat endpoint (HTTP server)
-  "prometheus-client==0.23.1"  # --enable-metrics (SGLang's collectors and ours, adapter/metrics.py)
+  "prometheus-client==0.23.1"  # --enable-metrics (SGLang's collectors and ours, adapter/step/metrics.py)
   "sglang-router==0.3.2"  # the load balancer users put in front of several servers (the router e2e test)
 )
 # Each release's own pins (its wheel's METADATA); where a release leaves a package unpinned, the version tested with

@@ -1,5 +1,5 @@
 """Host-dispatched op count of one drafter pass and one draft-KV commit of our SGLang worker, eager and with
-draft graphs (adapter/model.py, adapter/draft_graphs.py).
+draft graphs (adapter/draft/model.py, adapter/draft/graphs.py).
 
 What: the aten ops PyTorch dispatches for `PagedDrafter.draft` (block B, context --context tokens per request)
 and for `PagedDrafter.commit` of bs*B verify rows, at each --batch-sizes value, with the drafter of --draft
@@ -24,8 +24,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dflash_sglang.adapter.draft_graphs import DraftGraphs  # noqa: E402
-from dflash_sglang.adapter.model import PagedDrafter, TargetHead  # noqa: E402
+from dflash_sglang.adapter.draft.graphs import DraftGraphs  # noqa: E402
+from dflash_sglang.adapter.draft.model import PagedDrafter, TargetHead  # noqa: E402
 from dflash_sglang.core.config import DraftConfig  # noqa: E402
 
 DEFAULT_DRAFT = Path(__file__).resolve().parents[1] / "dflash_sglang/assets/smollm2_135m_dflash"

@@ -11,8 +11,8 @@ places, both in the host pools (`sglang/srt/mem_cache/pool_host/`), and SGLang h
 `patch()` puts a plain (unpinned) allocation and a torch row copy in those two places, in every process of an Engine
 (the spawned schedulers import the test module that applies it: tests/test_sglang_e2e.py, when HICACHE_ENV is set in
 the job's environment). Everything else HiCache does (the radix tree's host tier, write-through backups, loads per
-transfer stage, the draft sidecar of adapter/hicache.py) is SGLang's own code. With it a plain HiCache Engine gives
-the tokens a plain Engine without HiCache gives, on prompts whose prefixes come back from host memory.
+transfer stage, the draft sidecar of adapter/scale/hicache.py) is SGLang's own code. With it a plain HiCache Engine
+gives the tokens a plain Engine without HiCache gives, on prompts whose prefixes come back from host memory.
 """
 from __future__ import annotations
 

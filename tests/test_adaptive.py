@@ -50,7 +50,8 @@ def test_row_shapes_bound_every_choice():
                 assert any(s.nodes <= r.nodes and (s.is_chain or s.topk == r.topk) for r in rows)
 
 
-# ------------------------------------------------------------------ the SGLang worker's schedule (adapter/adaptive.py)
+# ------------------------------------------------------------------ the SGLang worker's schedule
+# (adapter/step/shapes.py)
 TABLE_FLAG, BUDGET_FLAG = "--speculative-dflash-adaptive-table", "--speculative-dflash-adaptive-token-budget"
 
 
@@ -62,7 +63,7 @@ TABLE_FLAG, BUDGET_FLAG = "--speculative-dflash-adaptive-table", "--speculative-
 def test_worker_steps_never_exceed_n_nor_the_budget(table, budget, block):
     """Every decode step's shape fits the stride / KV reservation N the server was configured with, the token
     budget, and the drafter block (chains <= B, trees <= the lattice of depth B-1)."""
-    from dflash_sglang.adapter.adaptive import ShapeSchedule, adaptive_limits
+    from dflash_sglang.adapter.step.shapes import ShapeSchedule, adaptive_limits
 
     max_running = 48
     policy, largest = adaptive_limits(table, budget, block, None, vocab_size=32000, max_running=max_running)
@@ -90,7 +91,7 @@ def test_worker_steps_never_exceed_n_nor_the_budget(table, budget, block):
     ],
 )
 def test_malformed_settings_name_the_flag(table, budget, flag, match):
-    from dflash_sglang.adapter.adaptive import AdaptiveConfigError, adaptive_limits
+    from dflash_sglang.adapter.step.shapes import AdaptiveConfigError, adaptive_limits
 
     with pytest.raises(AdaptiveConfigError, match=match) as err:
         adaptive_limits(table, budget, 8, None, 100, 48)
@@ -99,7 +100,7 @@ def test_malformed_settings_name_the_flag(table, budget, flag, match):
 
 @requires_sglang
 def test_limits_against_the_server_flags():
-    from dflash_sglang.adapter.adaptive import AdaptiveConfigError, adaptive_limits
+    from dflash_sglang.adapter.step.shapes import AdaptiveConfigError, adaptive_limits
 
     # N defaults to the largest row after the block cap: 64x4 fits a depth-7 lattice; with B = 3 the lattice
     # of depth 2 has 1 + 4 + 16 = 21 nodes
@@ -118,11 +119,11 @@ def test_limits_against_the_server_flags():
 def test_schedule_logs_the_distribution_at_debug_on_change_only(caplog):
     import logging
 
-    from dflash_sglang.adapter.adaptive import ShapeSchedule, adaptive_limits
+    from dflash_sglang.adapter.step.shapes import ShapeSchedule, adaptive_limits
 
     policy, largest = adaptive_limits("2:6x2,inf:3x1", None, 4, None, 100, 8)
     schedule = ShapeSchedule(largest.nodes, policy=policy, table="2:6x2,inf:3x1")
-    with caplog.at_level(logging.DEBUG, logger="dflash_sglang.adapter.adaptive"):
+    with caplog.at_level(logging.DEBUG, logger="dflash_sglang.adapter.step.shapes"):
         shapes = [schedule.choose(bs) for bs in (1, 1, 2, 5, 6, 7, 1)]
     assert shapes == [SpecShape(6, 2)] * 3 + [SpecShape(3, 1)] * 3 + [SpecShape(6, 2)]
     lines = [r.getMessage() for r in caplog.records]
@@ -133,7 +134,7 @@ def test_schedule_logs_the_distribution_at_debug_on_change_only(caplog):
 
 @requires_sglang
 def test_fixed_schedule_is_the_flags_shape():
-    from dflash_sglang.adapter.adaptive import ShapeSchedule
+    from dflash_sglang.adapter.step.shapes import ShapeSchedule
 
     chain, tree = ShapeSchedule(8, fixed=SpecShape(8, 1)), ShapeSchedule(10, fixed=SpecShape(10, 3))
     assert [chain.choose(bs) for bs in (1, 64)] == [SpecShape(8, 1)] * 2 and not chain.steps
@@ -174,8 +175,8 @@ def test_goodput_schedule_publishes_the_controllers_state_as_metrics():
     predicted / measured tokens/s, acceptance by depth and cost terms are published beside SGLang's spec metrics."""
     from prometheus_client import CollectorRegistry
 
-    from dflash_sglang.adapter.adaptive import ShapeSchedule
-    from dflash_sglang.adapter.metrics import GoodputMetrics
+    from dflash_sglang.adapter.step.shapes import ShapeSchedule
+    from dflash_sglang.adapter.step.metrics import GoodputMetrics
     from dflash_sglang.core.goodput import GoodputConfig, GoodputController
 
     registry = CollectorRegistry()
@@ -211,7 +212,7 @@ def test_goodput_schedule_publishes_the_controllers_state_as_metrics():
 def test_goodput_schedule_observes_a_fixed_step_cost_instead_of_wall_time():
     """DFLASH_SIMULATE_STEP_COST (adapter/simulate.py): each step reaches the controller as the fixed cost of its
     shape at its batch size; a step whose interval held other work (seconds None) still stays out of the cost fit."""
-    from dflash_sglang.adapter.adaptive import ShapeSchedule
+    from dflash_sglang.adapter.step.shapes import ShapeSchedule
     from dflash_sglang.adapter.simulate import simulated_step_cost
     from dflash_sglang.core.goodput import GoodputConfig, GoodputController
 

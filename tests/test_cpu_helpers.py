@@ -1,4 +1,5 @@
-"""adapter/cpu.py: the torch stand-ins for SGLang's Triton helpers on CPU, against plain transcriptions of the kernels.
+"""adapter/step/cpu.py: the torch stand-ins for SGLang's Triton helpers on CPU, against plain transcriptions of the
+kernels.
 
 `assign_req_to_token_pool` (SGLang mem_cache/allocation.py, launched by `prepare_for_decode` for every decode batch):
 one program per request copies its run of out_cache_loc, at the offset of the runs before it, into its
@@ -47,7 +48,7 @@ def random_batch(rng: random.Random, bs: int, rows: int, width: int, slack: int 
 @pytest.mark.parametrize("bs", [1, 3, 48, 256, 300])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_assign_matches_the_kernel_on_random_batches(bs, seed):
-    from dflash_sglang.adapter.cpu import assign_req_to_token_pool
+    from dflash_sglang.adapter.step.cpu import assign_req_to_token_pool
 
     rng = random.Random(seed * 1000 + bs)
     rows, width = bs + 7, 96
@@ -63,7 +64,7 @@ def test_assign_matches_the_kernel_on_random_batches(bs, seed):
 @pytest.mark.parametrize("over", [1, 3])
 def test_a_run_past_the_row_is_refused_not_dropped(over):
     """Before: a run ending one column past the row was silently cut (a slot lost for good), a longer one crashed."""
-    from dflash_sglang.adapter.cpu import assign_req_to_token_pool
+    from dflash_sglang.adapter.step.cpu import assign_req_to_token_pool
 
     width = 16
     table = torch.zeros(4, width, dtype=torch.int32)

@@ -180,11 +180,11 @@ def test_sampling_matches_target_distribution(arch, block, tree, min_p):
 
 
 def test_served_weight_bytes_count_the_codebooks(tmp_path):
-    """What the worker loads before SGLang sizes its KV pools (adapter/model.py `load_draft_weights`) and counts
+    """What the worker loads before SGLang sizes its KV pools (adapter/draft/model.py `load_draft_weights`) and counts
     (`weight_bytes`): every tensor of the checkpoint at the model dtype, the selector's two [V, r] codebooks among
     them; random weights of the same config (--speculative-draft-load-format dummy) cost the same."""
     pytest.importorskip("sglang", reason="the SGLang adapter")
-    from dflash_sglang.adapter.model import load_draft_weights, weight_bytes
+    from dflash_sglang.adapter.draft.model import load_draft_weights, weight_bytes
     from dflash_sglang.core.safetensors_header import read_header
 
     target = tiny_target("qwen3", vocab=16, seed=2)
@@ -254,8 +254,8 @@ def test_convolutions_stay_within_a_block():
 @pytest.mark.parametrize("mapped", [False, True], ids=["vocab", "token_map"])
 def test_candidates_merged_over_vocab_shards_equal_one_process(ranks, mapped):
     """Tensor parallelism: each rank's top-k of its lm_head shard, merged (core/vocab_parallel.py `merge_top`, as
-    adapter/tp.py runs it over the ranks), gives the candidates of one process over the whole vocabulary (or token map)
-    exactly, ties included (logits on a bf16-like grid), so the walk, its q and the tree are the same."""
+    adapter/scale/tp.py runs it over the ranks), gives the candidates of one process over the whole vocabulary (or token
+    map) exactly, ties included (logits on a bf16-like grid), so the walk, its q and the tree are the same."""
     target = tiny_target("qwen3", vocab=16, seed=2)
     drafter = tiny_drafter(draft_config_for(target, block_size=8, **DFLASH2_DRAFT), seed=3)
     token_map = torch.tensor(TOKEN_MAP) if mapped else None
@@ -264,7 +264,7 @@ def test_candidates_merged_over_vocab_shards_equal_one_process(ranks, mapped):
     logits = (drafter.logits(hidden, target.lm_head.weight[ids]) * 2).round() / 2  # [3, 7, len(ids)], ties
     per = -(-16 // ranks)
 
-    def merged(_, k):  # what adapter/tp.py DraftVocab.top answers on every rank
+    def merged(_, k):  # what adapter/scale/tp.py DraftVocab.top answers on every rank
         parts = []
         for r in range(ranks):
             inside = (ids >= r * per) & (ids < (r + 1) * per)

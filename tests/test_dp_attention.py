@@ -1,4 +1,4 @@
-"""DP attention's step plan (adapter/dp_attention.py): every rank derives the same verify shape and row counts.
+"""DP attention's step plan (adapter/scale/dp_attention.py): every rank derives the same verify shape and row counts.
 
 The CPU Engines under DP attention (tests/test_sglang_e2e.py `attn_dp2_*`) check the whole path against plain."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("sglang")
 
-from dflash_sglang.adapter.dp_attention import DECODE, EXTEND, IDLE, AttentionDP, StepPlan  # noqa: E402
+from dflash_sglang.adapter.scale.dp_attention import DECODE, EXTEND, IDLE, AttentionDP, StepPlan  # noqa: E402
 from dflash_sglang.core.adaptive import SpecShape  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""The drafter's paged attention (adapter/draft_attention.py, adapter/model.py): layout indices, the paged pass
+"""The drafter's paged attention (adapter/draft/attention.py, adapter/draft/model.py): layout indices, the paged pass
 against the core drafter on in-memory context, backend selection; FlashInfer vs the torch reference on a GPU."""
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _req_to_token(slots_total: int, seed: int = 0) -> torch.Tensor:
 
 
 def test_layout_indices():
-    from dflash_sglang.adapter.draft_attention import build_layout
+    from dflash_sglang.adapter.draft.attention import build_layout
 
     r2t = _req_to_token(200)
     layout = build_layout(r2t, torch.tensor(POOL_IDX), torch.tensor(SEQ_LENS), BLOCK, scratch_base=200)
@@ -49,7 +49,8 @@ def _paged_vs_core(cfg, backend: str = "torch", block: int = BLOCK):
     """Commit random context features into a PagedDrafter's pool, draft a mixed-length batch through the paged
     path (a pass of `block` <= B rows), and draft the same batch with the core drafter on in-memory context. Returns
     both [bs, block, H]."""
-    from dflash_sglang.adapter.model import DraftKVPool, PagedDrafter
+    from dflash_sglang.adapter.draft.pool import DraftKVPool
+    from dflash_sglang.adapter.draft.model import PagedDrafter
 
     torch.manual_seed(0)
     core = tiny_drafter(cfg)
@@ -111,7 +112,7 @@ def test_paged_pass_of_narrowing_layers_equals_core_drafter(layout, block):
 def test_key_ranges_cut_and_mask_as_the_kind_says():
     """The torch backend's per-kind keys of each request: a window cuts the keys no query reaches and masks the rest
     by position (end-aligned: query j of a request with L context rows is at L + j)."""
-    from dflash_sglang.adapter.draft_attention import DraftLayout, host_indptrs, key_ranges
+    from dflash_sglang.adapter.draft.attention import DraftLayout, host_indptrs, key_ranges
     from dflash_sglang.core.config import LayerKind
 
     qo, kv = host_indptrs(torch.tensor([5, 0]), 3)
@@ -129,7 +130,7 @@ def test_a_backend_that_cannot_express_a_kind_leaves_the_dense_path(monkeypatch)
     """FlashInfer cannot hide block keys to the right of a query: a bidirectional window narrower than the block runs
     on the dense path (eager), which equals the core drafter, and the start-up line says why. Shown with the torch
     backend made to answer as FlashInfer does."""
-    from dflash_sglang.adapter.draft_attention import FlashInferPagedAttention, TorchPagedAttention
+    from dflash_sglang.adapter.draft.attention import FlashInferPagedAttention, TorchPagedAttention
     from dflash_sglang.core.config import LayerKind
 
     expresses = FlashInferPagedAttention.expresses
@@ -145,7 +146,7 @@ def test_a_backend_that_cannot_express_a_kind_leaves_the_dense_path(monkeypatch)
 
 
 def test_backend_selection():
-    from dflash_sglang.adapter.draft_attention import TorchPagedAttention, select_backend
+    from dflash_sglang.adapter.draft.attention import TorchPagedAttention, select_backend
 
     with pytest.raises(ValueError, match="^--speculative-draft-attention-backend flashinfer needs a CUDA device"):
         select_backend("cpu", 4, 2, 8, torch.float32, "flashinfer")
@@ -155,7 +156,7 @@ def test_backend_selection():
 
 def _random_case(device: str, dtype: torch.dtype):
     """A ragged batch over a shuffled pool (contexts 1..1000 rows, GQA 8/2, head_dim 64): q, k, v, layout."""
-    from dflash_sglang.adapter.draft_attention import build_layout
+    from dflash_sglang.adapter.draft.attention import build_layout
 
     torch.manual_seed(0)
     h, kvh, d = 8, 2, 64
@@ -180,7 +181,7 @@ KINDS = [(False, None), (False, 2048), (False, 64), (False, BLOCK), (True, None)
 def test_reference_equals_explicit_softmax(kind):
     """The reference on the GPU test's case, against attention written out by hand (CPU, float64): every key of the
     request's segment scored, those the kind hides (by end-aligned position) set to -inf."""
-    from dflash_sglang.adapter.draft_attention import key_ranges, paged_attention_reference
+    from dflash_sglang.adapter.draft.attention import key_ranges, paged_attention_reference
     from dflash_sglang.core.config import LayerKind
 
     kind = LayerKind(*kind)
@@ -206,7 +207,7 @@ def test_reference_equals_explicit_softmax(kind):
 def test_flashinfer_matches_reference_on_gpu(dtype, kind):
     """FlashInfer planned for each layer kind (causal, window_left) against the torch reference's key ranges and masks,
     on ragged contexts of 1..1000 rows; all the kinds planned on one backend at once, as a drafter's are."""
-    from dflash_sglang.adapter.draft_attention import FlashInferPagedAttention, key_ranges, paged_attention_reference
+    from dflash_sglang.adapter.draft.attention import FlashInferPagedAttention, key_ranges, paged_attention_reference
     from dflash_sglang.core.config import LayerKind
 
     kinds = [LayerKind(*c) for c in KINDS]
@@ -228,7 +229,8 @@ def test_paged_drafter_flashinfer_equals_torch_on_gpu(kv_dtype, layout):
     the model dtype, or fp8 draft KV: core/draft_kv.py), full layers or narrowing ones (one plan per layer kind)."""
     cfg = draft_config_for(tiny_target("qwen3", hidden=256), block_size=BLOCK,  # head_dim 64
                            **NARROWING.get(layout, {}))
-    from dflash_sglang.adapter.model import DraftKVPool, PagedDrafter
+    from dflash_sglang.adapter.draft.pool import DraftKVPool
+    from dflash_sglang.adapter.draft.model import PagedDrafter
     from dflash_sglang.core.draft_kv import kv_format
 
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
-"""The draft pass and commit as static-buffer graphs (adapter/draft_graphs.py): padded replays equal the eager path
+"""The draft pass and commit as static-buffer graphs (adapter/draft/graphs.py): padded replays equal the eager path
 on mixed batches (CPU, static mode), DFlash v1 and DFlash2 over full, causal and sliding-window layers (DFlash2: its
-selector's candidates and walk replayed with the pass, adapter/selector_graph.py: chains greedy and sampled, trees,
-one process or the TP layout), the captured bodies and a DFlash2 step's whole draft side do no host sync (meta
+selector's candidates and walk replayed with the pass, adapter/draft/selector_graph.py: chains greedy and sampled,
+trees, one process or the TP layout), the captured bodies and a DFlash2 step's whole draft side do no host sync (meta
 tensors), mode selection; on a GPU, captured CUDA graphs against the eager path."""
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ DRAFTS = {
 
 def _setup(device="cpu", dtype=torch.float32, hidden=32, attention="torch", draft="dflash"):
     """A PagedDrafter over a pool with committed contexts for every request slot, its TargetHead, req_to_token."""
-    from dflash_sglang.adapter.model import DraftKVPool, PagedDrafter, TargetHead
+    from dflash_sglang.adapter.draft.pool import DraftKVPool
+    from dflash_sglang.adapter.draft.model import PagedDrafter, TargetHead
 
     cfg = draft_config_for(tiny_target("qwen3", hidden=hidden), block_size=BLOCK, **DRAFTS[draft])
     torch.manual_seed(0)
@@ -55,7 +56,7 @@ def _setup(device="cpu", dtype=torch.float32, hidden=32, attention="torch", draf
 
 
 def _graphs(paged, head, req_to_token, cfg, nodes=(3,), capture=False, top=None, in_graph=True):
-    from dflash_sglang.adapter.draft_graphs import DraftGraphs
+    from dflash_sglang.adapter.draft.graphs import DraftGraphs
 
     selector = paged.drafter.candidate_selector
     return DraftGraphs(paged, head, req_to_token, SIZES, nodes, cfg.n_features * cfg.hidden_size,
@@ -72,7 +73,7 @@ def _step_inputs(seq_lens, pool_idx, cfg, device="cpu"):
 
 @pytest.mark.parametrize("draft", ["dflash", "gemma4"])
 def test_static_draft_replays_equal_eager_on_mixed_batches(draft):
-    from dflash_sglang.adapter.model import EagerDraftPass
+    from dflash_sglang.adapter.draft.model import EagerDraftPass
 
     cfg, paged, head, r2t = _setup(draft=draft)
     assert paged.attention is not None  # (causal and sliding-window layers on the paged path)
@@ -93,7 +94,7 @@ def test_static_draft_replays_equal_eager_on_mixed_batches(draft):
 
 
 def test_static_commit_replays_equal_eager():
-    from dflash_sglang.adapter.draft_graphs import PAD_SLOT
+    from dflash_sglang.adapter.draft.graphs import PAD_SLOT
 
     cfg, paged, head, r2t = _setup()
     _, eager, _, _ = _setup()
@@ -115,7 +116,7 @@ def test_static_commit_replays_equal_eager():
 
 
 def _top(vocab: int, shards: int):
-    """A DFlash2 selector's candidates over the whole vocabulary (adapter/tp.py DraftVocab.top): one process's, or
+    """A DFlash2 selector's candidates over the whole vocabulary (adapter/scale/tp.py DraftVocab.top): one process's, or
     merged from `shards` vocab shards as the TP ranks merge them (the all-gather done in process)."""
     from dflash_sglang.core.vocab_parallel import VocabShard, local_top, merge_top
 
@@ -175,7 +176,7 @@ def test_static_dflash2_selection_equals_eager(layout, sampling, draft):
     graph) and the TP layout (candidates merged over vocab shards and walked after the replay). Mixed: requests greedy
     and sampled at two temperatures, every other step all greedy; the walk's generator is left where eager leaves it
     (every TP rank draws alike)."""
-    from dflash_sglang.adapter.model import EagerDraftPass
+    from dflash_sglang.adapter.draft.model import EagerDraftPass
     from dflash_sglang.core.selector import SelectorScores
 
     cfg, paged, head, r2t = _setup(draft=draft)
@@ -231,8 +232,9 @@ class _MetaAttention:
 
 def _meta_graphs(dflash2: bool = False, in_graph: bool = True):
     """DraftGraphs (static mode) over a drafter, pool and head on the meta device (shapes, no data), with the config."""
-    from dflash_sglang.adapter.draft_graphs import DraftGraphs
-    from dflash_sglang.adapter.model import DraftKVPool, PagedDrafter, TargetHead, random_drafter
+    from dflash_sglang.adapter.draft.graphs import DraftGraphs
+    from dflash_sglang.adapter.draft.pool import DraftKVPool
+    from dflash_sglang.adapter.draft.model import PagedDrafter, TargetHead, random_drafter
 
     cfg = draft_config_for(tiny_target("qwen3"), block_size=BLOCK, **DRAFTS["dflash2" if dflash2 else "dflash"])
     pool = DraftKVPool(cfg.num_hidden_layers, 64 + (REQ_SLOTS + 1) * BLOCK, cfg.num_key_value_heads, cfg.head_dim,
@@ -270,7 +272,7 @@ def test_captured_bodies_do_no_host_sync(draft):
 
 @pytest.mark.parametrize("layout", ["one_process", "tp_layout"])
 def test_dflash2_draft_side_of_a_step_does_no_host_sync(layout):
-    """A DFlash2 step's whole draft side on meta tensors, as the worker runs it (adapter/worker.py `_scores`, then
+    """A DFlash2 step's whole draft side on meta tensors, as the worker runs it (adapter/step/worker.py `_scores`, then
     core's propose): the replay's inputs loaded, the walk's uniforms drawn, the pass and selection replayed, then a
     sampled chain with its q and a selector tree grown from the replay's candidates, and the walk's ranks. Only the
     host's own seq_lens mirror is read (to plan the attention). Which requests sample comes from the host hints
@@ -305,9 +307,9 @@ def test_dflash2_draft_side_of_a_step_does_no_host_sync(layout):
 
 
 def test_graph_mode_follows_the_target():
-    from dflash_sglang.adapter.draft_graphs import default_sizes, graph_mode
+    from dflash_sglang.adapter.draft.graphs import default_sizes, graph_mode
 
-    from dflash_sglang.adapter.draft_attention import TorchPagedAttention
+    from dflash_sglang.adapter.draft.attention import TorchPagedAttention
 
     torch_ = TorchPagedAttention(1.0)
     flashinfer = SimpleNamespace(name="flashinfer", capturable=True)  # a capturable backend (no GPU here)
@@ -329,7 +331,7 @@ def test_graph_mode_follows_the_target():
 def test_captured_graphs_match_eager_on_gpu(draft):
     """Captured CUDA graphs (FlashInfer graph-mode wrappers, one per layer kind) against the eager pass and commit,
     same pool."""
-    from dflash_sglang.adapter.model import EagerDraftPass
+    from dflash_sglang.adapter.draft.model import EagerDraftPass
 
     cfg, paged, head, r2t = _setup("cuda", torch.bfloat16, hidden=256, attention="flashinfer", draft=draft)  # d 64
     graphs = _graphs(paged, head, r2t, cfg, nodes=(3,), capture=True)
@@ -359,7 +361,7 @@ def test_captured_dflash2_graphs_match_eager_on_gpu(sampling, draft):
     capture): each replay's selection equals the eager selection over the replay's own states and logits (candidates,
     walk and tree tokens equal; scores and q within float32 rounding), and the pass is the eager pass's up to bf16
     rounding."""
-    from dflash_sglang.adapter.model import EagerDraftPass
+    from dflash_sglang.adapter.draft.model import EagerDraftPass
     from dflash_sglang.core.selector import SelectorScores
 
     cfg, paged, head, r2t = _setup("cuda", torch.bfloat16, hidden=256, attention="flashinfer", draft=draft)

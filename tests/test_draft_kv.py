@@ -1,7 +1,7 @@
 """fp8 (and bf16) draft KV: the storage format (core/draft_kv.py), the reference drafter reading through it
-(core/drafter.py `kv_format`), the SGLang pool and paged pass equal to it (adapter/model.py,
-adapter/draft_attention.py), greedy identity of the reference decoder, and the pool's memory accounting
-(adapter/draft_memory.py)."""
+(core/drafter.py `kv_format`), the SGLang pool and paged pass equal to it (adapter/draft/model.py,
+adapter/draft/attention.py), greedy identity of the reference decoder, and the pool's memory accounting
+(adapter/draft/memory.py)."""
 from __future__ import annotations
 
 import pytest
@@ -107,7 +107,8 @@ def test_paged_pass_over_a_quantized_pool_equals_the_reference_drafter(name, lay
     """worker == reference: context committed into a pool stored in `name`, a mixed-length batch drafted through the
     paged pass (torch backend; a drafter with a causal sliding-window layer too) equals the reference drafter
     with that draft KV format on in-memory context."""
-    from dflash_sglang.adapter.model import DraftKVPool, PagedDrafter
+    from dflash_sglang.adapter.draft.pool import DraftKVPool
+    from dflash_sglang.adapter.draft.model import PagedDrafter
 
     extra = dict(layer_types=("sliding_attention", "full_attention"), sliding_window=3) if layers == "sliding" else {}
     cfg = draft_config_for(tiny_target("llama" if extra else "qwen3"), block_size=BLOCK, **extra)
@@ -142,8 +143,8 @@ def test_paged_pass_over_a_quantized_pool_equals_the_reference_drafter(name, lay
 @pytest.mark.parametrize("name,element", [("auto", 4), ("bf16", 2), ("fp8_e4m3", 1), ("fp8_e5m2", 1)])
 def test_draft_memory_counts_the_pool_row(name, element):
     """The bytes per token SGLang's sizing is told equal a row of the pool the worker allocates, for each dtype."""
-    from dflash_sglang.adapter.draft_memory import check_pool_memory, draft_memory
-    from dflash_sglang.adapter.model import DraftKVPool
+    from dflash_sglang.adapter.draft.memory import check_pool_memory, draft_memory
+    from dflash_sglang.adapter.draft.pool import DraftKVPool
 
     cfg = draft_config_for(tiny_target("qwen3"), block_size=BLOCK)
     memory = draft_memory(cfg, name, torch.float32)
@@ -165,8 +166,7 @@ def test_draft_memory_counts_the_pool_row(name, element):
 def test_flashinfer_reads_an_fp8_pool_as_the_reference(name):
     """FlashInfer planned with the fp8 KV data type (bf16 queries) == the torch reference dequantizing the same fp8
     rows, on a ragged batch over a shuffled pool (contexts 1..1000, GQA 8/2, head_dim 64)."""
-    from dflash_sglang.adapter.draft_attention import (FlashInferPagedAttention, build_layout,
-                                                       paged_attention_reference)
+    from dflash_sglang.adapter.draft.attention import FlashInferPagedAttention, build_layout, paged_attention_reference
 
     torch.manual_seed(0)
     fmt = DraftKVFormat(parse_kv_dtype(name))

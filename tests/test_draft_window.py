@@ -66,14 +66,15 @@ def test_reference_decoder_with_a_window_is_lossless(window):
 
 
 # ---------------------------------------------------------------------------------------------- the bounded pool
-# adapter/draft_window.py `WindowRows` behind adapter/model.py `PagedDrafter`: the worker's draft pass and commits
+# adapter/draft/context_rows.py `WindowRows` behind adapter/draft/model.py `PagedDrafter`: the worker's draft pass and
+# commits
 # (prefill chunks, each decode step's verify rows, rejected ones included) on a ring of R rows per request slot.
 POOL_IDX = (3, 0, 5, 2)  # request-pool slots, not in batch order
 REQ_SLOTS, WINDOW, NODES = 6, 5, BLOCK  # R = W + N - 1 = 8
 
 
 def _window_rows():
-    from dflash_sglang.adapter.draft_window import WindowRows, ring_size
+    from dflash_sglang.adapter.draft.context_rows import WindowRows, ring_size
 
     return WindowRows(WINDOW, ring_size(WINDOW, NODES), REQ_SLOTS)
 
@@ -113,7 +114,8 @@ def test_prefill_writes_only_the_last_r_positions_of_a_long_chunk():
 def test_window_pool_is_bounded_by_request_slots():
     """The pool holds req_slots x R context rows (+ the block scratch) whatever the target's KV capacity."""
     pytest.importorskip("sglang")
-    from dflash_sglang.adapter.model import PagedDrafter, pool_rows
+    from dflash_sglang.adapter.draft.model import PagedDrafter
+    from dflash_sglang.adapter.draft.pool import pool_rows
 
     core = tiny_drafter(draft_config_for(tiny_target("qwen3"), block_size=BLOCK))
     sizes = {PagedDrafter.load("unused", slots, REQ_SLOTS, BLOCK, torch.float32, "cpu", weights=core,
@@ -131,7 +133,7 @@ def test_paged_window_pass_and_commits_equal_the_reference_drafter(shape):
     pytest.importorskip("sglang")
     from factories import GEMMA4_DRAFT
 
-    from dflash_sglang.adapter.model import PagedDrafter
+    from dflash_sglang.adapter.draft.model import PagedDrafter
 
     torch.manual_seed(0)
     overrides = {**GEMMA4_DRAFT, "sliding_window": 3} if shape == "gemma4" else {}

@@ -40,7 +40,7 @@ except ImportError:
 parser = argparse.ArgumentParser()
 ServerArgs.add_cli_args(parser)
 # our flags, as the plugin adds them to the server's parser (recipes pass --speculative-dflash-experimental to ours)
-from dflash_sglang.adapter.settings import add_plugin_flags, split_plugin_flags
+from dflash_sglang.adapter.boot.flags import add_plugin_flags, split_plugin_flags
 add_plugin_flags(parser)
 hidden = {o for a in parser._actions for o in a.option_strings
           if a.help == argparse.SUPPRESS or (a.help or "").lower().startswith("deprecated")}
@@ -71,7 +71,8 @@ for job in json.load(sys.stdin):
     if job["ours"]:
         # Our worker's own start-up flag checks on what SGLang parsed (device set to cpu: the flags, not this
         # machine's missing GPU packages, are under test).
-        from dflash_sglang.adapter.args import check_supported_flags, draft_attention
+        from dflash_sglang.adapter.boot.refusals import check_supported_flags
+        from dflash_sglang.adapter.boot.draft_checks import draft_attention
         probe = copy.copy(ns)
         probe.device = "cpu"
         try:

@@ -728,7 +728,7 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
              engine_kwargs={"enable_metrics": True}),  # (and the controller's metrics beside SGLang's)
         # a DFlash2 draft (--speculative-dflash-experimental), no shape flag: the controller over the selector's
         # chains (its walk, sampled where a request samples) and trees; the pass, candidates and walk replayed through
-        # the draft graphs' static buffers (adapter/selector_graph.py)
+        # the draft graphs' static buffers (adapter/draft/selector_graph.py)
         dict(name="dflash2", root=str(pair_dir), spec=True, full=True, draft=dflash2_draft,
              env={**debug_env(pair_dir), **FIXED_COST},
              engine_kwargs={"speculative_dflash_experimental": True, **STATIC_GRAPHS}),
@@ -749,7 +749,8 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
         *sharegpt_jobs(pair_dir),
         *hicache_jobs(pair_dir),  # HiCache: the draft pool offloaded to host and loaded back with the target's
         *fp8_jobs(pair_dir),
-        # a draft window of W = BLOCK positions (adapter/draft_window.py): a ring of R = W + N - 1 = 15 rows per request
+        # a draft window of W = BLOCK positions (adapter/draft/context_rows.py): a ring of R = W + N - 1 = 15 rows per
+        # request
         # slot; prompts up to 40 tokens prefilled in chunks of 32 (longer than R), contexts up to 64 (the rings wrap)
         dict(name="window", root=str(pair_dir), spec=True, full=False, sampled=True, block=BLOCK, chunk=32,
              env=debug_env(pair_dir),
@@ -772,9 +773,9 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
                **({"block": BLOCK} if chain else {}))
           for name, chain in (("tp2_dflash2", False), ("tp2_dflash2_chain", True))],
         # DP attention (--attn-dp-size 2 --tp 2, --enable-dp-lm-head; --speculative-dflash-experimental) on the Qwen3
-        # pair (SGLang's Llama has no DP-attention path): every step agreed over the groups (adapter/dp_attention.py),
-        # idle groups in the target's IDLE forward. The controller (with the overlap scheduler; its chains and trees
-        # agreed over the groups), greedy and sampled
+        # pair (SGLang's Llama has no DP-attention path): every step agreed over the groups
+        # (adapter/scale/dp_attention.py), idle groups in the target's IDLE forward. The controller (with the overlap
+        # scheduler; its chains and trees agreed over the groups), greedy and sampled
         *[dict(name=f"attn_dp2_{mode}", root=str(qwen3_dir), spec=True, full=False,
                staggered=True, sampled=True,
                env={**attn_dp_env(), **debug_env(qwen3_dir), **(FIXED_COST if mode == "goodput" else {})},
@@ -1132,7 +1133,7 @@ def test_goodput_controller_varies_the_shape(runs, pair_dir):  # runs: the Engin
 
 def test_goodput_metrics_beside_sglangs(runs):
     """--enable-metrics: the goodput Engine exported the controller's state through SGLang's multiprocess Prometheus
-    collection (adapter/metrics.py): steps per shape, the last shape, predicted / measured tokens/s, acceptance by
+    collection (adapter/step/metrics.py): steps per shape, the last shape, predicted / measured tokens/s, acceptance by
     depth and the cost terms."""
     import re
 
@@ -1212,8 +1213,9 @@ def _hicache_runs(runs) -> tuple[dict, dict]:
 
 
 def test_hicache_greedy_matches_plain_hicache_engine(runs):
-    """HiCache on the testbed pair (adapter/hicache.py): the DFLASH Engine's tokens are the plain HiCache Engine's, in
-    the batch, with the prefix on the device and after it came back from host memory; the last round did load it."""
+    """HiCache on the testbed pair (adapter/scale/hicache.py): the DFLASH Engine's tokens are the plain HiCache
+    Engine's, in the batch, with the prefix on the device and after it came back from host memory; the last round did
+    load it."""
     spec, plain = _hicache_runs(runs)
     assert [r["ids"] for r in spec["greedy"]] == [r["ids"] for r in plain["greedy"]]
     for name in ("device", "host"):
@@ -1301,7 +1303,7 @@ def test_data_parallel_replicas_match_plain(runs, mode):
 
 @pytest.mark.parametrize("mode", ["goodput"])
 def test_dp_attention_matches_plain(runs, qwen3_dir, mode):
-    """--attn-dp-size 2 --tp 2 (adapter/dp_attention.py): greedy output identical to plain decoding of the target,
+    """--attn-dp-size 2 --tp 2 (adapter/scale/dp_attention.py): greedy output identical to plain decoding of the target,
     sampled continuations in the target's exact distribution (the same prompt in both groups: their draws must be
     independent), and both attention-DP groups decoded with drafts accepted."""
     from dflash_sglang.core.checkpoint import load_drafter
@@ -1369,11 +1371,11 @@ def test_router_in_front_of_two_servers_matches_plain(runs, pair_dir, tmp_path):
 def test_pd_disaggregation_over_mooncake_matches_plain(runs, pair_dir, tmp_path, peer):
     """PD disaggregation (0.5.20 on): a DFLASH prefill server and a DFLASH decode server (a chain of the block) behind
     sglang-router --pd-disaggregation, the target and draft KV moved by SGLang's mooncake transfer engine over TCP
-    (adapter/disagg.py registers our draft pool): greedy outputs identical to the plain Engine's, and the decode
+    (adapter/scale/disagg.py registers our draft pool): greedy outputs identical to the plain Engine's, and the decode
     server's acceptance that of the whole chain Engine on the same prompts (a decode server drafting from a draft
     pool the transfer did not fill would accept almost nothing). With a plain prefill server (peer "plain": it sends
     the target's K/V only, which SGLang accepts silently) the outputs are still plain's, and the decode server reports
-    the requests that arrived without draft K/V in its log (adapter/disagg.py `PeerCheck`)."""
+    the requests that arrived without draft K/V in its log (adapter/scale/disagg.py `PeerCheck`)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from dflash_sglang.bench.pd import PREFILL_ENV
@@ -1526,7 +1528,7 @@ def test_kv_sizing_counts_the_draft_pool_row(runs, pair_dir, name):
 
 
 def _assert_sized_for_the_draft_pool(log_path: Path, dtype: str) -> None:
-    """The scheduler's KV sizing added exactly our draft pool row (adapter/draft_memory.py) to the target's bytes per
+    """The scheduler's KV sizing added exactly our draft pool row (adapter/draft/memory.py) to the target's bytes per
     token, and the worker's pool rows cost that much (its start-up line)."""
     import re
 

@@ -9,7 +9,7 @@ FlashInfer and to Triton (eager), and to FlashInfer under verify CUDA graphs cap
 e2e test's
 table: verify widths below the captured CUDA-graph width run eagerly), and for a DFlash2 draft (a pinned chain and
 selector trees, `--speculative-dflash-experimental`; not yet run on a GPU). Every DFLASH Engine but the Triton one
-replays the draft pass and commit as captured CUDA graphs (adapter/draft_graphs.py, the default where the target
+replays the draft pass and commit as captured CUDA graphs (adapter/draft/graphs.py, the default where the target
 captures graphs); the Triton one runs target and draft eagerly (`--disable-cuda-graph`). Speculative and plain bf16
 decoding are not
 bit-identical (different kernels and batch shapes for the same tokens): on the H100, 8 or 9 of the 40 requests left

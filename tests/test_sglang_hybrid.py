@@ -1,4 +1,4 @@
-"""A hybrid target's recurrent state under our worker (adapter/hybrid.py), against fakes of SGLang's pieces.
+"""A hybrid target's recurrent state under our worker (adapter/step/hybrid.py), against fakes of SGLang's pieces.
 
 The fake linear layer keeps a per-request state that every token updates (a non-commutative fold, so order and
 membership both matter). The fake verify writes the state after every verify row into per-row scratch, each row from
@@ -70,8 +70,8 @@ class FakeBackend:
 
 
 def _case(tree: bool, seed: int, interval: int, monkeypatch):
-    from dflash_sglang.adapter import hybrid
-    from dflash_sglang.adapter.hybrid import HybridTarget
+    from dflash_sglang.adapter.step import hybrid
+    from dflash_sglang.adapter.step.hybrid import HybridTarget
 
     monkeypatch.setattr(hybrid, "mamba_track_interval", lambda page_size: interval)
     g = torch.Generator().manual_seed(seed)
@@ -104,7 +104,7 @@ def _case(tree: bool, seed: int, interval: int, monkeypatch):
         accept_len = (ids[:, 1:] == target_next[:, :-1]).long().cumprod(1).sum(1)
         links, path = worker.links(None, bs, n, "cpu"), None
         if links is None:  # top-k 1: chain kernels, each row from the previous one
-            from dflash_sglang.adapter.hybrid import chain_links
+            from dflash_sglang.adapter.step.hybrid import chain_links
             links = chain_links(bs, n, "cpu")
         committed = [ids[b, : int(accept_len[b]) + 1] for b in range(bs)]
     backend.verify(ids, links)
@@ -142,7 +142,7 @@ def test_commit_leaves_each_request_in_its_committed_tokens_state(tree, seed, in
 
 
 def test_chain_links_and_tracking_steps():
-    from dflash_sglang.adapter.hybrid import chain_links, track_steps
+    from dflash_sglang.adapter.step.hybrid import chain_links, track_steps
 
     nxt, sib = chain_links(2, 4, "cpu")
     assert nxt.tolist() == [[1, 2, 3, -1]] * 2 and (sib == -1).all()
@@ -155,7 +155,7 @@ def test_chain_links_and_tracking_steps():
 
 
 def test_scratch_bytes_count_a_shared_window_once():
-    from dflash_sglang.adapter.hybrid import state_scratch_bytes
+    from dflash_sglang.adapter.step.hybrid import state_scratch_bytes
 
     ssm = torch.zeros(2, 3, 4, 5, dtype=torch.float32)
     window = torch.zeros(100, dtype=torch.bfloat16)

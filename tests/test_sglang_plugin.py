@@ -48,7 +48,7 @@ def test_plugin_suite_in_a_child_process(tmp_path):
 def plugin():
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from dflash_sglang.adapter import plugin as plugin_mod
+    from dflash_sglang.adapter.boot import plugin as plugin_mod
 
     plugin_mod.register()
     HookRegistry.apply_hooks()
@@ -71,14 +71,14 @@ def pair(tmp_path_factory):
 @child_only
 def test_entry_point_is_declared():
     eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
-    assert eps.get("dflash_sglang") == "dflash_sglang.adapter.plugin:register"
+    assert eps.get("dflash_sglang") == "dflash_sglang.adapter.boot.plugin:register"
 
 
 @child_only
 def test_create_worker_routes_dflash_to_ours_and_back(plugin, monkeypatch):
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from dflash_sglang.adapter.worker import DFlashWorker
+    from dflash_sglang.adapter.step.worker import DFlashWorker
 
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
     assert SpeculativeAlgorithm.from_string("dflash").create_worker(None) is DFlashWorker
@@ -118,7 +118,7 @@ def test_unsupported_sglang_version_fails_at_import(monkeypatch, found):
     with pytest.raises(ImportError, match=rf"^dflash_sglang\.adapter supports sglang 0\.5\.17 \.\. 0\.5\.23 "
                                           rf"only, found sglang=={found}: install sglang==0\.5\.23, "
                                           rf"or uninstall") as err:
-        importlib.import_module("dflash_sglang.adapter.plugin")
+        importlib.import_module("dflash_sglang.adapter.boot.plugin")
     assert type(err.value).__name__ == "UnsupportedSGLangError" and "\n" not in str(err.value)
 
 
@@ -196,7 +196,7 @@ def test_dflash2_draft_is_gated(plugin, pair, monkeypatch, tmp_path):
     naming the file, the flag and the builtin."""
     from factories import DFLASH2_DRAFT, draft_config_for, tiny_drafter, tiny_target, write_draft
 
-    from dflash_sglang.adapter.args import UnsupportedFlagError
+    from dflash_sglang.adapter.settings import UnsupportedFlagError
     from dflash_sglang.adapter.settings import settings_of
 
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
@@ -216,8 +216,8 @@ def test_dflash2_draft_is_gated(plugin, pair, monkeypatch, tmp_path):
 def test_simulated_step_cost_feeds_the_goodput_controller_only(plugin, pair, monkeypatch):
     """DFLASH_SIMULATE_STEP_COST (adapter/simulate.py): a goodput server's controller observes the fixed cost; beside a
     pinned shape, or malformed, the server refuses to start, naming the variable."""
-    from dflash_sglang.adapter.adaptive import ShapeSchedule
-    from dflash_sglang.adapter.args import UnsupportedFlagError
+    from dflash_sglang.adapter.step.shapes import ShapeSchedule
+    from dflash_sglang.adapter.settings import UnsupportedFlagError
     from dflash_sglang.adapter.settings import settings_of
 
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
@@ -270,7 +270,7 @@ def test_engine_keywords_resolve_like_flags(plugin, pair, monkeypatch):
     assert from_engine == from_cli
     assert (from_engine.adaptive_token_budget, from_engine.draft_graphs) == (60, "static")
     # keywords skip argparse's type and choice checks: resolution checks them
-    from dflash_sglang.adapter.args import UnsupportedFlagError
+    from dflash_sglang.adapter.settings import UnsupportedFlagError
 
     with pytest.raises(UnsupportedFlagError, match=r"^--speculative-dflash-draft-graphs sometimes: expected one of "
                                                    r"auto, eager, static"):
@@ -281,7 +281,7 @@ def test_engine_keywords_resolve_like_flags(plugin, pair, monkeypatch):
 def test_help_lists_our_flags(plugin, pair, capsys):
     from sglang.srt.server_args import prepare_server_args
 
-    from dflash_sglang.adapter.settings import PLUGIN_FLAGS
+    from dflash_sglang.adapter.boot.flags import PLUGIN_FLAGS
 
     with pytest.raises(SystemExit):
         prepare_server_args(["--help"])
@@ -381,7 +381,7 @@ def test_adaptive_startup_errors_name_the_flag(plugin, pair, monkeypatch, kw, ma
                                   "DFLASH_DRAFT_ATTENTION", "DFLASH_DRAFT_CUDA_GRAPH", "DFLASH_TREE_CUDA_GRAPH"])
 @child_only
 def test_retired_environment_variables_are_refused_naming_the_flag(plugin, pair, monkeypatch, name):
-    from dflash_sglang.adapter.settings import RETIRED_ENV
+    from dflash_sglang.adapter.boot.flags import RETIRED_ENV
 
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
     monkeypatch.setenv(name, "1")
@@ -417,11 +417,12 @@ def test_mixed_chunk_is_turned_off_with_a_log_line(plugin, pair, monkeypatch, ca
 def test_tree_refuses_attention_backends_without_a_tree_mask(plugin, monkeypatch):
     """Trees need a target attention backend that takes the tree mask, and full attention in every target layer (a
     sliding window over tree rows, which sit at depths rather than consecutive positions, would be wrong)."""
-    from dflash_sglang.adapter import args as args_mod
-    from dflash_sglang.adapter.args import UnsupportedFlagError, check_tree_serving
+    from dflash_sglang.adapter.boot import mode
+    from dflash_sglang.adapter.settings import UnsupportedFlagError
+    from dflash_sglang.adapter.boot.mode import check_tree_serving
 
     target = {"layer_types": ["full_attention"] * 4}
-    monkeypatch.setattr(args_mod, "model_config", lambda server_args: SimpleNamespace(hf_config=target))
+    monkeypatch.setattr(mode, "model_config", lambda server_args: SimpleNamespace(hf_config=target))
     args = SimpleNamespace(page_size=1, attention_backend="flashinfer", prefill_attention_backend=None,
                            decode_attention_backend="fa3", model_path="m")
     with pytest.raises(UnsupportedFlagError, match=r"^--decode-attention-backend fa3: tree verification supports"):
@@ -439,7 +440,8 @@ def test_tree_refuses_attention_backends_without_a_tree_mask(plugin, monkeypatch
     [
         (dict(speculative_num_draft_tokens=1), r"^--speculative-num-draft-tokens 1: the block size must be >= 2"),
         (dict(speculative_num_draft_tokens=5000), r"^--speculative-num-draft-tokens 5000: at most 256 verify tokens"),
-        # a draft window (adapter/draft_window.py): W >= the block (6 here), and nothing that addresses the draft pool
+        # a draft window (adapter/draft/context_rows.py): W >= the block (6 here), and nothing that addresses the draft
+        # pool
         # by target KV slot
         (dict(speculative_draft_window_size=4, disable_radix_cache=True),
          r"^--speculative-draft-window-size 4: must be an integer >= the draft block size \(6\)"),
@@ -472,7 +474,7 @@ def test_tree_refuses_attention_backends_without_a_tree_mask(plugin, monkeypatch
 )
 @child_only
 def test_unsupported_flags_fail_with_one_line(plugin, pair, monkeypatch, kw, match):
-    from dflash_sglang.adapter.args import UnsupportedFlagError
+    from dflash_sglang.adapter.settings import UnsupportedFlagError
 
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
     with pytest.raises(UnsupportedFlagError, match=match) as err:
@@ -530,7 +532,7 @@ def test_token_map_resolution(plugin, pair, monkeypatch, tmp_path):
     pickle files and broken maps are refused at start-up naming the flag or file."""
     import shutil
 
-    from dflash_sglang.adapter.args import UnsupportedFlagError
+    from dflash_sglang.adapter.settings import UnsupportedFlagError
     from dflash_sglang.adapter.settings import settings_of
     from dflash_sglang.core.config import CheckpointError
     from dflash_sglang.core.token_map import save_token_map
@@ -579,7 +581,7 @@ def test_hybrid_linear_attention_target_is_gated(plugin, pair, monkeypatch, tmp_
     """Qwen3-Next (gated-delta-net layers): served by ours only with --speculative-dflash-experimental (until a GPU
     end-to-end run validates it) and only on CUDA (SGLang's linear-attention kernels); other recurrent families are
     refused whatever the flags, each naming the builtin."""
-    from dflash_sglang.adapter.args import UnsupportedFlagError
+    from dflash_sglang.adapter.settings import UnsupportedFlagError
 
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
     qwen3_next = str(_hybrid_target(pair, tmp_path, "Qwen3NextForCausalLM"))
@@ -601,7 +603,7 @@ def test_hybrid_linear_attention_target_is_gated(plugin, pair, monkeypatch, tmp_
 def test_soft_capped_gemma4_draft_is_gated(plugin, pair, monkeypatch, tmp_path):
     """A Gemma 4-style draft (final_logit_softcapping, sliding-window layers) loads; ours serves it with
     --speculative-dflash-experimental only, and refuses it otherwise naming the field, the flag and the builtin."""
-    from dflash_sglang.adapter.args import UnsupportedFlagError
+    from dflash_sglang.adapter.settings import UnsupportedFlagError
     from dflash_sglang.adapter.settings import settings_of
     from factories import draft_config_for, tiny_drafter, tiny_target, write_draft
 
@@ -693,7 +695,7 @@ def test_commits_stop_at_max_new_tokens_even_for_an_aborted_request(plugin, monk
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    from dflash_sglang.adapter.worker import DFlashWorker, _Accepted
+    from dflash_sglang.adapter.step.worker import DFlashWorker, _Accepted
     from dflash_sglang.core.accept import greedy_accept
 
     params = SamplingParams(max_new_tokens=5)
@@ -758,32 +760,32 @@ def _flags(**kw):
 def test_block_scaled_kv_is_refused_for_the_draft_pool(plugin, kv):
     """The draft pool follows --kv-cache-dtype when no draft dtype is given; block-scaled and fp4 KV it cannot store.
     (On CPU SGLang refuses these itself first, so the flag view is checked directly.)"""
-    from dflash_sglang.adapter import args as args_mod
+    from dflash_sglang.adapter.boot import refusals
 
-    with pytest.raises(args_mod.UnsupportedFlagError, match=rf"^--kv-cache-dtype {kv}: the draft KV pool stores auto, "
+    with pytest.raises(refusals.UnsupportedFlagError, match=rf"^--kv-cache-dtype {kv}: the draft KV pool stores auto, "
                        r"bf16, bfloat16, fp8_e4m3, fp8_e5m2 \(block-scaled or fp4 KV not yet\)"):
-        args_mod.check_supported_flags(_flags(kv_cache_dtype=kv))
-    args_mod.check_supported_flags(_flags(kv_cache_dtype="fp8_e5m2"))  # (fp8: the pool stores it)
+        refusals.check_supported_flags(_flags(kv_cache_dtype=kv))
+    refusals.check_supported_flags(_flags(kv_cache_dtype="fp8_e5m2"))  # (fp8: the pool stores it)
 
 
 @child_only
 def test_missing_gpu_dependency_on_cuda(plugin, monkeypatch):
-    from dflash_sglang.adapter import args as args_mod
+    from dflash_sglang.adapter.boot import refusals
 
-    monkeypatch.setattr(args_mod.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(refusals.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ImportError, match=r"^--device cuda: DFLASH needs the GPU-only package flashinfer"):
-        args_mod.check_supported_flags(_flags(device="cuda"))
-    with pytest.raises(args_mod.UnsupportedFlagError, match=r"^--device xpu: only cuda and cpu"):
-        args_mod.check_supported_flags(_flags(device="xpu"))
+        refusals.check_supported_flags(_flags(device="cuda"))
+    with pytest.raises(refusals.UnsupportedFlagError, match=r"^--device xpu: only cuda and cpu"):
+        refusals.check_supported_flags(_flags(device="xpu"))
     # flashinfer present, no nvcc: refused at start-up (the kernels are built when the worker starts)
-    monkeypatch.setattr(args_mod.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(refusals.importlib.util, "find_spec", lambda name: object())
 
     def no_nvcc():
         raise RuntimeError("dflash_sglang CUDA ops need nvcc (set CUDA_HOME or put nvcc on PATH) to build cuda/*.cu")
 
-    monkeypatch.setattr(args_mod, "find_nvcc", no_nvcc)
-    with pytest.raises(args_mod.UnsupportedFlagError, match=r"^--device cuda: dflash_sglang CUDA ops need nvcc"):
-        args_mod.check_supported_flags(_flags(device="cuda"))
+    monkeypatch.setattr(refusals, "find_nvcc", no_nvcc)
+    with pytest.raises(refusals.UnsupportedFlagError, match=r"^--device cuda: dflash_sglang CUDA ops need nvcc"):
+        refusals.check_supported_flags(_flags(device="cuda"))
 
 
 # Without --speculative-dflash-experimental: not validated on a GPU yet (0.5.23), or not served by this release at all
@@ -827,7 +829,7 @@ def test_refusals_through_sglangs_own_resolution(plugin, pair, monkeypatch, kw, 
     """One line each, at start-up, from the flags as a user types them, parsed by SGLang's parser and resolved by its
     own pipeline (0.5.23: resolve_once(), whose parallel steps run before our check; 0.5.17: the constructor). A flag
     this SGLang does not have is skipped by name."""
-    from dflash_sglang.adapter.args import UnsupportedFlagError
+    from dflash_sglang.adapter.settings import UnsupportedFlagError
 
     missing = [f for f in _argv(Path("."), **kw) if f.startswith("--") and not _sglang_has_flag(f)]
     if missing:
@@ -857,18 +859,19 @@ EXPERIMENTAL_FEATURES = {
      rf"^(--attn-dp-size|--enable-dp-attention --dp-size) 2: {DP_LM_HEAD}"),
     ("dp_attention", dict(tp_size=2, attn_dp_size=2, enable_dp_lm_head=True), None),  # served
     ("dp_attention", dict(tp_size=4, attn_dp_size=2, enable_dp_lm_head=True), None),  # two attention-TP ranks per group
-    ("hicache", dict(enable_hierarchical_cache=True), None),  # served (adapter/hicache.py)
+    ("hicache", dict(enable_hierarchical_cache=True), None),  # served (adapter/scale/hicache.py)
     ("hicache", dict(enable_hierarchical_cache=True, hicache_io_backend="direct", hicache_mem_layout="layer_first",
                      kv_cache_dtype="fp8_e4m3"), None),  # the CPU tests' transfer settings, an fp8 draft pool
 ], ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else str(v))
 @child_only
 def test_served_under_the_experimental_flag_through_sglangs_own_resolution(plugin, pair, monkeypatch, feature, kw,
                                                                            served_match):
-    """Under --speculative-dflash-experimental, through SGLang's own resolution: DP attention (adapter/dp_attention.py)
-    served with the lm_head split per group, refused without --enable-dp-lm-head; HiCache (adapter/hicache.py) served;
-    each where this release has what it needs (its probe), refused with the release named where it has not."""
+    """Under --speculative-dflash-experimental, through SGLang's own resolution: DP attention
+    (adapter/scale/dp_attention.py) served with the lm_head split per group, refused without --enable-dp-lm-head;
+    HiCache (adapter/scale/hicache.py) served; each where this release has what it needs (its probe), refused with the
+    release named where it has not."""
     from dflash_sglang.adapter import versions
-    from dflash_sglang.adapter.args import UnsupportedFlagError
+    from dflash_sglang.adapter.settings import UnsupportedFlagError
 
     probe, unserved, served = EXPERIMENTAL_FEATURES[feature]
     kw = {**kw, "speculative_dflash_experimental": True}
@@ -895,7 +898,7 @@ def test_served_under_the_experimental_flag_through_sglangs_own_resolution(plugi
 @child_only
 def test_draft_kv_dtype_through_sglangs_own_resolution(plugin, pair, monkeypatch, kw, dtype, element):
     """--speculative-draft-kv-cache-dtype (default: follow --kv-cache-dtype) resolves into the worker's settings, with
-    the pool row's bytes that SGLang's KV sizing will add per token (adapter/draft_memory.py) and the context length the
+    the pool row's bytes that SGLang's KV sizing will add per token (adapter/draft/memory.py) and the context length the
     start-up line prices a request at."""
     from dflash_sglang.adapter.settings import settings_of
     from dflash_sglang.adapter.versions import model_config
@@ -968,7 +971,7 @@ def test_kv_sizing_hook_adds_our_pool_row(plugin, pair, monkeypatch):
 def test_post_capture_kv_sizing_is_refused(plugin, pair, monkeypatch):
     """SGLANG_ENABLE_POST_CAPTURE_KV_SIZING would grow the target KV pool past our draft pool (sized with it at
     start-up): refused at start-up, naming the variable; off, the server resolves."""
-    from dflash_sglang.adapter.args import UnsupportedFlagError
+    from dflash_sglang.adapter.settings import UnsupportedFlagError
 
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
     monkeypatch.setenv("SGLANG_ENABLE_POST_CAPTURE_KV_SIZING", "0")
@@ -983,7 +986,7 @@ def test_post_capture_kv_sizing_is_refused(plugin, pair, monkeypatch):
 def test_pd_disaggregation_resolves_where_sglang_has_a_dflash_path(plugin, pair, monkeypatch):
     """--disaggregation-mode prefill / decode: served where SGLang's decode server builds DFLASH's relayed state from
     the transferred token (0.5.20 on), the side recorded in the settings; refused naming the release elsewhere."""
-    from dflash_sglang.adapter.args import UnsupportedFlagError
+    from dflash_sglang.adapter.settings import UnsupportedFlagError
     from dflash_sglang.adapter.settings import settings_of
     from dflash_sglang.adapter.versions import pd_disaggregation_supported
 
@@ -1002,15 +1005,15 @@ def test_pd_disaggregation_resolves_where_sglang_has_a_dflash_path(plugin, pair,
 
 @child_only
 def test_transferred_draft_pool_is_laid_out_as_sglangs_kv_pool(plugin):
-    """The entries the transfer engine reads off our draft pool (adapter/disagg.py) have the layout of SGLang's own
-    MHATokenToKVPool of the same shape: K of every layer then V, one buffer each, the same byte lengths and bytes per
-    page; page g of an entry starts at its pointer + g x bytes per page: target slots g*page.. of that layer."""
+    """The entries the transfer engine reads off our draft pool (adapter/scale/disagg.py) have the layout of SGLang's
+    own MHATokenToKVPool of the same shape: K of every layer then V, one buffer each, the same byte lengths and bytes
+    per page; page g of an entry starts at its pointer + g x bytes per page: target slots g*page.. of that layer."""
     import ctypes
 
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    from dflash_sglang.adapter.disagg import TransferredDraftPool
-    from dflash_sglang.adapter.model import DraftKVPool
+    from dflash_sglang.adapter.scale.disagg import TransferredDraftPool
+    from dflash_sglang.adapter.draft.pool import DraftKVPool
 
     size, layers, heads, dim = 16, 3, 2, 8
     for page in (1, 4):
@@ -1042,12 +1045,12 @@ def test_transferred_draft_pool_is_laid_out_as_sglangs_kv_pool(plugin):
     ("no_offload", None),  # no HiCache, no host-pool retraction backup: no plan
 ])
 def test_hicache_draft_plan(plugin, monkeypatch, case, match):
-    """adapter/hicache.py `draft_plan`: SGLang's SIDECAR plan over our pool where KV goes to host memory; refused for
-    a draft window's rings and for more draft layers than the target's transfer stages; none without offloading."""
-    from dflash_sglang.adapter import hicache
-    from dflash_sglang.adapter.args import UnsupportedFlagError
-    from dflash_sglang.adapter.draft_window import SlotRows, WindowRows
-    from dflash_sglang.adapter.model import DraftKVPool
+    """adapter/scale/hicache.py `draft_plan`: SGLang's SIDECAR plan over our pool where KV goes to host memory; refused
+    for a draft window's rings and for more draft layers than the target's transfer stages; none without offloading."""
+    from dflash_sglang.adapter.scale import hicache
+    from dflash_sglang.adapter.settings import UnsupportedFlagError
+    from dflash_sglang.adapter.draft.context_rows import SlotRows, WindowRows
+    from dflash_sglang.adapter.draft.pool import DraftKVPool
     from dflash_sglang.adapter.versions import hicache_draft_served
 
     if not hicache_draft_served():
@@ -1079,7 +1082,7 @@ def test_hicache_draft_plan(plugin, monkeypatch, case, match):
 @pytest.mark.parametrize("kv_dtype", [None, "fp8_e4m3"])
 @pytest.mark.parametrize("page", [1, 4])
 def test_hicache_offloads_the_draft_context_rows_through_sglangs_host_pool(plugin, kv_dtype, page):
-    """adapter/hicache.py: our draft pool's face as SGLang's HiCache reads a draft pool: described as SGLang's own
+    """adapter/scale/hicache.py: our draft pool's face as SGLang's HiCache reads a draft pool: described as SGLang's own
     MHATokenToKVPool of the same shape describes itself (geometry, NHD per-layer buffers, pointer tables), only the rows
     at target slot ids (not the block scratch). SGLang's host pool for it, built as `build_full_draft_pools` builds a
     draft sidecar's, backs up some pages' rows (every layer) and loads them back layer by layer at other slot ids:
@@ -1092,8 +1095,8 @@ def test_hicache_offloads_the_draft_context_rows_through_sglangs_host_pool(plugi
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _build_mha_mla_host_pool
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    from dflash_sglang.adapter.hicache import HiCacheDraftPool
-    from dflash_sglang.adapter.model import DraftKVPool, pool_rows
+    from dflash_sglang.adapter.scale.hicache import HiCacheDraftPool
+    from dflash_sglang.adapter.draft.pool import DraftKVPool, pool_rows
     from dflash_sglang.core.draft_kv import kv_format
 
     patch_cpu_hicache()  # (SGLang's host pools on the CPU: tests/cpu_hicache.py)
@@ -1138,14 +1141,15 @@ def test_hicache_offloads_the_draft_context_rows_through_sglangs_host_pool(plugi
 @child_only
 @pytest.mark.parametrize("kv_dtype", [None, "fp8_e4m3"])
 def test_decode_side_reports_transfers_without_draft_kv(plugin, caplog, kv_dtype):
-    """adapter/disagg.py PeerCheck: the slots pre-allocated for a transfer are marked unsent (NaN, as the pool stores
-    it); rows a transfer wrote pass; a request whose rows no transfer wrote is reported once per doubling, by request
-    id, and its rows are zeroed (finite drafts); rows past a request's length and other requests' rows are left."""
+    """adapter/scale/disagg.py PeerCheck: the slots pre-allocated for a transfer are marked unsent (NaN, as the pool
+    stores it); rows a transfer wrote pass; a request whose rows no transfer wrote is reported once per doubling, by
+    request id, and its rows are zeroed (finite drafts); rows past a request's length and other requests' rows are
+    left."""
     import logging
     from types import SimpleNamespace
 
-    from dflash_sglang.adapter.disagg import PeerCheck, TransferredDraftPool
-    from dflash_sglang.adapter.model import DraftKVPool
+    from dflash_sglang.adapter.scale.disagg import PeerCheck, TransferredDraftPool
+    from dflash_sglang.adapter.draft.pool import DraftKVPool
     from dflash_sglang.core.draft_kv import kv_format
 
     fmt = kv_format(kv_dtype, torch.float32) if kv_dtype else None
@@ -1166,7 +1170,7 @@ def test_decode_side_reports_transfers_without_draft_kv(plugin, caplog, kv_dtype
                             req_pool_indices=torch.tensor([0, 1, 2, 3]),
                             req_to_token_pool=SimpleNamespace(req_to_token=req_to_token))
     check = PeerCheck(ours)
-    with caplog.at_level(logging.ERROR, logger="dflash_sglang.adapter.disagg"):
+    with caplog.at_level(logging.ERROR, logger="dflash_sglang.adapter.scale.disagg"):
         check.check(batch)
     assert (check.checked, check.unsent) == (3, 2)
     [record] = caplog.records
@@ -1178,7 +1182,7 @@ def test_decode_side_reports_transfers_without_draft_kv(plugin, caplog, kv_dtype
     assert loaded[13].isnan().all()  # beyond request 1's length: pre-allocated, not yet its context
     assert loaded[26:28].isnan().all()  # the health check's rows: not a transfer, left as they are
     caplog.clear()
-    with caplog.at_level(logging.ERROR, logger="dflash_sglang.adapter.disagg"):
+    with caplog.at_level(logging.ERROR, logger="dflash_sglang.adapter.scale.disagg"):
         check.check(batch)  # the same rows again: nothing unsent any more
     assert (check.checked, check.unsent) == (6, 2) and not caplog.records
 
@@ -1211,28 +1215,28 @@ def _sglang_has_flag(flag: str) -> bool:
 def test_tree_checks_read_what_sglang_picked(plugin, monkeypatch):
     """SGLang stashes its own choices (e.g. fa3 on Hopper when --attention-backend is unset) as declarations; the tree
     checks read them through the version seam's view and say so."""
-    from dflash_sglang.adapter import args as args_mod
+    from dflash_sglang.adapter.boot import mode
 
-    monkeypatch.setattr(args_mod, "model_config", lambda server_args: SimpleNamespace(hf_config={}))
+    monkeypatch.setattr(mode, "model_config", lambda server_args: SimpleNamespace(hf_config={}))
 
     def fake(**declared):
         return SimpleNamespace(page_size=None, attention_backend=None, prefill_attention_backend=None,
                                decode_attention_backend=None, _resolved_overrides=[("sglang pass", declared)])
 
-    args_mod.check_tree_serving(fake(attention_backend="flashinfer"), 10, "N", "trees")
-    with pytest.raises(args_mod.UnsupportedFlagError,
+    mode.check_tree_serving(fake(attention_backend="flashinfer"), 10, "N", "trees")
+    with pytest.raises(mode.UnsupportedFlagError,
                        match=r"^--attention-backend fa3: tree verification supports torch_native, flashinfer, triton "
                              r"target attention \(SGLang chose it for this model/GPU; pass --attention-backend"):
-        args_mod.check_tree_serving(fake(attention_backend="fa3"), 10, "N", "trees")
-    with pytest.raises(args_mod.UnsupportedFlagError, match=r"^--page-size 64: .* needs page size 1 \(SGLang chose it"):
-        args_mod.check_tree_serving(fake(attention_backend="flashinfer", page_size=64), 10, "N", "trees")
+        mode.check_tree_serving(fake(attention_backend="fa3"), 10, "N", "trees")
+    with pytest.raises(mode.UnsupportedFlagError, match=r"^--page-size 64: .* needs page size 1 \(SGLang chose it"):
+        mode.check_tree_serving(fake(attention_backend="flashinfer", page_size=64), 10, "N", "trees")
 
 
 @child_only
 def test_worker_answers_the_draft_runner_members_itself(plugin, pair, monkeypatch):
     """SGLang 0.5.23 reads `primary_draft_kv_pool` and `preloaded_weights_bytes` off the spec worker; they must not
     fall through to the target worker (whose preloaded bytes would then be counted twice when sizing the KV pool)."""
-    from dflash_sglang.adapter.worker import DFlashWorker
+    from dflash_sglang.adapter.step.worker import DFlashWorker
 
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
     args = _server_args(pair)
@@ -1346,7 +1350,7 @@ def test_builtin_dflash_verify_drops_the_repetition_penalty(plugin):
 @child_only
 def test_every_setting_is_documented():
     """README's flag table and docs/sglang.md name every setting, and every retired variable with its flag."""
-    from dflash_sglang.adapter.settings import RETIRED_ENV, SETTINGS
+    from dflash_sglang.adapter.boot.flags import RETIRED_ENV, SETTINGS
 
     repo = Path(__file__).resolve().parents[1]
     readme, guide = (repo / "README.md").read_text(), (repo / "docs" / "sglang.md").read_text()

@@ -173,7 +173,7 @@ def test_field_and_module_probes_agree_with_the_release():
 
     coordinated = "dp_spec_prefill_coordination_applied" in inspect.getsource(ForwardBatch)
     assert attention_dp_served() == (coordinated and callable(getattr(runtime_context, "get_parallel", None)))
-    # HiCache: a draft sidecar's MHA host pool is built from the pool's buffer description (adapter/hicache.py)
+    # HiCache: a draft sidecar's MHA host pool is built from the pool's buffer description (adapter/scale/hicache.py)
     import importlib.util
 
     from dflash_sglang.adapter.versions import hicache_draft_served

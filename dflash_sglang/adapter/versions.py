@@ -39,7 +39,7 @@ release, what each function adapts (upstream symbol, and the first release with 
   release.
 
 What did not change (checked against the seven wheels): the plugin entry-point group and `HookRegistry`, the hooked
-symbols (adapter/plugin.py), `DFlashDraftInputV2` / `DFlashVerifyInput`, `get_context().server_args`, and the
+symbols (adapter/boot/plugin.py), `DFlashDraftInputV2` / `DFlashVerifyInput`, `get_context().server_args`, and the
 spec-worker constructor keywords (0.5.17 .. 0.5.20 add `ps`, which the worker takes as an optional keyword).
 """
 from __future__ import annotations
@@ -265,8 +265,10 @@ def min_new_tokens_stop_ids(req: Any) -> tuple[int, ...]:
 def prefill_hidden_full(batch: Any, server_args: Any) -> bool:
     """Whether the scheduler reads a prefill's hidden states in FULL mode (every extend row; else one row per
     request), as its `BatchResultProcessor._get_prefill_hidden_capture_mode` decides."""
-    from sglang.srt.model_executor.forward_batch_info import (get_required_capture_hidden_mode,
-                                                              get_server_return_hidden_states_mode)
+    from sglang.srt.model_executor.forward_batch_info import (
+        get_required_capture_hidden_mode,
+        get_server_return_hidden_states_mode,
+    )
 
     server = (get_server_return_hidden_states_mode(server_args) if hidden_mode_reads_server_args()
               else get_server_return_hidden_states_mode())
@@ -308,7 +310,7 @@ def attention_dp_served() -> bool:
     itself (`ScheduleBatch.dp_spec_prefill_coordination_applied`, 0.5.21: counts SGLang then neither rescales by the
     local verify width nor pads to one forward mode), and reaches the runtime layout and the attention-TP group
     (`runtime_context.get_parallel`, `dp_attention.get_dp_tp_group`, 0.5.23). Decided by what the installed SGLang
-    has (adapter/dp_attention.py)."""
+    has (adapter/scale/dp_attention.py)."""
     from sglang.srt import runtime_context
     from sglang.srt.layers import dp_attention
     from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -322,7 +324,7 @@ def hicache_draft_served() -> bool:
     """Whether HiCache can offload our draft pool here: the spec worker hands the scheduler a `HiCacheDraftPlan`
     (`speculative/base_spec_worker.py`, SIDECAR: a draft pool whose slots follow the target's) and SGLang builds the
     sidecar's host pool from the pool's buffer description (`mem_cache/device_pool_info.py` `MHABufferInfo`, read
-    through `get_device_pool_infos`), which adapter/hicache.py gives. Decided by what the installed SGLang has."""
+    through `get_device_pool_infos`), which adapter/scale/hicache.py gives. Decided by what the installed SGLang has."""
     from sglang.srt.speculative import base_spec_worker
 
     mode = getattr(base_spec_worker, "HiCacheDraftMode", None)
@@ -347,7 +349,7 @@ FINISH_STATE = "sglang.srt.managers.schedule_batch.Req.update_finish_state"
 
 def mamba_track_interval(page_size: int) -> int:
     """Every how many tokens a hybrid target's prefix cache keeps a copy of the recurrent state (the tracking slots a
-    verify may have to fill; adapter/hybrid.py)."""
+    verify may have to fill; adapter/step/hybrid.py)."""
     if not has_mamba_track_grid():
         from sglang.srt.runtime_context import get_exec
 
@@ -358,7 +360,8 @@ def mamba_track_interval(page_size: int) -> int:
 
 
 def version_hooks() -> tuple[tuple[str, Any], ...]:
-    """(upstream symbol, AROUND hook) pairs that only the installed SGLang needs (adapter/plugin.py registers them)."""
+    """(upstream symbol, AROUND hook) pairs that only the installed SGLang needs (adapter/boot/plugin.py registers
+    them)."""
     return () if stops_before_cap() else ((FINISH_STATE, finish_like_plain),)
 
 

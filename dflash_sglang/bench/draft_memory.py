@@ -12,8 +12,8 @@ arm): its tau from SGLang's per-request verify counts and whether its output equ
 timed.
 
 `plan`: a fixed KV memory budget in bytes -> per option the bytes per token SGLang's sizing counts (target KV +
-our draft pool row, adapter/draft_memory.py) and, for a draft window W (`--windows`), the bytes per request slot of
-its ring (R = W + N - 1 rows, adapter/draft_window.py; 0 B/token), the token capacity (`--max-total-tokens`) that
+our draft pool row, adapter/draft/memory.py) and, for a draft window W (`--windows`), the bytes per request slot of
+its ring (R = W + N - 1 rows, adapter/draft/context_rows.py; 0 B/token), the token capacity (`--max-total-tokens`) that
 budget holds, and the largest batch of requests of a given length it admits; then the CPU Engine command
 (scripts/bench_engine.py: every arm at its own `--max-total-tokens` and `--max-running-requests`, token-identical to
 plain, tau per arm) that measures tokens/s at that batch. SGLang fills memory by the same division, so the

@@ -19,7 +19,7 @@ from pathlib import Path
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 IMPL_ENV = "DFLASH_SGLANG_IMPL"
-OURS_DRAFT_BACKEND = "flashinfer"  # our drafter's paged attention on GPU (adapter/draft_attention.py)
+OURS_DRAFT_BACKEND = "flashinfer"  # our drafter's paged attention on GPU (adapter/draft/attention.py)
 IMPLS = ("ours", "builtin", "none")
 PD_SIDES = ("prefill", "decode")  # PD disaggregation: one server of each behind sglang-router (recipes/pd.md)
 PD_BOOTSTRAP_PORT = 8998  # SGLang's default --disaggregation-bootstrap-port
@@ -67,7 +67,7 @@ class Recipe:
 
     def ours_refusal(self, hw: str) -> str | None:
         """Why dflash-sglang's worker cannot serve this table (None: it can): the table's `builtin_only` reason, e.g. a
-        target with recurrent layers (adapter/args.py refuses those at start-up)."""
+        target with recurrent layers (adapter/boot/draft_checks.py refuses those at start-up)."""
         h = self.on(hw)
         if h.builtin_only:
             return f"{self.path} [hw.{hw}]: field 'builtin_only' = {h.builtin_only!r}"

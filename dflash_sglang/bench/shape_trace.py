@@ -1,6 +1,6 @@
 """The goodput controller's choices over time, from a benchmark Engine's log: what `bench_engine --trace` plots.
 
-With `--trace` a DFLASH arm's child logs the controller's per-step debug line (`adapter/adaptive.py`: "DFLASH goodput
+With `--trace` a DFLASH arm's child logs the controller's per-step debug line (`adapter/step/shapes.py`: "DFLASH goodput
 step: shape=<rows, or NODESxTOPK for a tree> bs=<batch> accepted=<drafts, summed over the batch> seconds=<wall>") to the
 same log as the child's round lines ("[arm] s<k> c=<c> <wall>s", printed after each round), so each step belongs to the
 round whose line follows it. The plot: the verify rows chosen at every decode step (1 = a plain step; trees marked),
@@ -33,7 +33,8 @@ def logging_config(path: Path) -> Path:
     path.write_text(json.dumps({
         "version": 1, "disable_existing_loggers": False,
         "handlers": {"stderr": {"class": "logging.StreamHandler"}},
-        "loggers": {"dflash_sglang.adapter.adaptive": {"level": "DEBUG", "handlers": ["stderr"], "propagate": False}},
+        "loggers": {"dflash_sglang.adapter.step.shapes": {"level": "DEBUG", "handlers": ["stderr"],
+                                                          "propagate": False}},
     }))
     return path
 

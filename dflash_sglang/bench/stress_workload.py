@@ -198,7 +198,7 @@ def _at_limit(i: int, rng: random.Random, spec: WorkloadSpec, pool: PromptPool) 
 def bad_cases(start: int, spec: WorkloadSpec, pool: PromptPool) -> list[Case]:
     """Malformed requests (a 4xx from any server); inputs that crash upstream's plain scheduler on some SGLang
     versions (an empty text prompt on 0.5.23, ids past the vocabulary): ours must refuse them (our worker's checks,
-    adapter/requests.py, or SGLang's own), plain never gets them; features our worker refuses on purpose or serves
+    adapter/boot/requests.py, or SGLang's own), plain never gets them; features our worker refuses on purpose or serves
     depending on its version: a 4xx, or an answer equal to plain's."""
     hi, ctx = {"max_new_tokens": 8, "temperature": 0}, spec.context_len
     ids = list(pool.ids[0][:16])

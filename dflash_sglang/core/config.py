@@ -48,7 +48,7 @@ class LayerKind:
 
     causal: only keys at or before the query's position; window W: only keys fewer than W positions before the query
     (q_pos - k_pos < W) and, for a bidirectional layer, fewer than W after it (k_pos - q_pos < W). The drafter's dense
-    masks (core/drafter.py) and the paged backends (adapter/draft_attention.py) both apply `visible`.
+    masks (core/drafter.py) and the paged backends (adapter/draft/attention.py) both apply `visible`.
     """
 
     causal: bool = False

@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     from .config import DraftConfig
 
 # (draft logits [bs, D, rows], k) -> (values [bs, D, k] float32, target ids [bs, D, k] int64): the k best over the whole
-# draft vocabulary, best first, ties to the lowest id (adapter/tp.py `DraftVocab.top`: merged over TP ranks' shards)
+# draft vocabulary, best first, ties to the lowest id (adapter/scale/tp.py `DraftVocab.top`: merged over TP ranks'
+# shards)
 TopK = Callable[[Tensor, int], tuple[Tensor, Tensor]]
 
 
@@ -135,8 +136,9 @@ class Candidates:
 
 def some_row_samples(params: SamplingParams | None) -> bool | None:
     """Whether some request of the batch samples, as the host knows it: params None (every request greedy) or its
-    `HostHints` (which rows sample; SGLang's worker builds them from the requests, adapter/verify.py) answer without
-    reading the device; None where only the device's temperatures can tell (a host sync: the reference decoder)."""
+    `HostHints` (which rows sample; SGLang's worker builds them from the requests, adapter/step/verify.py) answer
+    without reading the device; None where only the device's temperatures can tell (a host sync: the reference
+    decoder)."""
     if params is None:
         return False
     if params.hints is None:
@@ -160,7 +162,7 @@ class SelectorScores:
     temperature: Tensor  # [bs] float32, 0 = greedy
     uniforms: Tensor | None  # [bs, D] float32 for the sampled rows' walk; None: every row greedy
     # the walk (tokens [bs, D] int64, q [bs, D, k] float32) where it already ran (inside a draft graph,
-    # adapter/selector_graph.py); None: walked when first asked
+    # adapter/draft/selector_graph.py); None: walked when first asked
     walked: tuple[Tensor, Tensor] | None = None
 
     @classmethod

@@ -4,7 +4,7 @@ A step verifies T tokens per request: the root (bonus token) plus drafts. A chai
 argmax at the first T-1 block positions and verifies causally; a tree (top-k per position, best-first,
 core/tree.py) verifies with an ancestor mask. The caller supplies what differs by where it runs:
 - the draft scores (`DraftScores`): one process's draft logits (`DraftLogits`, with an optional token map), the
-  SGLang worker's vocab-parallel merge over TP ranks (adapter/tp.py), or a DFlash2 drafter's selector
+  SGLang worker's vocab-parallel merge over TP ranks (adapter/scale/tp.py), or a DFlash2 drafter's selector
   (`PathScores`, core/selector.py: its chain is a walk, sampled at the request's temperature with its q, and its
   tree's children depend on their parent's token);
 - the tree kernels (`TreeKernels`): core's references here, dflash_sglang.ops (CUDA kernels) in the worker;

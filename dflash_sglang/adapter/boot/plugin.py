@@ -8,7 +8,7 @@ keys on it (target feature capture at the draft's layer ids, `prepare_for_decode
 validation, metrics) stays as it is, and wrap these with AROUND hooks:
 
 - `ServerArgs.add_cli_args` / `ServerArgs.from_cli_args`: our `--speculative-dflash-*` flags on SGLang's own parser
-  (shown in `--help`, adapter/settings.py); `Engine.server_args_class` (set directly, see `_engine_server_args`)
+  (shown in `--help`, adapter/boot/flags.py); `Engine.server_args_class` (set directly, see `_engine_server_args`)
   takes them as `sgl.Engine(...)` keywords;
 - `speculative_hook.handle_speculative_decoding`: our precheck first (unsupported flags, retired variables, the
   draft checkpoint), so errors are one line before SGLang's generic handling touches the draft path; our flags
@@ -16,14 +16,14 @@ validation, metrics) stays as it is, and wrap these with AROUND hooks:
 - `speculative_hook._handle_dflash`: our resolution into `DFlashSettings` (the builtin one refuses CPU);
 - `SpeculativeAlgorithm.create_worker`: DFLASH -> `dflash_sglang.adapter.worker.DFlashWorker`;
 - `TokenizerManager._validate_one_request` and `dflash_utils.validate_dflash_request`: also refuse what our worker
-  cannot serve identically (adapter/requests.py), first on the tokenizer side (before scheduling);
+  cannot serve identically (adapter/boot/requests.py), first on the tokenizer side (before scheduling);
 - `dflash_utils.scale_kv_cell_size_per_token_for_dflash`: SGLang's KV sizing counts our draft pool's exact bytes per
-  token (adapter/draft_memory.py);
-- PD disaggregation's decode side (0.5.20 on; adapter/disagg.py): `DecodePreallocQueue._pre_alloc` marks a
+  token (adapter/draft/memory.py);
+- PD disaggregation's decode side (0.5.20 on; adapter/scale/disagg.py): `DecodePreallocQueue._pre_alloc` marks a
   transfer's draft rows unsent, `build_dflash_disagg_draft_input` checks them when the requests join the decode batch;
 - `dflash_utils.resolve_dflash_verify_mask_policy`: with `--speculative-dflash-tree-cuda-graph` and trees, the
-  target's verify CUDA graphs are captured with the custom-mask buffers (adapter/verify.py);
-- on CPU only, two helpers that the speculative path runs as Triton kernels (adapter/cpu.py): the KV-copy
+  target's verify CUDA graphs are captured with the custom-mask buffers (adapter/step/verify.py);
+- on CPU only, two helpers that the speculative path runs as Triton kernels (adapter/step/cpu.py): the KV-copy
   warm-up of the target pool and `assign_req_to_token_pool_func` (used by `prepare_for_decode`); and the grammar
   bitmask's allocation and application, which SGLang 0.5.17 cannot do on CPU (plain servers included).
 
@@ -35,8 +35,9 @@ from __future__ import annotations
 import os
 import sys
 
-from .settings import IMPL_ENV, add_plugin_flags, nondefault_plugin_flags, pending_flags, split_plugin_flags
-from .versions import require_supported_sglang, version_hooks
+from ..settings import IMPL_ENV
+from ..versions import require_supported_sglang, version_hooks
+from .flags import add_plugin_flags, nondefault_plugin_flags, pending_flags, split_plugin_flags
 
 IMPLS = ("ours", "builtin")
 
@@ -110,7 +111,7 @@ def _patch_engine_kwargs() -> None:
 
 def _handle_speculative_decoding(original, server_args):
     if _ours(server_args):
-        from .args import precheck
+        from .resolve import precheck
 
         precheck(server_args)
     else:
@@ -123,7 +124,7 @@ def _handle_speculative_decoding(original, server_args):
 
 def _handle_dflash(original, server_args):
     if impl() == "ours":
-        from .args import handle_dflash_args
+        from .resolve import handle_dflash_args
 
         handle_dflash_args(server_args)
         return None
@@ -132,7 +133,7 @@ def _handle_dflash(original, server_args):
 
 def _create_worker(original, algo, server_args):
     if algo.is_dflash() and impl() == "ours":
-        from .worker import DFlashWorker
+        from ..step.worker import DFlashWorker
 
         return DFlashWorker
     return original(algo, server_args)
@@ -140,12 +141,12 @@ def _create_worker(original, algo, server_args):
 
 def _verify_mask_policy(original, attn_backend):
     """(backend name, build_custom_mask) for the target's verify graph capture: with
-    --speculative-dflash-tree-cuda-graph and trees, capture with the mask buffers (adapter/verify.py)."""
+    --speculative-dflash-tree-cuda-graph and trees, capture with the mask buffers (adapter/step/verify.py)."""
     name, build = original(attn_backend)
     if not build and impl() == "ours":
         from sglang.srt.runtime_context import get_context
 
-        from .verify import masked_verify_graphs
+        from ..step.verify import masked_verify_graphs
 
         settings = getattr(get_context().server_args, "_dflash_settings", None)
         if settings is not None and masked_verify_graphs(settings):
@@ -212,10 +213,14 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from .cpu import (allocate_token_bitmask_hook, apply_vocab_mask_hook, assign_req_to_token_pool_hook,
-                      kv_copy_warmup_hook)
-    from .disagg import pd_hooks
-    from .draft_memory import CELL_SIZE, cell_size_hook
+    from ..draft.memory import CELL_SIZE, cell_size_hook
+    from ..scale.disagg import pd_hooks
+    from ..step.cpu import (
+        allocate_token_bitmask_hook,
+        apply_vocab_mask_hook,
+        assign_req_to_token_pool_hook,
+        kv_copy_warmup_hook,
+    )
 
     for target, hook in (
         (ADD_CLI_ARGS, _add_cli_args), (FROM_CLI_ARGS, _from_cli_args),

@@ -1,9 +1,9 @@
 """What the draft KV pool costs, and SGLang's KV sizing told exactly that.
 
-Our pool (adapter/model.py `DraftKVPool`) keeps, for every target KV slot, K and V of every draft layer: 2 x layers x
-kv_heads x head_dim elements in the draft KV dtype (the model dtype, or fp8: core/draft_kv.py), on every TP rank (the
-drafter is replicated; only its vocabulary is split). Past the mirrored slots it has one block of scratch rows per
-request-pool slot (+ one for graph padding), which scales with the request pool, not the context, and is logged.
+Our pool (adapter/draft/model.py `DraftKVPool`) keeps, for every target KV slot, K and V of every draft layer: 2 x
+layers x kv_heads x head_dim elements in the draft KV dtype (the model dtype, or fp8: core/draft_kv.py), on every TP
+rank (the drafter is replicated; only its vocabulary is split). Past the mirrored slots it has one block of scratch rows
+per request-pool slot (+ one for graph padding), which scales with the request pool, not the context, and is logged.
 
 SGLang sizes the target's token capacity (max_total_num_tokens, and from it max_running_requests) from the bytes one
 token costs; for DFLASH it adds the draft pool's share through `dflash_utils.scale_kv_cell_size_per_token_for_dflash`
@@ -12,12 +12,12 @@ when the draft's heads, head_dim or KV dtype differ from the target's), 0.5.23 c
 dtype but divides its KV heads by the TP size (our pool is not sharded). `cell_size_hook` replaces both with the exact
 bytes of our pool row, so the target pool plus ours fit the memory SGLang measured.
 
-With a draft window (`--speculative-draft-window-size W`, adapter/draft_window.py) the pool has no per-token term: it
-holds R = W + N - 1 rows per request-pool slot, a per-request term SGLang's per-token sizing cannot express. The worker
-allocates that pool when it is built (`DFlashWorker.__init__`, as it loads the draft weights), before SGLang measures
-the memory its KV pools may take, so the measurement counts it, and the hook adds 0 B/token. The request slots it
-serves are --max-running-requests + 1 (SGLang's req_to_token rows), which the resolution always declares under a
-window (adapter/args.py); the worker checks SGLang's table against it.
+With a draft window (`--speculative-draft-window-size W`, adapter/draft/context_rows.py) the pool has no per-token term:
+it holds R = W + N - 1 rows per request-pool slot, a per-request term SGLang's per-token sizing cannot express. The
+worker allocates that pool when it is built (`DFlashWorker.__init__`, as it loads the draft weights), before SGLang
+measures the memory its KV pools may take, so the measurement counts it, and the hook adds 0 B/token. The request slots
+it serves are --max-running-requests + 1 (SGLang's req_to_token rows), which the resolution always declares under a
+window (adapter/boot/resolve.py); the worker checks SGLang's table against it.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class DraftMemory:
     element_size: int  # bytes per stored element
     dtype: str  # the draft KV dtype's name ("auto" resolved to the model dtype's torch name)
     window: int | None = None  # W (--speculative-draft-window-size), None: a row per target KV slot
-    ring: int = 0  # R: rows per request-pool slot under a window (adapter/draft_window.py `ring_size`)
+    ring: int = 0  # R: rows per request-pool slot under a window (adapter/draft/context_rows.py `ring_size`)
 
     def __post_init__(self) -> None:
         assert (self.window is None) == (self.ring == 0), self
@@ -108,7 +108,7 @@ def cell_size_hook(original, *args, **kwargs) -> int:
 
 
 def check_pool_memory(pool, memory: DraftMemory, slots: int, context_len: int) -> str:
-    """The start-up line on an allocated pool (adapter/model.py `DraftKVPool`) of `slots` context rows (mirrored
+    """The start-up line on an allocated pool (adapter/draft/model.py `DraftKVPool`) of `slots` context rows (mirrored
     target slots, or the window rings); raises if a row costs other than what SGLang's KV sizing was told at
     resolution (`memory`), which would let the pool outgrow the memory SGLang measured."""
     row = pool.nbytes() // pool.rows

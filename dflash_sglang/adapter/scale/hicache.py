@@ -12,10 +12,10 @@ waits for stage i before its layer i; our layers are at most the target's, so a 
 stage it reads has landed). SGLang's own plan (`_build_hicache_draft_plan`) reads a draft `ModelRunner`, which our
 drafter does not have: `draft_plan` builds the same SIDECAR plan over `HiCacheDraftPool`.
 
-Which rows: the draft pool (adapter/model.py `DraftKVPool`) keeps one context row per target KV slot (rows
+Which rows: the draft pool (adapter/draft/model.py `DraftKVPool`) keeps one context row per target KV slot (rows
 [0, target size + page size), the target's padding slot included) and then the block scratch rows of every
 request-pool slot. Only the context rows are offloaded: the scratch rows belong to no slot, are rewritten by every
-draft pass, and are not part of any prefix. A draft window (adapter/draft_window.py: context rows in per-request
+draft pass, and are not part of any prefix. A draft window (adapter/draft/context_rows.py: context rows in per-request
 rings, not at slot ids) has nothing at the target's slot ids to offload and is refused with HiCache. An fp8 draft
 pool is described in bytes (uint8 rows, as SGLang's own fp8 pools store theirs): the transfers copy rows, never
 values.
@@ -25,10 +25,11 @@ from __future__ import annotations
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-from .args import UnsupportedFlagError
-from .draft_window import SlotRows
-from .model import DraftKVPool, PagedDrafter
-from .versions import SGLANG_VERSION, hicache_draft_served
+from ..draft.context_rows import SlotRows
+from ..draft.model import PagedDrafter
+from ..draft.pool import DraftKVPool
+from ..settings import UnsupportedFlagError
+from ..versions import SGLANG_VERSION, hicache_draft_served
 
 
 def offloads_to_host() -> bool:

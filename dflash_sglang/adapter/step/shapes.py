@@ -2,7 +2,7 @@
 
 Each decode step verifies `core.adaptive.AdaptivePolicy.choose(running batch size)`: large trees at low
 concurrency (the verify is memory-bound, extra nodes are nearly free), short chains at high concurrency (it is
-compute-bound). Settings (adapter/settings.py): `--speculative-dflash-adaptive-table` (core/adaptive.py syntax
+compute-bound). Settings (adapter/boot/flags.py): `--speculative-dflash-adaptive-table` (core/adaptive.py syntax
 `MAX_BS:NODESxTOPK,...,inf:NODESxTOPK`, default `core.adaptive.DEFAULT_TABLE`; chain rows longer than the drafter
 block and tree rows larger than its lattice are capped to them, as in the reference decoder) and
 `--speculative-dflash-adaptive-token-budget` (optional: at most this many verify tokens per step over the whole
@@ -12,7 +12,7 @@ SGLang sizes the result row stride and the per-step KV reservation (`DFlashDraft
 2*N slots past the committed length) from `speculative_num_draft_tokens` = N, read once. In adaptive mode N is
 the largest shape the table can pick (or the explicit --speculative-num-draft-tokens, which every row must fit),
 each step verifies only its own shape's nodes, and result rows stay N wide (-1 padded). `adaptive_limits` checks a
-table at start-up (adapter/args.py), one line naming the flag.
+table at start-up (adapter/boot/mode.py), one line naming the flag.
 
 `ShapeSchedule` is what the worker asks each step; in fixed mode it returns the one shape of the flags, in goodput
 mode (the default, core/goodput.py) the controller's chain or tree, which then learns from each step's `observe`.
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field, replace
 from dflash_sglang.core.adaptive import AdaptivePolicy, SpecShape
 from dflash_sglang.core.goodput import FixedStepCost, GoodputController, describe, label
 
+from ..settings import DFlashSettings
 from .metrics import GoodputMetrics
-from .settings import DFlashSettings
 
 logger = logging.getLogger(__name__)
 TABLE_FLAG = "--speculative-dflash-adaptive-table"
@@ -94,7 +94,7 @@ class ShapeSchedule:
     steps: Counter = field(default_factory=Counter)  # adaptive: decode steps per SpecShape
     current: SpecShape | None = None
     log_every_s: float = 60.0
-    metrics: GoodputMetrics | None = None  # goodput mode with --enable-metrics (adapter/metrics.py)
+    metrics: GoodputMetrics | None = None  # goodput mode with --enable-metrics (adapter/step/metrics.py)
     step_cost: FixedStepCost | None = None  # goodput: observed instead of wall time (DFLASH_SIMULATE_STEP_COST)
     _last_log: float = field(default=0.0, repr=False)
 

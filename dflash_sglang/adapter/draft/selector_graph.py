@@ -1,4 +1,4 @@
-"""A DFlash2 draft's candidate selector inside the draft graphs (adapter/draft_graphs.py): the selection that follows
+"""A DFlash2 draft's candidate selector inside the draft graphs (adapter/draft/graphs.py): the selection that follows
 the drafter pass, replayed with it.
 
 One process (TP 1): the graph of a batch size runs the pass, then the selector's candidates (core/selector.py
@@ -13,8 +13,8 @@ greedy, known from SGLang's requests without reading the device) and the walk's 
 graph from the worker's walk generator exactly as the eager path draws them (only when some request samples, so the
 generator advances alike on both paths and on every TP rank).
 
-Tensor parallelism: the candidates are merged over the ranks' vocab shards by a collective (adapter/tp.py), which the
-graph does not hold; there the graph ends with the pass's states and logits, and the candidates and walk follow its
+Tensor parallelism: the candidates are merged over the ranks' vocab shards by a collective (adapter/scale/tp.py), which
+the graph does not hold; there the graph ends with the pass's states and logits, and the candidates and walk follow its
 replay (on the device, no host sync), as the DFlash v1 merge does.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dflash_sglang.core.selector import CandidateSelector, Candidates, SelectorScores, TopK, walk_uniforms
+from dflash_sglang.core.selector import Candidates, CandidateSelector, SelectorScores, TopK, walk_uniforms
 
 
 @dataclass
@@ -47,7 +47,7 @@ class GraphedSelector:
 
     def __init__(self, selector: CandidateSelector, top: TopK, in_graph: bool, max_size: int, depth: int,
                  hidden_size: int, states_dtype: torch.dtype, device) -> None:
-        """top: the candidates over the whole draft vocabulary (adapter/tp.py `DraftVocab.top`, as the eager path
+        """top: the candidates over the whole draft vocabulary (adapter/scale/tp.py `DraftVocab.top`, as the eager path
         takes them); in_graph: the selection is captured with the pass (one TP rank: `top` holds no collective);
         depth: D = B-1 block positions."""
         self.selector, self.top, self.in_graph = selector, top, in_graph

@@ -132,7 +132,7 @@ class PagedAttention(Protocol):
     """What a drafter pass asks of its paged attention backend (TorchPagedAttention, FlashInferPagedAttention)."""
 
     name: str  # for logs; nothing outside this module branches on it
-    capturable: bool  # runs inside a CUDA graph (adapter/draft_graphs.py captures only such backends)
+    capturable: bool  # runs inside a CUDA graph (adapter/draft/graphs.py captures only such backends)
 
     def plan(self, layout: DraftLayout) -> None:
         """Take the step's layout (once per step: every layer reads the same rows; one plan per layer kind)."""
@@ -273,10 +273,10 @@ def select_backend(device, num_heads: int, num_kv_heads: int, head_dim: int, dty
                    choice: str = "auto", kv_format: DraftKVFormat | None = None, kinds: Sequence[LayerKind] = (FULL,),
                    block: int = 1) -> PagedAttention | None:
     """The paged attention backend: `choice` is "flashinfer", "torch" or "auto" (FlashInfer on CUDA, torch
-    elsewhere), as resolved from --speculative-draft-attention-backend at start-up (adapter/args.py). dtype: the
-    queries' (the drafter's compute dtype); kv_format: the pool's storage (None: dtype); kinds: the drafter's layer
-    kinds, block: its block size B. None: the chosen backend cannot express one of the kinds (`expresses`), and the
-    drafter takes its dense path."""
+    elsewhere), as resolved from --speculative-draft-attention-backend at start-up (adapter/boot/draft_checks.py).
+    dtype: the queries' (the drafter's compute dtype); kv_format: the pool's storage (None: dtype); kinds: the drafter's
+    layer kinds, block: its block size B. None: the chosen backend cannot express one of the kinds (`expresses`), and
+    the drafter takes its dense path."""
     assert choice in ("auto", "flashinfer", "torch"), choice
     scale = head_dim**-0.5
     on_cuda = torch.device(device).type == "cuda"

@@ -17,16 +17,16 @@ The scheduler contract (SGLang 0.5.17 and 0.5.23, the one its builtin DFLASH wor
   `spec_accept_length` in meta_info.
 
 One decode step (docs/structure.md, "One decode step"): pick the step's shape (fixed by the flags, or by batch size
-with --speculative-adaptive, adapter/adaptive.py) -> block `[bonus, MASK...]` -> drafter pass over the paged draft KV
--> draft logits through the target lm_head (merged over TP ranks, adapter/tp.py) -> core's `propose` (a chain of n,
-or n best-first tree nodes) -> target TARGET_VERIFY over those n rows per request (features captured; a tree with
+with --speculative-adaptive, adapter/step/shapes.py) -> block `[bonus, MASK...]` -> drafter pass over the paged draft KV
+-> draft logits through the target lm_head (merged over TP ranks, adapter/scale/tp.py) -> core's `propose` (a chain of
+n, or n best-first tree nodes) -> target TARGET_VERIFY over those n rows per request (features captured; a tree with
 its ancestor mask) -> core's `accept` (greedy or lossless sampling; the tree ops are dflash_sglang.ops' kernels) ->
 publish new lengths -> (tree: move the accepted path's KV slots to the front of the step's req_to_token window,
-adapter/tree.py) -> commit draft K/V for every verify row. Target and draft KV of rejected rows sit in reserved
+adapter/step/tree.py) -> commit draft K/V for every verify row. Target and draft KV of rejected rows sit in reserved
 slots past the committed length, which the drafter never reads, and the next step overwrites them. Every step
 returns rows of stride N = `speculative_num_draft_tokens` (the chain: N = B; adaptive: the largest shape, n <= N),
 -1 padded. Where the target captures CUDA graphs, the drafter pass and the commit replay graphs captured at its
-batch sizes (adapter/draft_graphs.py).
+batch sizes (adapter/draft/graphs.py).
 """
 from __future__ import annotations
 
@@ -35,14 +35,13 @@ import time
 from dataclasses import dataclass, field, replace
 
 import torch
-from torch import Tensor
-
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.managers.utils import GenerationBatchResult
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
 from sglang.srt.speculative.spec_utils import GrammarTree, build_grammar_vocab_mask
+from torch import Tensor
 
 from dflash_sglang import ops
 from dflash_sglang.core.accept import AcceptResult, cap_commits
@@ -52,25 +51,24 @@ from dflash_sglang.core.selector import SelectorScores, some_row_samples
 from dflash_sglang.core.speculate import DraftScores, accept, committed_ranks, draft_block, propose, rank_paths
 from dflash_sglang.core.token_map import read_token_map
 
-from .adaptive import ShapeSchedule
-from .args import TREE_ATTENTION_BACKENDS, UnsupportedFlagError
-from .disagg import TransferredDraftPool, watch_transfers
-from .dp_attention import DECODE, EXTEND, IDLE, AttentionDP
-from .draft_graphs import DraftGraphs, default_sizes, graph_mode
-from .draft_memory import check_pool_memory
-from .draft_window import WindowPool
-from .hicache import draft_plan as hicache_draft_plan
+from ..draft.context_rows import WindowPool
+from ..draft.graphs import DraftGraphs, default_sizes, graph_mode
+from ..draft.memory import check_pool_memory
+from ..draft.model import EagerDraftPass, PagedDrafter, TargetHead, load_draft_weights, weight_bytes
+from ..scale.disagg import TransferredDraftPool, watch_transfers
+from ..scale.dp_attention import DECODE, EXTEND, IDLE, AttentionDP
+from ..scale.hicache import draft_plan as hicache_draft_plan
+from ..scale.tp import DraftVocab
+from ..settings import TREE_ATTENTION_BACKENDS, UnsupportedFlagError, settings_of
+from ..versions import prefill_hidden_full
 from .hidden import FinalHiddenStates, decode_rows, prefill_rows
 from .hybrid import HybridTarget, state_scratch_bytes
 from .logprobs import attach_logprobs
 from .metrics import GoodputMetrics
-from .model import EagerDraftPass, PagedDrafter, TargetHead, load_draft_weights, weight_bytes
 from .penalties import RequestPenalties
-from .settings import settings_of
-from .tp import DraftVocab
+from .shapes import ShapeSchedule
 from .tree import compact_path_slots, fit_rows
 from .verify import masked_verify_graphs, run_target_verify, sampling_params
-from .versions import prefill_hidden_full
 
 logger = logging.getLogger(__name__)
 _MIN_FREE_FOR_GRAPHS = 1 << 30  # bytes free after the target's setup below which the draft stays eager
@@ -147,7 +145,7 @@ class DFlashWorker(BaseSpecWorker):
         self.model_runner = target_worker.model_runner
         self.device = target_worker.device
         self.context_len = int(self.model_runner.model_config.context_len)
-        self.settings = settings_of(server_args)  # resolved and checked at start-up (adapter/args.py)
+        self.settings = settings_of(server_args)  # resolved and checked at start-up (adapter/boot/resolve.py)
         self.cfg = self.settings.draft
         self.block_size = self.settings.block_size
         self.stride = self.settings.nodes  # N: the most verify rows per request = row stride of next_token_ids
@@ -166,8 +164,9 @@ class DFlashWorker(BaseSpecWorker):
         total, books = weight_bytes(self.draft_weights)
         logger.info("DFLASH (dflash-sglang): draft weights %.1f MiB%s, resident before SGLang sizes the KV pools",
                     total / 2**20, f" (DFlash2 selector codebooks {books / 2**20:.1f} MiB)" if books else "")
-        # A draft window's pool (a ring per request slot, adapter/draft_window.py) is resident now for the same reason:
-        # SGLang's per-token KV sizing cannot count it (adapter/draft_memory.py). None: the pool mirrors target slots.
+        # A draft window's pool (a ring per request slot, adapter/draft/context_rows.py) is resident now for the same
+        # reason:
+        # SGLang's per-token KV sizing cannot count it (adapter/draft/memory.py). None: the pool mirrors target slots.
         self.window = WindowPool.allocate(self.settings, self.draft_weights, self.model_runner.dtype, self.device)
         self.schedule = ShapeSchedule.from_settings(self.settings)
         if (self.schedule.controller is not None and getattr(server_args, "enable_metrics", False)
@@ -177,9 +176,10 @@ class DFlashWorker(BaseSpecWorker):
         self.simulation = self.settings.simulation  # SGLANG_SIMULATE_ACC_LEN: forced commit lengths (chain only)
         self.masked_graphs = masked_verify_graphs(self.settings)  # tree verifies replay masked verify graphs
         self.penalties = RequestPenalties()  # frequency / presence / repetition / min_new_tokens, per request
-        # A hybrid target's recurrent state: committed per verify through SGLang's machinery (adapter/hybrid.py).
+        # A hybrid target's recurrent state: committed per verify through SGLang's machinery (adapter/step/hybrid.py).
         self.hybrid = HybridTarget.of(self.model_runner, self.settings.topk) if self.settings.hybrid else None
-        self.final_hidden: FinalHiddenStates | None = None  # return_hidden_states (adapter/hidden.py), with the pool
+        # return_hidden_states (adapter/step/hidden.py), with the pool
+        self.final_hidden: FinalHiddenStates | None = None
         # goodput mode: the last decode step (shape, accepted drafts [bs], the drafter's ranks of the committed tokens
         # [bs, m] or None, start time), observed at the next step's start (its tensors are ready by then, no sync of
         # their own; the time between the two starts is what the step cost the server); its time is not used after a
@@ -187,7 +187,7 @@ class DFlashWorker(BaseSpecWorker):
         self._last_step: tuple[SpecShape, Tensor, Tensor | None, float] | None = None
         self._interval_clean = False
         self._step_start = 0.0  # perf_counter at this decode step's shape choice
-        # DP attention: every step agreed with the other attention-DP groups (adapter/dp_attention.py)
+        # DP attention: every step agreed with the other attention-DP groups (adapter/scale/dp_attention.py)
         self.dp = AttentionDP.of(server_args)
 
     @property
@@ -198,17 +198,17 @@ class DFlashWorker(BaseSpecWorker):
 
     @property
     def primary_draft_kv_pool(self) -> TransferredDraftPool | None:
-        # SGLang 0.5.23 reads it for PD transfer (adapter/disagg.py); HiCache reads hicache_draft_plan instead
+        # SGLang 0.5.23 reads it for PD transfer (adapter/scale/disagg.py); HiCache reads hicache_draft_plan instead
         if not self.settings.disaggregation or getattr(self, "drafter", None) is None:
             return None
         pool = TransferredDraftPool(self.drafter.pool, int(self.model_runner.token_to_kv_pool.page_size))
-        if self.settings.disaggregation == "decode":  # every transfer checked for draft K/V (adapter/disagg.py)
+        if self.settings.disaggregation == "decode":  # every transfer checked for draft K/V (adapter/scale/disagg.py)
             watch_transfers(pool)
         return pool
 
     def init_hicache_draft_plan(self) -> None:
         # SGLang (0.5.18 on) asks after alloc_memory_pool and reads `hicache_draft_plan`: our draft pool's context rows
-        # offloaded with the target's KV (adapter/hicache.py; SGLang's own plan reads a draft ModelRunner we lack)
+        # offloaded with the target's KV (adapter/scale/hicache.py; SGLang's own plan reads a draft ModelRunner we lack)
         self._hicache_draft_plan = hicache_draft_plan(self.drafter, self.model_runner.token_to_kv_pool)
 
     @property
@@ -280,7 +280,7 @@ class DFlashWorker(BaseSpecWorker):
             self._group_seed = seed
         self.walk_generator = torch.Generator(self.vocab.weight.device).manual_seed(seed)
         scratch = ""
-        if self.hybrid is not None:  # SGLang allocated them from the verify rows we declared (adapter/hybrid.py)
+        if self.hybrid is not None:  # SGLang allocated them from the verify rows we declared (adapter/step/hybrid.py)
             scratch = f", target state per verify row {state_scratch_bytes(req_to_token_pool) / 2**20:.1f} MiB"
         logger.info(
             "DFLASH (dflash-sglang): block_size=%d, %s, draft layers=%d, target layer ids=%s, draft attention %s, "
@@ -302,7 +302,7 @@ class DFlashWorker(BaseSpecWorker):
                                    f"{', '.join(TREE_ATTENTION_BACKENDS)} target attention, the target runs {backend}")
 
     def init_cuda_graphs(self) -> None:
-        # Called after the target captured its graphs: ours take the target's batch sizes (adapter/draft_graphs.py).
+        # Called after the target captured its graphs: ours take the target's batch sizes (adapter/draft/graphs.py).
         sizes = getattr(getattr(self.model_runner, "decode_cuda_graph_runner", None), "capture_bs", None)
         mode = graph_mode(self.device, bool(sizes), self.drafter.attention, self.settings.draft_graphs)
         if mode is None:
@@ -537,16 +537,16 @@ class DFlashWorker(BaseSpecWorker):
                 mask.apply(flat)
 
     def _scores(self, batch: ScheduleBatch, bonus: Tensor, block: int, params) -> DraftScores:
-        """One drafter pass's scores for core's propose: the draft logits merged over TP ranks (adapter/tp.py), or a
-        DFlash2 drafter's candidate selector over them (its candidates merged over TP ranks as well; its walk on the
-        device, sampled where a request samples, with uniforms from `walk_generator`, seeded by --random-seed), replayed
-        with the pass where draft graphs run (adapter/selector_graph.py). Which requests sample is known on the host
-        (params None: all greedy; else its hints), so no step reads the device to decide it."""
+        """One drafter pass's scores for core's propose: the draft logits merged over TP ranks (adapter/scale/tp.py),
+        or a DFlash2 drafter's candidate selector over them (its candidates merged over TP ranks as well; its walk on
+        the device, sampled where a request samples, with uniforms from `walk_generator`, seeded by --random-seed),
+        replayed with the pass where draft graphs run (adapter/draft/selector_graph.py). Which requests sample is known
+        on the host (params None: all greedy; else its hints), so no step reads the device to decide it."""
         if self.selector is None:
             return self.vocab.scores(self._draft_pass(batch, bonus, block))
         temperature = params.temperature if params is not None else None
         sampled = some_row_samples(params)  # (from the requests' host-side params: no host sync)
-        assert sampled is not None, "adapter/verify.py sampling_params gives the host hints of the batch's requests"
+        assert sampled is not None, "step/verify.py sampling_params gives the host hints of the batch's requests"
         args = (bonus, batch.seq_lens, batch.seq_lens_cpu, batch.req_pool_indices)
         if self.graphs is not None:
             scores = self.graphs.select(*args, temperature, sampled, self.walk_generator)

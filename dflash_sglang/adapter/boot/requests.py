@@ -15,8 +15,8 @@ Refused:
 - custom logit processors: SGLang calls a processor with the request itself (`__req__`), whose output it reads;
   at a verify row the output would have to include the drafts before that row, which the processor interface has
   no way to say (docs/sglang.md, "Request options");
-Frequency / presence / repetition penalties and min_new_tokens are served exactly (adapter/penalties.py), hidden
-states too (adapter/hidden.py).
+Frequency / presence / repetition penalties and min_new_tokens are served exactly (adapter/step/penalties.py), hidden
+states too (adapter/step/hidden.py).
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from dflash_sglang.core.penalties import OutputPenalties, Penalties, apply_penalties
 
-from .versions import min_new_tokens_stop_ids
+from ..versions import min_new_tokens_stop_ids
 
 
 def _settings(req: Any) -> tuple[float, float, float, int]:

@@ -6,8 +6,8 @@ What SGLang does with it (0.5.23, `disaggregation/`): both servers read `spec_wo
 (`Scheduler.init_disaggregation`) and append its `get_contiguous_buf_infos()` entries to the target's (`prefill.py`
 `_init_kv_manager`, `decode.py`); a transfer copies page g of entry i at `ptrs[i] + g * item_lens[i]`, g the target's
 page index of the request's slots, so the entries must be one buffer per layer for K and then V whose row r is target
-KV slot r, which our pool is (adapter/model.py `DraftKVPool`). The prefill server's first token travels as the bonus
-(`MetadataBuffers.output_ids`); the decode server builds the relayed state from it through
+KV slot r, which our pool is (adapter/draft/model.py `DraftKVPool`). The prefill server's first token travels as the
+bonus (`MetadataBuffers.output_ids`); the decode server builds the relayed state from it through
 `SpeculativeAlgorithm.build_disagg_draft_input` (`speculative/dflash_disaggregation.py`: the `DFlashDraftInputV2` of
 bonus and committed length that our worker relays between steps anyway), and its first decode step drafts at once.
 Both servers must run our DFLASH with the same draft and TP size (the entry lists are matched entry by entry). A
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .model import DraftKVPool
+from ..draft.pool import DraftKVPool
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def build_draft_input_hook(original, batch, *args, **kwargs):
 
 def pd_hooks() -> tuple[tuple[str, object], ...]:
     """(upstream symbol, AROUND hook) pairs of the check, where this SGLang has a DFLASH PD path."""
-    from .versions import pd_disaggregation_supported
+    from ..versions import pd_disaggregation_supported
 
     if not pd_disaggregation_supported():
         return ()

@@ -2,7 +2,7 @@
 
 The verify is SGLang's own TARGET_VERIFY forward (all rows get logits; features captured at the draft's
 layer ids), planned exactly like the builtin DFLASH does it. A chain is causal over the committed prefix
-plus the block. A tree passes its ancestor mask (adapter/tree_attention.py): as the verify input's
+plus the block. A tree passes its ancestor mask (adapter/step/tree_attention.py): as the verify input's
 `custom_mask` on GPU backends, through `TreeMaskAttention` on CPU. SGLang's torch_native backend (the CPU
 path) has no TARGET_VERIFY planning: it reads the rows as an extend on top of the prefix, so we give it
 those lengths, and its attention is ours (`TreeMaskAttention`, chains with their causal mask): its own extend
@@ -61,7 +61,7 @@ def run_target_verify(
     out_cache_loc the way SGLang's own verify does; the scheduler's forward isolation restores them.
     Returns (logits output with next_token_logits [bs*T, V] and hidden_states [bs*T, n_features*H],
     can_run_cuda_graph). eager: never replay a CUDA graph (forward hooks must run). tree_links: a hybrid target's
-    (first child, next sibling) [bs, T] int64 for its linear layers' tree kernels (adapter/hybrid.py).
+    (first child, next sibling) [bs, T] int64 for its linear layers' tree kernels (adapter/step/hybrid.py).
     """
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode

@@ -8,7 +8,7 @@ as one graph. Here a step replays two graphs. The draft graph starts with the at
 which FlashInfer's graph-mode wrapper reads at a fixed address. What stays on the host is what only the host
 knows: kv_indptr (a cumulative sum of the scheduler's host copy of seq_lens), FlashInfer's plan (host work and
 the copy of kv_indptr), and copying the step's inputs into the static buffers. A DFlash2 draft's graph also holds its
-selector's candidates and the chain's walk (adapter/selector_graph.py; `select` replays it).
+selector's candidates and the chain's walk (adapter/draft/selector_graph.py; `select` replays it).
 
 Padding: bs requests replay the graph of the smallest captured size >= bs. Padded draft requests have no context
 and the drafter's padding scratch rows (`PagedDrafter.pad_slot`); their logits are never read. Padded commit rows
@@ -31,10 +31,9 @@ import torch
 from torch import Tensor
 
 from dflash_sglang import ops
-
 from dflash_sglang.core.selector import CandidateSelector, SelectorScores, TopK
 
-from .draft_attention import DraftLayout, PagedAttention, host_indptrs
+from .attention import DraftLayout, PagedAttention, host_indptrs
 from .model import PagedDrafter, TargetHead
 from .selector_graph import GraphedSelector, SelectorStatics
 
@@ -82,7 +81,7 @@ class _DraftGraph:
     kv_indptr: Tensor  # [size+1] int32: each request's key rows in the shared kv_indices buffer
     attention: object  # the paged backend of this size, planned before every replay
     logits: Tensor  # [size, B-1, V] output, rewritten by every replay
-    selection: SelectorStatics | None = None  # a DFlash2 draft's selector (adapter/selector_graph.py)
+    selection: SelectorStatics | None = None  # a DFlash2 draft's selector (adapter/draft/selector_graph.py)
     graph: object = None  # torch.cuda.CUDAGraph; None: replayed eagerly (static mode)
 
 

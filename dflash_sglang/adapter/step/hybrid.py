@@ -10,7 +10,8 @@ commit crossed a tracking point (`update_mamba_state_after_mtp_verify`, which th
 core/recurrent.py is the executable spec of the same rule (and `last_row`, the row both commit).
 
 The scratch buffers hold `--speculative-num-draft-tokens` rows per request, and the worker declares that as the most
-rows any step verifies (adapter/args.py), so SGLang sizes them (`state_scratch_bytes`) and no step overruns them.
+rows any step verifies (adapter/boot/resolve.py), so SGLang sizes them (`state_scratch_bytes`) and no step overruns
+them.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from torch import Tensor
 
 from dflash_sglang.core.recurrent import last_row
 
-from .versions import mamba_track_interval
+from ..versions import mamba_track_interval
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,8 @@ class HybridTarget:
 
     @classmethod
     def of(cls, model_runner, server_topk: int) -> HybridTarget:
-        """For a target start-up found hybrid (adapter/args.py); refuses to serve where SGLang does not run it as
-        one (no state would be committed: rejected drafts would stay in the recurrent state)."""
+        """For a target start-up found hybrid (adapter/boot/draft_checks.py); refuses to serve where SGLang does not
+        run it as one (no state would be committed: rejected drafts would stay in the recurrent state)."""
         from sglang.srt.configs.hybrid_arch import mambaish_config
 
         if mambaish_config(model_runner.model_config) is None:

@@ -4,14 +4,14 @@ The draft keeps one K/V row per target KV slot, under the target's slot ids (SGL
 `req_to_token` table are shared), so radix-cache prefix hits, chunked prefill and request aborts need
 no bookkeeping of their own: a slot's draft row is written whenever the slot's target KV is committed
 and is dead when the slot is freed. Under a draft window (`--speculative-draft-window-size`) the context
-rows are instead a bounded ring per request slot (adapter/draft_window.py `WindowRows`, `context_rows`).
+rows are instead a bounded ring per request slot (adapter/draft/context_rows.py `WindowRows`, `context_rows`).
 
 - `commit` turns target features of committed tokens into every layer's context K/V (fc + hidden_norm,
   then each layer's k_proj/k_norm/RoPE and v_proj, i.e. `DFlashDrafter.context_kv`) and writes them at
   the tokens' slots.
 - `draft` runs one block pass whose keys/values are [the request's committed context rows | the block
   rows]: the block's K/V go to per-request scratch rows past the target's slots and each layer is one
-  ragged paged prefill over the pool (adapter/draft_attention.py: FlashInfer on CUDA, torch on CPU),
+  ragged paged prefill over the pool (adapter/draft/attention.py: FlashInfer on CUDA, torch on CPU),
   non-causal, causal or sliding-window as the layer's kind says (one plan per kind per step). A drafter
   with a kind the backend cannot express (FlashInfer: a bidirectional window narrower than the block)
   takes the dense path instead: context rows gathered through `req_to_token` into padded tensors and the
@@ -33,79 +33,11 @@ from torch import Tensor
 from dflash_sglang.core.block import build_block_inputs
 from dflash_sglang.core.checkpoint import load_drafter
 from dflash_sglang.core.config import DraftConfig, LayerKind
-from dflash_sglang.core.draft_kv import DraftKVFormat, kv_format
-from dflash_sglang.core.drafter import KV, Attend, DFlashDrafter
+from dflash_sglang.core.drafter import Attend, DFlashDrafter
 
-from .draft_attention import PagedAttention, select_backend
-from .draft_window import ContextRows, SlotRows
-
-
-class DraftKVPool:
-    """k, v [num_layers, rows, kv_heads, head_dim]; context rows first (row i: target KV slot i, or a window ring's row,
-    adapter/draft_window.py), then the block scratch.
-
-    Stored in `dtype` (the drafter's compute dtype) or, with a `kv_format` (core/draft_kv.py: fp8 draft KV), in the
-    format's dtype: `write` quantizes, `gather` and the attention backends read the stored values back in `dtype`.
-    """
-
-    def __init__(self, num_layers: int, rows: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device,
-                 kv_format: DraftKVFormat | None = None) -> None:
-        assert kv_format is None or kv_format.quantizes(dtype), "a format that stores values as computed is None"
-        shape = (num_layers, rows, kv_heads, head_dim)
-        self.dtype, self.kv_format = dtype, kv_format  # compute dtype, storage format
-        store = dtype if kv_format is None else kv_format.dtype
-        self.k = torch.zeros(shape, dtype=store, device=device)
-        self.v = torch.zeros(shape, dtype=store, device=device)
-
-    @property
-    def rows(self) -> int:
-        return self.k.shape[1]
-
-    def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
-
-    def store(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """k, v [..., kvh, d] in the compute dtype -> as stored (the pool's dtype)."""
-        fmt = self.kv_format
-        if fmt is None:
-            return k, v
-        return fmt.store(k, fmt.k_scale), fmt.store(v, fmt.v_scale)
-
-    def load(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Stored rows k, v [...] -> the values attention reads, in the compute dtype."""
-        fmt = self.kv_format
-        if fmt is None:
-            return k, v
-        return fmt.load(k, fmt.k_scale, self.dtype), fmt.load(v, fmt.v_scale, self.dtype)
-
-    def write(self, layer_kv: list[KV], slots: Tensor) -> None:
-        """layer_kv: per layer (k, v) [1, kvh, N, d] for N tokens; slots [N] int64 target KV slots."""
-        for layer, (k, v) in enumerate(layer_kv):
-            k, v = self.store(k[0].transpose(0, 1), v[0].transpose(0, 1))
-            self.k[layer, slots] = k
-            self.v[layer, slots] = v
-
-    def gather(self, slots: Tensor) -> list[KV]:
-        """slots [bs, S] int64 -> per layer (k, v) [bs, kvh, S, d] (compute dtype)."""
-        out = []
-        for layer in range(self.k.shape[0]):
-            k, v = self.load(self.k[layer, slots], self.v[layer, slots])
-            out.append((k.transpose(1, 2), v.transpose(1, 2)))
-        return out
-
-
-def pool_rows(slots: int, req_slots: int, block: int) -> int:
-    """Rows of a draft pool: `slots` context rows (mirrored target KV slots, or the window rings), then one block of
-    scratch per request-pool slot and one for the padded requests of a graph replay (`PagedDrafter`)."""
-    return slots + (req_slots + 1) * block
-
-
-def new_pool(cfg: DraftConfig, context_rows: int, req_slots: int, block: int, dtype: torch.dtype, device,
-             kv_dtype: str | None = None) -> DraftKVPool:
-    """A draft pool of `pool_rows(context_rows, req_slots, block)` rows for a draft of config cfg, stored in kv_dtype
-    (SGLang's name; None / "auto": dtype)."""
-    return DraftKVPool(cfg.num_hidden_layers, pool_rows(context_rows, req_slots, block), cfg.num_key_value_heads,
-                       cfg.head_dim, dtype, device, kv_format(kv_dtype, dtype))
+from .attention import PagedAttention, select_backend
+from .context_rows import ContextRows, SlotRows
+from .pool import DraftKVPool, new_pool, pool_rows
 
 
 @torch.no_grad()
@@ -151,11 +83,11 @@ class TargetHead:
 class PagedDrafter:
     """A `DFlashDrafter` whose context K/V live in a `DraftKVPool`.
 
-    Pool rows [0, scratch_base) hold context K/V where `context_rows` says (adapter/draft_window.py: the target's KV
-    slots, or a ring per request under a draft window); rows scratch_base + r*B .. + B-1 are the block
+    Pool rows [0, scratch_base) hold context K/V where `context_rows` says (adapter/draft/context_rows.py: the target's
+    KV slots, or a ring per request under a draft window); rows scratch_base + r*B .. + B-1 are the block
     scratch of request-pool slot r (B = block size), written by every paged drafter pass. `pad_slot` (when the
     pool has one more scratch block than request slots) owns the scratch of the padded requests of a CUDA-graph
-    replay (adapter/draft_graphs.py), so they never write a real request's rows.
+    replay (adapter/draft/graphs.py), so they never write a real request's rows.
     """
 
     def __init__(self, drafter: DFlashDrafter, pool: DraftKVPool, scratch_base: int, block: int,
@@ -262,7 +194,7 @@ class PagedDrafter:
 
         bonus [bs] int64, seq_lens [bs] int64 (device), req_pool_indices [bs]; `attention` was planned on this
         batch's layout (`draft`'s, or the graph runner's padded one). No host sync and no data-dependent shape: this
-        is the body adapter/draft_graphs.py captures.
+        is the body adapter/draft/graphs.py captures.
         """
         embeds, positions = self.embed_block(head, bonus, seq_lens)
         hidden = self._run_block(embeds, positions, self.scratch_rows(req_pool_indices), attention)

@@ -10,12 +10,12 @@ So the draft pass's logits on rank r cover only r's vocabulary shard, and the st
    chain) or top-k with log-probabilities (a tree); a DFlash2 selector's candidates are the merged top-k logits
    (k numbers, `top`), which every rank then scores alike: the selector (hidden_projection, the [V, r] codebooks) is
    part of the replicated drafter, so every rank walks the same chain and grows the same tree (a sampled walk's
-   uniforms from a generator seeded alike on every rank, adapter/worker.py);
+   uniforms from a generator seeded alike on every rank, adapter/step/worker.py);
 2. the accept decision broadcast from TP rank 0, so every rank commits the same tokens and KV slots whatever the
    floating-point details of its sampler (the target's verify logits are all-gathered by SGLang and identical).
 
 The draft pass's CUDA graph covers the local logits; the merge runs after its replay. Under DP attention "every rank"
-means the ranks sharing a batch (the attention-TP group; adapter/dp_attention.py), never other groups' ranks.
+means the ranks sharing a batch (the attention-TP group; adapter/scale/dp_attention.py), never other groups' ranks.
 """
 from __future__ import annotations
 
@@ -24,8 +24,14 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from dflash_sglang.core.vocab_parallel import VocabShard, local_candidates, local_ranks, local_top, merge_candidates, \
-    merge_top
+from dflash_sglang.core.vocab_parallel import (
+    VocabShard,
+    local_candidates,
+    local_ranks,
+    local_top,
+    merge_candidates,
+    merge_top,
+)
 
 
 class DraftVocab:
@@ -35,7 +41,7 @@ class DraftVocab:
         """lm_head: the target's (Parallel)LMHead or tied VocabParallelEmbedding; draft_vocab: the draft's vocab size
         (its ids are the target's first draft_vocab ids); token_map [K] int64: a reduced draft vocabulary (the draft
         proposes only those ids, core/token_map.py), None: all draft_vocab ids."""
-        from .versions import attention_tp_group
+        from ..versions import attention_tp_group
 
         self.group = attention_tp_group()  # the ranks sharing this batch (under DP attention: its group's, tp.py)
         indices = getattr(lm_head, "shard_indices", None)

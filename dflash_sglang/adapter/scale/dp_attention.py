@@ -14,10 +14,10 @@ group whose step SGLang made idle (ForwardMode.IDLE): SGLang 0.5.23's scheduler 
 prefills under speculative decoding (`Scheduler.get_next_batch_to_run`), so a step mixing prefill and verify groups
 does not occur there, but the plan's counts cover it.
 
-Our own collectives (the draft vocab merge and rank-0 broadcasts, adapter/tp.py) run on the attention-TP group, the
-ranks that share a batch, never across groups: the borrowed lm_head must be split over that group only
-(`--enable-dp-lm-head`, checked at start-up, adapter/args.py). The target verify runs eagerly when any group is idle
-or prefilling (a replayed graph pads its rows, which the other groups' counts would not say).
+Our own collectives (the draft vocab merge and rank-0 broadcasts, adapter/scale/tp.py) run on the attention-TP group,
+the ranks that share a batch, never across groups: the borrowed lm_head must be split over that group only
+(`--enable-dp-lm-head`, checked at start-up, adapter/boot/refusals.py). The target verify runs eagerly when any group is
+idle or prefilling (a replayed graph pads its rows, which the other groups' counts would not say).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch
 
 from dflash_sglang.core.adaptive import SpecShape
 
-from .versions import attention_dp, view
+from ..versions import attention_dp, view
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class AttentionDP:
 
     @classmethod
     def of(cls, server_args) -> AttentionDP | None:
-        """This worker's DP attention (from its resolved server args: adapter/args.py admitted it), or None."""
+        """This worker's DP attention (from its resolved server args: adapter/boot/resolve.py admitted it), or None."""
         cfg = view(server_args)
         dp = attention_dp(cfg)
         if dp is None:

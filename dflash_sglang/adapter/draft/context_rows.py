@@ -23,7 +23,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from .draft_attention import DraftLayout, build_layout, host_indptrs
+from .attention import DraftLayout, build_layout, host_indptrs
+from .pool import new_pool
 
 
 class ContextRows(Protocol):
@@ -137,10 +138,10 @@ def ring_size(window: int, nodes: int) -> int:
 @dataclass(frozen=True)
 class WindowPool:
     """A draft window's rings and the pool holding them, allocated when the worker is built (before SGLang sizes its
-    KV pools, so that its measurement counts them: adapter/draft_memory.py)."""
+    KV pools, so that its measurement counts them: adapter/draft/memory.py)."""
 
     rows: WindowRows
-    pool: object  # adapter/model.py DraftKVPool: req_slots x R ring rows, then the block scratch
+    pool: object  # adapter/draft/model.py DraftKVPool: req_slots x R ring rows, then the block scratch
 
     @classmethod
     def allocate(cls, settings, weights, dtype: torch.dtype, device) -> WindowPool | None:
@@ -149,9 +150,7 @@ class WindowPool:
         declares a cap under a window)."""
         if settings.draft_window is None:
             return None
-        from .model import new_pool  # (model.py imports this module)
-
-        assert settings.max_running_requests is not None, "declared under a window (adapter/args.py)"
+        assert settings.max_running_requests is not None, "declared under a window (adapter/boot/resolve.py)"
         req_slots = settings.max_running_requests + 1
         rows = WindowRows(settings.draft_window, settings.draft_memory.ring, req_slots)
         pool = new_pool(weights.cfg, rows.rows, req_slots, settings.block_size, dtype, device, settings.draft_kv_dtype)
