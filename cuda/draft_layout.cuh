@@ -19,17 +19,20 @@ struct DraftLayoutParams {
   int64_t bs;
   int64_t capacity;             // kv_indices length; rows past kv_indptr[bs] are left as they are
   int32_t* kv_indices;          // [capacity]
+  IndexView seq_lens;           // [bs] committed lengths (a draft window's last positions), or null: from position 0
 };
 
-// Row t of request i: a context slot for t < kv_len - block, else the request's block scratch row. A context row
-// outside the table gets -1, as in the reference (the worker never builds such a layout).
+// Row t of request i: the slot of context position first + t for t < ctx_len = kv_len - block (first = seq_len -
+// ctx_len with seq_lens, the window's last ctx_len positions; else 0), else the request's block scratch row. A context
+// row outside the table gets -1, as in the reference (the worker never builds such a layout).
 DFLASH_HD void draft_layout_row(const DraftLayoutParams& p, int64_t i, int64_t t) {
   const int64_t start = p.kv_indptr[i], ctx_len = p.kv_indptr[i + 1] - start - p.block;
   const int64_t r = p.req_pool_indices[i];
   int64_t value;
   if (t < ctx_len) {
-    const bool inside = r >= 0 && r < p.req_to_token_rows && t < p.req_to_token_stride;
-    value = inside ? p.req_to_token[r * p.req_to_token_stride + t] : -1;
+    const int64_t pos = (p.seq_lens.present() ? p.seq_lens[i] - ctx_len : 0) + t;
+    const bool inside = r >= 0 && r < p.req_to_token_rows && pos >= 0 && pos < p.req_to_token_stride;
+    value = inside ? p.req_to_token[r * p.req_to_token_stride + pos] : -1;
   } else {
     value = p.scratch_base + r * p.block + (t - ctx_len);
   }
@@ -43,6 +46,7 @@ inline int check_draft_layout(const DraftLayoutParams& p) {
   DFLASH_CHECK(p.kv_indptr && p.kv_indices && p.req_to_token && valid_index(p.req_pool_indices, p.bs > 0),
                "draft_layout: kv_indptr, req_pool_indices, req_to_token and kv_indices are required");
   DFLASH_CHECK(p.req_to_token_stride >= 1 && p.req_to_token_rows >= 1, "draft_layout: empty req_to_token table");
+  DFLASH_CHECK(valid_index(p.seq_lens, false), "draft_layout: seq_lens must be int32 or int64");
   return 0;
 }
 

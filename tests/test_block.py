@@ -126,16 +126,39 @@ def test_draft_kv_indices_hand_computed():
     assert wide[start:start + 12].tolist() == table[5, :10].tolist() + [-1, -1]
 
 
+def test_draft_kv_indices_of_a_window_hand_computed():
+    """With seq_lens (a draft window W): request i's keys are the slots of its last kv_len - block positions, then
+    its block scratch rows; kv_indptr from min(seq_len, W) (adapter/draft/context_rows.py `SlotRows` with a window)."""
+    g = torch.Generator().manual_seed(2)
+    seq_lens, pool, window = (9, 0, 3, 14), (3, 0, 5, 2), 5
+    keys = [min(n, window) for n in seq_lens]
+    kv, pool_t, table, block = _draft_case(keys, pool, g)
+    out = draft_kv_indices(kv, pool_t, table, 500, block, torch.full((int(kv[-1]),), -7, dtype=torch.int32),
+                           seq_lens=torch.tensor(seq_lens))
+    want = []
+    for n, k, r in zip(seq_lens, keys, pool):
+        want += table[r, n - k:n].tolist() + [500 + r * block + j for j in range(block)]
+    assert out.tolist() == want
+
+
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="needs g++ or $CXX")
+@pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_draft_kv_indices_kernel_logic_matches_reference(index_dtype):
+def test_draft_kv_indices_kernel_logic_matches_reference(index_dtype, window):
+    """The kernel's per-row logic (built for the CPU) equals the reference: the whole context, or a window's last W
+    positions (seq_lens given, some past the table's width so that their rows read -1)."""
     g = torch.Generator().manual_seed(1)
-    seq_lens = torch.randint(0, 17, (40,), generator=g).tolist()
+    seq_lens = torch.randint(0, 17 if window is None else 20, (40,), generator=g)
+    keys = seq_lens if window is None else seq_lens.clamp(max=window)
     pool = torch.randint(0, 7, (40,), generator=g).tolist()  # slot 6: past the table, so context rows read -1
-    kv, pool_t, table, block = _draft_case(seq_lens, pool, g)
-    want = draft_kv_indices(kv, pool_t, table, 900, block, torch.full((int(kv[-1]) + 3,), -7, dtype=torch.int32))
-    got = ops.draft_kv_indices(kv, pool_t.to(index_dtype), table, 900, block,
-                               out=torch.full_like(want, -7), backend="host")
+    kv, pool_t, table, block = _draft_case(keys.tolist(), pool, g)
+    lens = None if window is None else seq_lens
+    want = draft_kv_indices(kv, pool_t, table, 900, block, torch.full((int(kv[-1]) + 3,), -7, dtype=torch.int32),
+                            seq_lens=lens)
+    got = ops.draft_kv_indices(kv, pool_t.to(index_dtype), table, 900, block, out=torch.full_like(want, -7),
+                               seq_lens=None if lens is None else lens.to(index_dtype), backend="host")
     assert torch.equal(got, want) and (want == -1).any()
     with pytest.raises(ValueError, match="kv_indptr must be"):
         ops.draft_kv_indices(kv[:-1], pool_t, table, 900, block, out=want, backend="host")
+    with pytest.raises(ValueError, match="seq_lens must be"):
+        ops.draft_kv_indices(kv, pool_t, table, 900, block, out=want, seq_lens=seq_lens[:3], backend="host")

@@ -31,10 +31,11 @@ def _req_to_token(slots_total: int, seed: int = 0) -> torch.Tensor:
 
 
 def test_layout_indices():
-    from dflash_sglang.adapter.draft.attention import build_layout
+    from dflash_sglang.adapter.draft.context_rows import SlotRows
 
     r2t = _req_to_token(200)
-    layout = build_layout(r2t, torch.tensor(POOL_IDX), torch.tensor(SEQ_LENS), BLOCK, scratch_base=200)
+    layout = SlotRows(200).layout(r2t, torch.tensor(POOL_IDX), torch.tensor(SEQ_LENS), torch.tensor(SEQ_LENS), BLOCK,
+                                  scratch_base=200)
     assert layout.qo_indptr_cpu.tolist() == [0, 4, 8, 12, 16]
     assert layout.kv_indptr_cpu.tolist() == [0, 9, 14, 30, 41]
     kv = layout.kv_indices.tolist()
@@ -156,7 +157,7 @@ def test_backend_selection():
 
 def _random_case(device: str, dtype: torch.dtype):
     """A ragged batch over a shuffled pool (contexts 1..1000 rows, GQA 8/2, head_dim 64): q, k, v, layout."""
-    from dflash_sglang.adapter.draft.attention import build_layout
+    from dflash_sglang.adapter.draft.context_rows import SlotRows
 
     torch.manual_seed(0)
     h, kvh, d = 8, 2, 64
@@ -165,7 +166,7 @@ def _random_case(device: str, dtype: torch.dtype):
     seq_lens = torch.tensor([1, 37, 300, 129, 2, 1000])
     pool_idx = torch.tensor([7, 0, 3, 5, 1, 2], device=device)
     r2t = torch.randperm(rows - scratch, device=device).view(8, 1024).to(torch.int32)
-    layout = build_layout(r2t, pool_idx, seq_lens, BLOCK, scratch_base=rows - scratch)
+    layout = SlotRows(rows - scratch).layout(r2t, pool_idx, seq_lens, seq_lens, BLOCK, scratch_base=rows - scratch)
     k = torch.randn(rows, kvh, d, device=device, dtype=dtype)
     v = torch.randn(rows, kvh, d, device=device, dtype=dtype)
     q = torch.randn(len(seq_lens) * BLOCK, h, d, device=device, dtype=dtype)

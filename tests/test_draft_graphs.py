@@ -33,8 +33,10 @@ DRAFTS = {
 }
 
 
-def _setup(device="cpu", dtype=torch.float32, hidden=32, attention="torch", draft="dflash"):
-    """A PagedDrafter over a pool with committed contexts for every request slot, its TargetHead, req_to_token."""
+def _setup(device="cpu", dtype=torch.float32, hidden=32, attention="torch", draft="dflash", window=None):
+    """A PagedDrafter over a pool with committed contexts for every request slot, its TargetHead, req_to_token.
+    window: a draft window W over the slot rows (each pass reads the last W positions), None: the whole context."""
+    from dflash_sglang.adapter.draft.context_rows import SlotRows
     from dflash_sglang.adapter.draft.pool import DraftKVPool
     from dflash_sglang.adapter.draft.model import PagedDrafter, TargetHead
 
@@ -45,7 +47,8 @@ def _setup(device="cpu", dtype=torch.float32, hidden=32, attention="torch", draf
     req_to_token = (1 + torch.randperm(slots - 1)).view(REQ_SLOTS, WIDTH).to(torch.int32).to(device)
     pool = DraftKVPool(cfg.num_hidden_layers, slots + (REQ_SLOTS + 1) * BLOCK, cfg.num_key_value_heads,
                        cfg.head_dim, dtype, device)
-    paged = PagedDrafter(core, pool, scratch_base=slots, block=BLOCK, pad_slot=REQ_SLOTS, attention=attention)
+    paged = PagedDrafter(core, pool, scratch_base=slots, block=BLOCK, pad_slot=REQ_SLOTS, attention=attention,
+                         context_rows=SlotRows(slots, window))
     for r in range(REQ_SLOTS):
         feats = torch.randn(WIDTH, cfg.n_features * cfg.hidden_size, device=device, dtype=dtype)
         paged.commit(feats, torch.arange(WIDTH, device=device), req_to_token[r].to(torch.int64))
@@ -71,11 +74,13 @@ def _step_inputs(seq_lens, pool_idx, cfg, device="cpu"):
                                                                                                           device=device)
 
 
-@pytest.mark.parametrize("draft", ["dflash", "gemma4"])
-def test_static_draft_replays_equal_eager_on_mixed_batches(draft):
+@pytest.mark.parametrize("draft, window", [("dflash", None), ("gemma4", None), ("dflash", 6), ("gemma4", 6)])
+def test_static_draft_replays_equal_eager_on_mixed_batches(draft, window):
+    """... the whole context, and a draft window of 6 over the slot rows (its key rows from the window's last
+    positions, on the device; most contexts of STEPS outrun it)."""
     from dflash_sglang.adapter.draft.model import EagerDraftPass
 
-    cfg, paged, head, r2t = _setup(draft=draft)
+    cfg, paged, head, r2t = _setup(draft=draft, window=window)
     assert paged.attention is not None  # (causal and sliding-window layers on the paged path)
     graphs = _graphs(paged, head, r2t, cfg)
     eager = EagerDraftPass(paged, head, r2t)  # the same call as the graphs'
@@ -166,7 +171,7 @@ def _same_scores(got, want, bonus, exact=True):
     assert torch.equal(got.ranks(got.argmax(depth)), want.ranks(want.argmax(depth)))
 
 
-@pytest.mark.parametrize("draft", ["dflash2", "dflash2_full"])
+@pytest.mark.parametrize("draft", ["dflash2", "dflash2_full", "dflash2_full_window"])
 @pytest.mark.parametrize("layout", ["one_process", "tp_layout"])
 @pytest.mark.parametrize("sampling", ["greedy", "mixed"])
 def test_static_dflash2_selection_equals_eager(layout, sampling, draft):
@@ -175,11 +180,11 @@ def test_static_dflash2_selection_equals_eager(layout, sampling, draft):
     rows, temperatures and uniforms, exact, too large for any graph): one process (candidates and walk inside the
     graph) and the TP layout (candidates merged over vocab shards and walked after the replay). Mixed: requests greedy
     and sampled at two temperatures, every other step all greedy; the walk's generator is left where eager leaves it
-    (every TP rank draws alike)."""
+    (every TP rank draws alike). `_window`: a draft window of 6 over the slot rows."""
     from dflash_sglang.adapter.draft.model import EagerDraftPass
     from dflash_sglang.core.selector import SelectorScores
 
-    cfg, paged, head, r2t = _setup(draft=draft)
+    cfg, paged, head, r2t = _setup(draft=draft.removesuffix("_window"), window=6 if draft.endswith("_window") else None)
     in_graph = layout == "one_process"
     top = _top(cfg.vocab_size, 1 if in_graph else 2)
     graphs = _graphs(paged, head, r2t, cfg, top=top, in_graph=in_graph)
@@ -230,8 +235,10 @@ class _MetaAttention:
         return torch.empty_like(q)
 
 
-def _meta_graphs(dflash2: bool = False, in_graph: bool = True):
-    """DraftGraphs (static mode) over a drafter, pool and head on the meta device (shapes, no data), with the config."""
+def _meta_graphs(dflash2: bool = False, in_graph: bool = True, window: int | None = None):
+    """DraftGraphs (static mode) over a drafter, pool and head on the meta device (shapes, no data), with the config;
+    window: a draft window over the slot rows."""
+    from dflash_sglang.adapter.draft.context_rows import SlotRows
     from dflash_sglang.adapter.draft.graphs import DraftGraphs
     from dflash_sglang.adapter.draft.pool import DraftKVPool
     from dflash_sglang.adapter.draft.model import PagedDrafter, TargetHead, random_drafter
@@ -240,7 +247,7 @@ def _meta_graphs(dflash2: bool = False, in_graph: bool = True):
     pool = DraftKVPool(cfg.num_hidden_layers, 64 + (REQ_SLOTS + 1) * BLOCK, cfg.num_key_value_heads, cfg.head_dim,
                        torch.float32, "meta")
     paged = PagedDrafter(random_drafter(cfg, "meta", torch.float32).requires_grad_(False), pool, 64, BLOCK,
-                         pad_slot=REQ_SLOTS)
+                         pad_slot=REQ_SLOTS, context_rows=SlotRows(64, window))
     paged.attention = _MetaAttention()
     head = TargetHead(torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta"),
                       torch.empty(cfg.vocab_size, cfg.hidden_size, device="meta"), cfg.mask_token_id)
@@ -252,12 +259,12 @@ def _meta_graphs(dflash2: bool = False, in_graph: bool = True):
     return graphs, cfg
 
 
-@pytest.mark.parametrize("draft", ["dflash", "dflash2"])
+@pytest.mark.parametrize("draft", ["dflash", "dflash2", "dflash_window"])
 def test_captured_bodies_do_no_host_sync(draft):
     """The bodies a CUDA graph captures, run on meta tensors (no data): any host read (.item(), .tolist(), a
     data-dependent shape such as a boolean mask's) raises there, as it would break a capture. DFlash2: the pass, the
-    selector's candidates and the chain's walk (greedy and sampled rows alike)."""
-    graphs, cfg = _meta_graphs(dflash2=draft == "dflash2")
+    selector's candidates and the chain's walk (greedy and sampled rows alike); a window: its key rows from seq_lens."""
+    graphs, cfg = _meta_graphs(dflash2=draft == "dflash2", window=6 if draft == "dflash_window" else None)
     for size in SIZES:
         graphs._draft_body(graphs.drafts[size])
         assert graphs.drafts[size].logits.shape == (size, BLOCK - 1, cfg.vocab_size)

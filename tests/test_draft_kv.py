@@ -166,7 +166,8 @@ def test_draft_memory_counts_the_pool_row(name, element):
 def test_flashinfer_reads_an_fp8_pool_as_the_reference(name):
     """FlashInfer planned with the fp8 KV data type (bf16 queries) == the torch reference dequantizing the same fp8
     rows, on a ragged batch over a shuffled pool (contexts 1..1000, GQA 8/2, head_dim 64)."""
-    from dflash_sglang.adapter.draft.attention import FlashInferPagedAttention, build_layout, paged_attention_reference
+    from dflash_sglang.adapter.draft.attention import FlashInferPagedAttention, paged_attention_reference
+    from dflash_sglang.adapter.draft.context_rows import SlotRows
 
     torch.manual_seed(0)
     fmt = DraftKVFormat(parse_kv_dtype(name))
@@ -174,7 +175,8 @@ def test_flashinfer_reads_an_fp8_pool_as_the_reference(name):
     rows = 8 * 1024 + scratch
     seq_lens = torch.tensor([1, 37, 300, 129, 2, 1000])
     r2t = torch.randperm(rows - scratch, device="cuda").view(8, 1024).to(torch.int32)
-    layout = build_layout(r2t, torch.tensor([7, 0, 3, 5, 1, 2], device="cuda"), seq_lens, BLOCK, rows - scratch)
+    layout = SlotRows(rows - scratch).layout(r2t, torch.tensor([7, 0, 3, 5, 1, 2], device="cuda"), seq_lens, seq_lens,
+                                             BLOCK, rows - scratch)
     k = fmt.store(torch.randn(rows, kvh, d, device="cuda"), 1.0)
     v = fmt.store(torch.randn(rows, kvh, d, device="cuda"), 1.0)
     q = torch.randn(len(seq_lens) * BLOCK, h, d, device="cuda", dtype=torch.bfloat16)

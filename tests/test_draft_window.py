@@ -65,12 +65,21 @@ def test_reference_decoder_with_a_window_is_lossless(window):
     assert [g.tokens for g in spec] == [p.tokens if hasattr(p, "tokens") else p for p in plain]
 
 
-# ---------------------------------------------------------------------------------------------- the bounded pool
-# adapter/draft/context_rows.py `WindowRows` behind adapter/draft/model.py `PagedDrafter`: the worker's draft pass and
-# commits
-# (prefill chunks, each decode step's verify rows, rejected ones included) on a ring of R rows per request slot.
+# ---------------------------------------------------------------------------------------------- the served pool
+# adapter/draft/context_rows.py behind adapter/draft/model.py `PagedDrafter`: the worker's draft pass and commits
+# (prefill chunks, each decode step's verify rows, rejected ones included) on a ring of R rows per request slot
+# (`WindowRows`, the radix cache off) or on the slot rows read over the last W positions (`SlotRows` with a window).
 POOL_IDX = (3, 0, 5, 2)  # request-pool slots, not in batch order
 REQ_SLOTS, WINDOW, NODES = 6, 5, BLOCK  # R = W + N - 1 = 8
+WIDTH = 64  # req_to_token columns (the slot rows' contexts)
+# The drafts a window serves: DFlash (full layers), Gemma-4 style (a causal sliding-window layer), DFlash2
+# (convolutions, a bidirectional sliding-window layer) and, on the dense path (a window narrower than the block,
+# FlashInfer's fallback), a DFlash2 whose window the paged backend cannot express; each with a full layer, which the
+# draft window narrows
+_DFLASH2_LAYERS = ("sliding_attention", "full_attention")
+SHAPES = {"qwen3": {}, "gemma4": {"sliding_window": 3},
+          "dflash2": {"sliding_window": BLOCK, "layer_types": _DFLASH2_LAYERS},
+          "dflash2_dense": {"sliding_window": 3, "layer_types": _DFLASH2_LAYERS}}
 
 
 def _window_rows():
@@ -84,7 +93,7 @@ def test_window_layout_reads_ring_rows_of_the_last_w_positions():
     rows = _window_rows()
     assert rows.ring == 8 and rows.rows == REQ_SLOTS * 8
     seq_lens, scratch = torch.tensor([3, 12, 5, 30]), 1000
-    layout = rows.layout(torch.empty(0), torch.tensor(POOL_IDX), seq_lens, BLOCK, scratch)
+    layout = rows.layout(torch.empty(0), torch.tensor(POOL_IDX), seq_lens, seq_lens, BLOCK, scratch)
     assert layout.kv_indptr_cpu.tolist() == [0, 7, 16, 25, 34]
     assert layout.qo_indptr_cpu.tolist() == [0, 4, 8, 12, 16]
     kv = layout.kv_indices.tolist()
@@ -92,6 +101,23 @@ def test_window_layout_reads_ring_rows_of_the_last_w_positions():
         seg = kv[layout.kv_indptr_cpu[i]:layout.kv_indptr_cpu[i + 1]]
         ring = [r * 8 + p % 8 for p in range(max(0, n - WINDOW), n)]
         assert seg == ring + [scratch + r * BLOCK + j for j in range(BLOCK)]
+
+
+def test_slot_rows_layout_reads_the_slots_of_the_last_w_positions():
+    """A window over the slot rows: request i's keys are req_to_token[r, L-k .. L-1] (k = min(L, W)), then its block
+    scratch; without a window the whole context."""
+    pytest.importorskip("sglang")
+    from dflash_sglang.adapter.draft.context_rows import SlotRows
+
+    r2t = torch.randperm(1000)[: REQ_SLOTS * WIDTH].view(REQ_SLOTS, WIDTH).to(torch.int32)
+    seq_lens, scratch = torch.tensor([3, 12, 5, 30]), 1000
+    for window in (WINDOW, None):
+        layout = SlotRows(scratch, window).layout(r2t, torch.tensor(POOL_IDX), seq_lens, seq_lens, BLOCK, scratch)
+        kv = layout.kv_indices.tolist()
+        for i, (n, r) in enumerate(zip(seq_lens.tolist(), POOL_IDX)):
+            seg = kv[layout.kv_indptr_cpu[i]:layout.kv_indptr_cpu[i + 1]]
+            first = 0 if window is None else max(0, n - window)
+            assert seg == r2t[r, first:n].tolist() + [scratch + r * BLOCK + j for j in range(BLOCK)]
 
 
 def test_prefill_writes_only_the_last_r_positions_of_a_long_chunk():
@@ -123,38 +149,54 @@ def test_window_pool_is_bounded_by_request_slots():
     assert sizes == {pool_rows(REQ_SLOTS * 8, REQ_SLOTS, BLOCK)}
 
 
-@pytest.mark.parametrize("shape", ["qwen3", "gemma4"])
-def test_paged_window_pass_and_commits_equal_the_reference_drafter(shape):
-    """Mixed-length batch; chunked prefill (a chunk longer than R; two requests per extend batch); decode steps whose
-    verify rows are all committed to the ring, rejected ones with features that are not the context's (the next step
-    rewrites them); contexts grow past W and R. Every pass equals the core drafter with `context_window` W over the
-    true context (and differs from the full-context pass once a context is longer than W). gemma4: causal
-    sliding-window layers on the paged path over the window's keys."""
-    pytest.importorskip("sglang")
-    from factories import GEMMA4_DRAFT
+def _paged(shape: str, layout: str, monkeypatch):
+    """(core drafter, PagedDrafter over the layout's rows, req_to_token [REQ_SLOTS, WIDTH] int32 of distinct slots)."""
+    from factories import DFLASH2_DRAFT, GEMMA4_DRAFT
 
+    from dflash_sglang.adapter.draft.attention import FlashInferPagedAttention, TorchPagedAttention
+    from dflash_sglang.adapter.draft.context_rows import SlotRows
     from dflash_sglang.adapter.draft.model import PagedDrafter
 
     torch.manual_seed(0)
-    overrides = {**GEMMA4_DRAFT, "sliding_window": 3} if shape == "gemma4" else {}
-    cfg = draft_config_for(tiny_target("qwen3"), block_size=BLOCK, **overrides)
+    base = {"qwen3": {}, "gemma4": GEMMA4_DRAFT}.get(shape, DFLASH2_DRAFT)
+    cfg = draft_config_for(tiny_target("qwen3"), block_size=BLOCK, **{**base, **SHAPES[shape]})
+    if shape == "dflash2_dense":  # the torch backend made to answer as FlashInfer does: the dense path
+        monkeypatch.setattr(TorchPagedAttention, "expresses", staticmethod(FlashInferPagedAttention.expresses))
     core = tiny_drafter(cfg)
-    rows = _window_rows()
-    paged = PagedDrafter.load("unused", 64, REQ_SLOTS, BLOCK, torch.float32, "cpu", weights=core, context_rows=rows)
-    if paged.attention is None:
-        pytest.skip("this drafter takes the dense path, refused under a window")
+    slots = 1 + REQ_SLOTS * WIDTH  # slot 0: SGLang's padding slot
+    r2t = (1 + torch.randperm(slots - 1)).view(REQ_SLOTS, WIDTH).to(torch.int32)
+    rows = _window_rows() if layout == "ring" else SlotRows(slots, WINDOW)
+    paged = PagedDrafter.load("unused", slots, REQ_SLOTS, BLOCK, torch.float32, "cpu", weights=core, context_rows=rows)
+    assert (paged.attention is None) == (shape == "dflash2_dense")
+    return core, paged, r2t
+
+
+@pytest.mark.parametrize("layout, shape", [("ring", s) for s in SHAPES if s != "dflash2_dense"]
+                         + [("slots", s) for s in SHAPES])
+def test_paged_window_pass_and_commits_equal_the_reference_drafter(layout, shape, monkeypatch):
+    """Mixed-length batch; chunked prefill (a chunk longer than R; two requests per extend batch); decode steps whose
+    verify rows are all committed (ring rows or their own KV slots), rejected ones with features that are not the
+    context's (the next step rewrites them); contexts grow past W and R. Every pass equals the core drafter with
+    `context_window` W over the true context (and differs from the full-context pass once a context is longer than W).
+    The ring (the radix cache off) and the slot rows read over the last W (the radix cache on), each over DFlash,
+    Gemma-4 style (causal sliding-window layers) and DFlash2 drafts on the paged path; the slot rows also on the dense
+    path (a bidirectional window narrower than the block, which FlashInfer cannot express)."""
+    pytest.importorskip("sglang")
+    core, paged, r2t = _paged(shape, layout, monkeypatch)
+    cfg, rows = core.cfg, paged.context_rows
     H, F = cfg.hidden_size, cfg.n_features * cfg.hidden_size
     rpi = torch.tensor(POOL_IDX)
     prompts = (3, 13, 21, 6)
     truth = [torch.randn(n, F) for n in prompts]  # each request's committed features, position by position
 
+    def slots_of(i: int, positions):  # the target KV slots SGLang gave request i's positions
+        return r2t[POOL_IDX[i], positions].to(torch.int64)
+
     def extend(pieces):  # [(request, start, end)]: one extend batch
         positions = torch.cat([torch.arange(s, e) for _, s, e in pieces])
+        loc = torch.cat([slots_of(i, torch.arange(s, e)) for i, s, e in pieces])
         hidden = torch.cat([truth[i][s:e] for i, s, e in pieces])
-        index, out = rows.prefill(positions, positions, rpi[[i for i, _, _ in pieces]], [e - s for _, s, e in pieces])
-        if index is not None:
-            hidden, positions = hidden[index], positions[index]
-        paged.commit(hidden, positions, out)
+        paged.commit_extend(hidden, positions, loc, rpi[[i for i, _, _ in pieces]], [e - s for _, s, e in pieces])
 
     extend([(0, 0, 3), (1, 0, 13), (2, 0, 12)])
     extend([(2, 12, 21), (3, 0, 6)])
@@ -175,7 +217,7 @@ def test_paged_window_pass_and_commits_equal_the_reference_drafter(shape):
         b = BLOCK if step % 3 else 2  # a short chain drafts with a block of its own length
         embeds = torch.randn(len(prompts), b, H)
         pos = lens[:, None] + torch.arange(b)
-        got = paged.draft(embeds, pos, torch.empty(0, dtype=torch.int32), rpi, lens)
+        got = paged.draft(embeds, pos, r2t, rpi, lens)
         for i in range(len(prompts)):
             want = reference(i, embeds[i:i + 1], pos[i:i + 1], WINDOW)
             torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)
@@ -188,6 +230,7 @@ def test_paged_window_pass_and_commits_equal_the_reference_drafter(shape):
         hidden = torch.randn(len(prompts), n, F)
         for i in range(len(prompts)):
             truth[i] = torch.cat([truth[i], hidden[i, :accepted[i] + 1]])
-        paged.commit(hidden.reshape(-1, F), verify_pos.reshape(-1), rows.decode(verify_pos, verify_pos, rpi))
-    assert min(t.shape[0] for t in truth) > rows.ring  # every ring wrapped around
+        verify_slots = torch.stack([slots_of(i, verify_pos[i]) for i in range(len(prompts))])
+        paged.commit(hidden.reshape(-1, F), verify_pos.reshape(-1), rows.decode(verify_pos, verify_slots, rpi))
+    assert min(t.shape[0] for t in truth) > 8  # every ring wrapped around (R = 8)
     assert differs > 0

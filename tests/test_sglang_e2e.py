@@ -13,8 +13,10 @@ imports sglang:
   stop strings / max_new_tokens landing inside an accepted block or path; an aborted request; sampled
   requests (DFLASH only) for a distribution test.
 - Qwen3 target, DFLASH with `speculative_num_draft_tokens=4` (not the checkpoint's 8), greedy prompts.
-- Llama target, a chain with a draft window of 8 positions (`speculative_draft_window_size=8`, the radix cache off):
-  greedy and sampled, prompts prefilled in chunks longer than the window's ring.
+- Llama target, a chain with a draft window of 8 positions (`speculative_draft_window_size=8`): with the radix cache
+  off (its ring), greedy and sampled, prompts prefilled in chunks longer than the ring; with the radix cache on (the
+  slot rows, static draft graphs), greedy, sampled and a two-turn chat whose second turn hits the first's prefix; and
+  `speculative_draft_window_size=32` with SGLang's defaults otherwise (the goodput controller, trees included).
 - The SmolLM2-135M testbed pair (real target, the shipped trained drafter, block 16), when installed: 32
   ShareGPT eval-split prompts (chat template) sent concurrently, DFLASH chain and plain Engines; and HiCache
   (tests/cpu_hicache.py) DFLASH chain and plain Engines whose shared prefix goes to host memory and comes back.
@@ -65,7 +67,7 @@ FULL_MODES = MODES + ("dflash2",)
 CONTROLLED = ("goodput", "dflash2")  # the goodput controller picks each step's shape
 # Engines drafting through static draft graphs (the DFlash2 ones: its selection replayed with the pass, or after it
 # at TP 2)
-STATIC_GRAPH_MODES = ("tree", "adaptive", "sharegpt", "dflash2", "tp2_dflash2_chain")
+STATIC_GRAPH_MODES = ("tree", "adaptive", "sharegpt", "dflash2", "tp2_dflash2_chain", "window_radix")
 # adaptive mode: trees at <= 8 running requests, chains above; the budget caps bs * nodes at 80, so batches of
 # 14..40 requests get chains of 5..2 and batches of 41+ (the sampled scenario) plain 1-token steps. The 40 greedy
 # prompts start decoding together (2-token chains); their acceptance differs, so they finish at different steps
@@ -161,6 +163,20 @@ def stop_requests() -> list[tuple[list[int], dict]]:
     return reqs
 
 
+def multiturn_prompts() -> tuple[list[list[int]], list[list[int]]]:
+    """(first turns, follow-up questions) of 8 two-turn chats: first turns of 20..45 tokens (longer than the draft
+    windows of the window Engines), questions of 3..6."""
+    rng = random.Random(3)
+    first = [[rng.randrange(1, VOCAB - 1) for _ in range(rng.randrange(20, 46))] for _ in range(8)]
+    questions = [[rng.randrange(1, VOCAB - 1) for _ in range(rng.randrange(3, 7))] for _ in range(8)]
+    return first, questions
+
+
+def multiturn_second(first: list[list[int]], answers: list[list[int]], questions: list[list[int]]) -> list[list[int]]:
+    """The second turns: each chat's first turn, its answer, then its question."""
+    return [p + a + q for p, a, q in zip(first, answers, questions)]
+
+
 CONTEXT = 512  # the tiny targets' max_position_embeddings: the Engines' context length
 # SGLang serves at most CONTEXT - 1 tokens per request, prompts shorter than CONTEXT - 6; a request with M new tokens
 # after a prompt of CONTEXT - 1 - M tokens ends exactly at the limit
@@ -251,6 +267,8 @@ def run_child(job: dict) -> None:
             _full_scenario(engine, job, res)
         elif job.get("sampled"):  # the distribution tests only
             _sampled_scenario(engine, res)
+        if job.get("multiturn"):
+            res["multiturn"] = _multiturn_scenario(engine)
         if job.get("staggered"):
             res["staggered"] = engine.loop.run_until_complete(_staggered_scenario(engine))
         if job.get("json"):
@@ -289,6 +307,19 @@ def _full_scenario(engine, job: dict, res: dict) -> None:
     if job["spec"]:
         res["refusal"] = engine.loop.run_until_complete(_refusal_scenario(engine))
         _sampled_scenario(engine, res)
+
+
+def _multiturn_scenario(engine) -> dict:
+    """Two-turn chats, greedy: the first turns together, then the second turns (first turn + its answer + a
+    question) together, whose prefixes the radix cache holds from the first (`cached_tokens`, where it is on)."""
+    first, questions = multiturn_prompts()
+    params = {"temperature": 0, "max_new_tokens": GREEDY_NEW, "ignore_eos": True}
+    turns = {}
+    for name in ("turn1", "turn2"):
+        prompts = first if name == "turn1" else multiturn_second(first, [r["ids"] for r in turns["turn1"]], questions)
+        turns[name] = [{"ids": o["output_ids"], "meta": _meta(o), "cached": o["meta_info"].get("cached_tokens", 0)}
+                       for o in engine.generate(input_ids=prompts, sampling_params=params)]
+    return turns
 
 
 def _hicache_scenario(engine, fill: list[list[int]], new_tokens: int) -> dict:
@@ -738,7 +769,7 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
              engine_kwargs=dict(ADAPTIVE)),
         # synchronous like the DFLASH Engines on CPU: SGLang's overlap scheduler feeds the penalizers one token late
         # (docs/sglang.md, "Request options"), so penalized outputs are compared with its non-overlap plain decoding
-        dict(name="plain", root=str(pair_dir), spec=False, full=True,
+        dict(name="plain", root=str(pair_dir), spec=False, full=True, multiturn=True,
              engine_kwargs={"disable_overlap_schedule": True}),
         dict(name="qwen3", root=str(qwen3_dir), spec=True, full=False, block=QWEN3_BLOCK),
         # capacity-planning mode: random draft weights, every step forced to commit SIM_ACC_LEN tokens
@@ -755,6 +786,14 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
         dict(name="window", root=str(pair_dir), spec=True, full=False, sampled=True, block=BLOCK, chunk=32,
              env=debug_env(pair_dir),
              engine_kwargs={"speculative_draft_window_size": BLOCK, "disable_radix_cache": True}),
+        # ... and with the radix cache on (SGLang's default): the slot rows, each pass reading the last W positions'
+        # slots, through the draft graphs' static buffers; the two-turn chats hit their first turns' prefixes
+        dict(name="window_radix", root=str(pair_dir), spec=True, full=False, sampled=True, block=BLOCK,
+             multiturn=True, env=debug_env(pair_dir),
+             engine_kwargs={"speculative_draft_window_size": BLOCK, **STATIC_GRAPHS}),
+        # a new user's Engine: a window of 32 and SGLang's defaults otherwise (the goodput controller, trees included)
+        dict(name="window_defaults", root=str(pair_dir), spec=True, full=False, multiturn=True,
+             env={**debug_env(pair_dir), **FIXED_COST}, engine_kwargs={"speculative_draft_window_size": 32}),
         dict(name="token_map", root=str(pair_dir), spec=True, full=False,
              engine_kwargs={"speculative_token_map": str(write_token_map(pair_dir)), **STATIC_GRAPHS}),
         *[dict(name=f"tp2_{mode}", root=str(pair_dir), spec=mode != "plain", full=False,
@@ -795,12 +834,13 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
     for job in jobs:
         job["out"] = str(Path(job["root"]) / f"{job['name']}.json")
     # Five waves, so that the machine's memory (24 GB on CI's 2-core machine) holds one wave's processes: the tiny
-    # pairs' one-process Engines (~1.5 GB each with their scheduler), the testbed pair's (SmolLM2: ~2 GB each), then
-    # the multi-process Engines (a scheduler per rank or replica, ~2.5 GB each): the TP ones, the DP ones, the
+    # pairs' one-process Engines (~1.5 GB each with their scheduler), the testbed pair's (SmolLM2: ~2 GB each) with
+    # the two tiny window Engines over slot rows (all tiny ones at once would outgrow the first wave), then the
+    # multi-process Engines (a scheduler per rank or replica, ~2.5 GB each): the TP ones, the DP ones, the
     # DP-attention ones
     for i, job in enumerate(jobs):  # apart: Engines starting together would race for the same derived ZMQ ports
         job.setdefault("engine_kwargs", {}).setdefault("port", 21000 + 400 * i)
-    testbed = [job for job in jobs if "target" in job]
+    testbed = [job for job in jobs if "target" in job or job["name"] in ("window_radix", "window_defaults")]
     tp = [job for job in jobs if job["name"].startswith("tp2_")]
     dp = [job for job in jobs if job["name"].startswith("dp2_")]
     attn_dp = [job for job in jobs if job["name"].startswith("attn_dp2_")]
@@ -1549,33 +1589,86 @@ WINDOW_RING = BLOCK + BLOCK - 1  # R = W + N - 1 of the window Engine (W = N = B
 
 
 def test_draft_window_greedy_matches_plain_and_the_windowed_reference(runs, pair_dir):
-    """--speculative-draft-window-size BLOCK: greedy token-identical to the plain Engine (and the greedy requests riding
-    in the sampled batch); each request's verify steps equal the reference decoder's with the same `context_window`
-    (core/drafter.py), which differ from the whole-context drafter's: the Engine drafts from the last W positions."""
+    """--speculative-draft-window-size BLOCK with the radix cache off (the ring): greedy token-identical to the plain
+    Engine (and the greedy requests riding in the sampled batch); each request's verify steps equal the reference
+    decoder's with the same `context_window` (core/drafter.py), which differ from the whole-context drafter's: the
+    Engine drafts from the last W positions."""
+    spec = runs["window"]
+    assert [r["ids"] for r in spec["greedy"]] == [r["ids"] for r in runs["plain"]["greedy"]]
+    assert spec["greedy_in_sampled_batch"] == [r["ids"] for r in runs["plain"]["greedy"][:N_MIXED_GREEDY]]
+    steps = _windowed_steps(pair_dir, greedy_prompts(), [r["ids"] for r in spec["greedy"]])
+    assert [r["meta"]["spec_verify_ct"] for r in spec["greedy"]] == steps[BLOCK]
+    assert steps[BLOCK] != steps[None]
+    assert max(r["meta"]["spec_accept_length"] for r in spec["greedy"]) >= 2
+    log = (pair_dir / "window.log").read_text()
+    assert f"draft window {BLOCK} in a ring of {WINDOW_RING} rows per request slot (the radix cache is off" in log
+
+
+@pytest.mark.parametrize("name", ["window", "window_radix"])
+@pytest.mark.parametrize("key,n,settings", SAMPLED, ids=[k for k, _, _ in SAMPLED])
+def test_draft_window_sampling_matches_target_distribution(runs, pair_dir, key, n, settings, name):
+    """Sampled continuations of one prompt (with the radix cache on, every request after the first hits its prefix)
+    fit the target's exact distribution, over the ring and over the slot rows."""
+    assert_target_distribution(runs[name][f"sampled_{key}"], pair_dir, n, settings)
+
+
+def _windowed_steps(pair_dir: Path, prompts: list[list[int]], want: list[list[int]]) -> dict[int | None, list[int]]:
+    """The reference decoder's verify steps per prompt (a chain of BLOCK), with a draft window of BLOCK and with the
+    whole context; both decode `want` (greedy, lossless)."""
     from dflash_sglang.core.checkpoint import load_drafter
     from dflash_sglang.core.reference import ReferenceDecoder
     from transformers import AutoModelForCausalLM
 
-    spec = runs["window"]
-    assert [r["ids"] for r in spec["greedy"]] == [r["ids"] for r in runs["plain"]["greedy"]]
-    assert spec["greedy_in_sampled_batch"] == [r["ids"] for r in runs["plain"]["greedy"][:N_MIXED_GREEDY]]
     target = AutoModelForCausalLM.from_pretrained(pair_dir / "target", dtype=torch.float32).eval()
     drafter = load_drafter(pair_dir / "draft", dtype=torch.float32)
     steps = {}
     for window in (BLOCK, None):
         drafter.context_window = window
-        ref = ReferenceDecoder(target, drafter).generate(greedy_prompts(), GREEDY_NEW, block_size=BLOCK)
-        assert [g.tokens for g in ref] == [r["ids"] for r in spec["greedy"]]
+        ref = ReferenceDecoder(target, drafter).generate(prompts, GREEDY_NEW, block_size=BLOCK)
+        assert [g.tokens for g in ref] == want
         steps[window] = [len(g.accept_lengths) for g in ref]
-    engine = [r["meta"]["spec_verify_ct"] for r in spec["greedy"]]
-    assert engine == steps[BLOCK]
-    assert steps[BLOCK] != steps[None]
+    return steps
+
+
+def test_draft_window_with_the_radix_cache_matches_plain_and_the_windowed_reference(runs, pair_dir):
+    """--speculative-draft-window-size BLOCK with the radix cache on (the slot rows, the draft graphs' static buffers):
+    greedy token-identical to the plain Engine, in the sampled batch too; two-turn chats whose second turns hit their
+    first turns' prefixes in the radix cache: identical to plain in both turns, and every request's verify steps (first
+    turns, second turns, the greedy prompts) equal the reference decoder's with the same `context_window`, which differ
+    from the whole-context drafter's: the drafter read the last W positions, the cached prefix's included."""
+    spec, plain = runs["window_radix"], runs["plain"]
+    assert [r["ids"] for r in spec["greedy"]] == [r["ids"] for r in plain["greedy"]]
+    assert spec["greedy_in_sampled_batch"] == [r["ids"] for r in plain["greedy"][:N_MIXED_GREEDY]]
+    first, questions = multiturn_prompts()
+    for turn in ("turn1", "turn2"):
+        assert [r["ids"] for r in spec["multiturn"][turn]] == [r["ids"] for r in plain["multiturn"][turn]], turn
+    answers = [r["ids"] for r in spec["multiturn"]["turn1"]]
+    second = multiturn_second(first, answers, questions)
+    # the radix cache held each first turn and its answer (all but the newest token, whose KV no step computed)
+    assert all(r["cached"] >= len(p) for r, p in zip(spec["multiturn"]["turn2"], first)), spec["multiturn"]["turn2"]
+    differs = 0
+    for prompts, results in ((greedy_prompts(), spec["greedy"]), (first, spec["multiturn"]["turn1"]),
+                             (second, spec["multiturn"]["turn2"])):
+        steps = _windowed_steps(pair_dir, prompts, [r["ids"] for r in results])
+        assert [r["meta"]["spec_verify_ct"] for r in results] == steps[BLOCK]
+        differs += steps[BLOCK] != steps[None]
+    assert differs > 0
     assert max(r["meta"]["spec_accept_length"] for r in spec["greedy"]) >= 2
+    log = (pair_dir / "window_radix.log").read_text()
+    assert (f"draft window {BLOCK} over context rows at the target KV slots (the radix cache is on" in log
+            and "B/token" in log.split("KV sizing at")[-1]), log[-3000:]
 
 
-@pytest.mark.parametrize("key,n,settings", SAMPLED, ids=[k for k, _, _ in SAMPLED])
-def test_draft_window_sampling_matches_target_distribution(runs, pair_dir, key, n, settings):
-    assert_target_distribution(runs["window"][f"sampled_{key}"], pair_dir, n, settings)
+def test_draft_window_with_sglangs_defaults_matches_plain(runs, pair_dir):
+    """A new user's Engine: --speculative-draft-window-size 32 and SGLang's defaults otherwise (the radix cache on, the
+    goodput controller over chains and trees) starts, says its layout, and is token-identical to the plain Engine on
+    the greedy prompts and the two-turn chats."""
+    spec, plain = runs["window_defaults"], runs["plain"]
+    assert [r["ids"] for r in spec["greedy"]] == [r["ids"] for r in plain["greedy"]]
+    for turn in ("turn1", "turn2"):
+        assert [r["ids"] for r in spec["multiturn"][turn]] == [r["ids"] for r in plain["multiturn"][turn]], turn
+    log = (pair_dir / "window_defaults.log").read_text()
+    assert "draft window 32 over context rows at the target KV slots (the radix cache is on" in log, log[-3000:]
 
 
 def test_draft_window_pool_is_sized_per_request_slot(runs, pair_dir):

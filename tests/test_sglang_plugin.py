@@ -440,17 +440,13 @@ def test_tree_refuses_attention_backends_without_a_tree_mask(plugin, monkeypatch
     [
         (dict(speculative_num_draft_tokens=1), r"^--speculative-num-draft-tokens 1: the block size must be >= 2"),
         (dict(speculative_num_draft_tokens=5000), r"^--speculative-num-draft-tokens 5000: at most 256 verify tokens"),
-        # a draft window (adapter/draft/context_rows.py): W >= the block (6 here), and nothing that addresses the draft
-        # pool
-        # by target KV slot
-        (dict(speculative_draft_window_size=4, disable_radix_cache=True),
+        # a draft window (adapter/draft/context_rows.py): W >= the block (6 here, SGLang's rule), with the radix cache
+        # on or off (test_draft_window_resolution); the ring (radix cache off) drafts eagerly
+        (dict(speculative_draft_window_size=4),
          r"^--speculative-draft-window-size 4: must be an integer >= the draft block size \(6\)"),
-        (dict(speculative_draft_window_size=64), r"^--speculative-draft-window-size 64: a radix-cache hit would find "
-         r"no draft K/V .* add --disable-radix-cache"),
-        (dict(speculative_draft_window_size=64, disable_radix_cache=True, speculative_eagle_topk=2),
-         r"^--speculative-draft-window-size 64: tree verification \(top-k 2\) is not served with a draft window"),
         (dict(speculative_draft_window_size=64, disable_radix_cache=True, speculative_dflash_draft_graphs="static"),
-         r"^--speculative-draft-window-size 64: the draft CUDA graphs read their key rows through req_to_token"),
+         r"^--speculative-draft-window-size 64: with the radix cache off the window is a ring of rows per request "
+         r"slot, whose draft pass runs eagerly"),
         (dict(speculative_num_draft_tokens=4, speculative_dflash_block_size=5),
          r"^--speculative-num-draft-tokens 4 and"),
         (dict(speculative_eagle_topk=0), r"^--speculative-eagle-topk 0: must be >= 1"),
@@ -918,32 +914,60 @@ def test_draft_kv_dtype_through_sglangs_own_resolution(plugin, pair, monkeypatch
     assert s.context_len > 0
 
 
-@pytest.mark.parametrize("kw, mode", [
-    (dict(), "goodput"),  # no shape flag: the controller, over chains only under a window
-    (dict(speculative_num_draft_tokens=6), "chain"),
+@pytest.mark.parametrize("kw, ring, mode, topk, why", [
+    # the radix cache off: the ring (no shape flag: the controller over chains only, as the ring serves chains)
+    (dict(disable_radix_cache=True), True, "goodput", 1, "the radix cache is off"),
+    (dict(disable_radix_cache=True, speculative_num_draft_tokens=6), True, "chain", 1, "the radix cache is off"),
+    # SGLang's defaults (the radix cache on): the slot rows, with what they serve: the controller's trees, the draft
+    # graphs
+    (dict(), False, "goodput", 4, "the radix cache is on"),
+    (dict(speculative_dflash_draft_graphs="static"), False, "goodput", 4, "the radix cache is on"),
+    # the radix cache off, but trees: the slot rows (a tree's nodes share positions, by which the ring is indexed)
+    (dict(disable_radix_cache=True, speculative_eagle_topk=2), False, "tree", 2, "tree verification"),
+    # ... or PD (the transfer goes by target KV slot), or DP attention (where this SGLang serves them)
+    (dict(disable_radix_cache=True, disaggregation_mode="decode", disaggregation_transfer_backend="mooncake"), False,
+     "goodput", 4, "PD disaggregation"),
+    (dict(disable_radix_cache=True, tp_size=2, attn_dp_size=2, enable_dp_lm_head=True,
+          speculative_dflash_experimental=True), False, "goodput", 4, "DP attention"),
 ])
 @child_only
-def test_draft_window_resolution(plugin, pair, monkeypatch, kw, mode):
-    """--speculative-draft-window-size W (with --disable-radix-cache) resolves to a ring of R = W + N - 1 rows per
-    request slot: 0 B/token for SGLang's KV sizing (the hook adds nothing), R rows per request at any context length,
-    a declared request cap (the rings are allocated per request slot before KV sizing), chains, eager draft passes."""
+def test_draft_window_resolution(plugin, pair, monkeypatch, kw, ring, mode, topk, why):
+    """--speculative-draft-window-size W: with the radix cache off, a ring of R = W + N - 1 rows per request slot: 0
+    B/token for SGLang's KV sizing (the hook adds nothing), R rows per request at any context length, a declared
+    request cap (the rings are allocated per request slot before KV sizing), chains, eager draft passes. Wherever the
+    ring cannot serve (the radix cache on, SGLang's default; trees), the slot rows read over the last W positions: a
+    row per token for the KV sizing, SGLang's own request cap, trees and the draft graphs as without a window. The
+    reason is in the settings (the start-up line says it)."""
     from sglang.srt.runtime_context import get_context
     from sglang.srt.speculative import dflash_utils
 
     from dflash_sglang.adapter.settings import settings_of
-    from dflash_sglang.adapter.versions import resolved_value
+    from dflash_sglang.adapter.versions import attention_dp_served, pd_disaggregation_supported, resolved_value
 
+    if ("disaggregation_mode" in kw and not pd_disaggregation_supported()) or ("attn_dp_size" in kw and not (
+            _sglang_has_flag("--attn-dp-size") and attention_dp_served())):
+        pytest.skip(f"sglang {version('sglang')} does not serve it (refused by name: see the refusal tests)")
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
-    server_args = _server_args(pair, speculative_draft_window_size=16, disable_radix_cache=True, **kw)
+    server_args = _server_args(pair, speculative_draft_window_size=16, **kw)
     s = settings_of(server_args)
-    assert (s.mode, s.topk, s.draft_window, s.draft_graphs) == (mode, 1, 16, "eager")
+    assert (s.mode, s.topk, s.draft_window) == (mode, topk, 16)
+    assert s.draft_window_why.startswith(why), s.draft_window_why
     memory = s.draft_memory
-    assert (memory.window, memory.ring, memory.bytes_per_token) == (16, 16 + s.nodes - 1, 0)
-    assert memory.bytes_per_request(10) == memory.bytes_per_request(10**6) == memory.ring * memory.bytes_per_row > 0
-    assert s.max_running_requests == resolved_value(server_args, "max_running_requests") == 48
     get_context().set_server_args(server_args)
     kv = dict(target_cell_size_per_token=1000, target_num_layers=4, draft_num_layers=2)
-    assert dflash_utils.scale_kv_cell_size_per_token_for_dflash(**kv) == 1000
+    if ring:
+        assert s.draft_graphs == "eager"
+        assert (memory.window, memory.ring, memory.bytes_per_token) == (16, 16 + s.nodes - 1, 0)
+        assert memory.bytes_per_request(10) == memory.bytes_per_request(10**6) == memory.ring * memory.bytes_per_row
+        assert s.max_running_requests == resolved_value(server_args, "max_running_requests") == 48
+        assert dflash_utils.scale_kv_cell_size_per_token_for_dflash(**kv) == 1000
+        return
+    assert s.draft_graphs == kw.get("speculative_dflash_draft_graphs", "auto")
+    assert (memory.window, memory.ring) == (16, 0) and memory.bytes_per_token == memory.bytes_per_row > 0
+    assert memory.bytes_per_request(100) == 100 * memory.bytes_per_row
+    if mode == "goodput":
+        assert s.max_running_requests is None  # SGLang's own, as without a window
+    assert dflash_utils.scale_kv_cell_size_per_token_for_dflash(**kv) == 1000 + memory.bytes_per_row
 
 
 @child_only
@@ -1039,8 +1063,9 @@ def test_transferred_draft_pool_is_laid_out_as_sglangs_kv_pool(plugin):
 @child_only
 @pytest.mark.parametrize("case, match", [
     ("slots", None),  # one row per target slot, as many layers as the target or fewer: SIDECAR
-    ("window", r"^--enable-hierarchical-cache with --speculative-draft-window-size: the windowed draft pool keeps no "
+    ("window", r"^--enable-hierarchical-cache with --speculative-draft-window-size: the window's ring keeps no "
                r"rows at the target's KV slots"),
+    ("window_slots", None),  # a window over the slot rows offloads as without one
     ("deeper", r"^--enable-hierarchical-cache: the draft has 4 layers, more than the target's 3 HiCache transfer"),
     ("no_offload", None),  # no HiCache, no host-pool retraction backup: no plan
 ])
@@ -1062,7 +1087,8 @@ def test_hicache_draft_plan(plugin, monkeypatch, case, match):
     target = MHATokenToKVPool(size=16, page_size=1, dtype=torch.float32, head_num=2, head_dim=8, layer_num=3,
                               device="cpu", enable_memory_saver=False, enable_alt_stream=False)
     pool = DraftKVPool(4 if case == "deeper" else 2, 40, 2, 8, torch.float32, "cpu")
-    rows = WindowRows(window=4, ring=8, req_slots=2) if case == "window" else SlotRows(17)
+    rows = {"window": WindowRows(window=4, ring=8, req_slots=2), "window_slots": SlotRows(17, window=4)}.get(
+        case, SlotRows(17))
     drafter = SimpleNamespace(pool=pool, context_rows=rows)
     if match is not None:
         with pytest.raises(UnsupportedFlagError, match=match):

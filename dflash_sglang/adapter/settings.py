@@ -54,7 +54,8 @@ class DFlashSettings:
     draft_graphs: str  # one of DRAFT_GRAPHS
     draft_kv_dtype: str  # the draft KV pool's dtype, SGLang's name ("auto": the model dtype; "fp8_e4m3", ...)
     draft_memory: DraftMemory  # its pool row's bytes, what SGLang's KV sizing counts (adapter/draft/memory.py)
-    # --speculative-draft-window-size W (adapter/draft/context_rows.py), None: the whole context
+    # --speculative-draft-window-size W (adapter/draft/context_rows.py), None: the whole context; served over the slot
+    # rows, or over a ring per request slot where `draft_memory.ring` > 0
     draft_window: int | None
     context_len: int  # the target's context length (a request's most draft pool rows)
     tree_cuda_graph: bool  # target verify graphs captured with the tree mask (CUDA, trees)
@@ -66,6 +67,7 @@ class DFlashSettings:
     step_cost: FixedStepCost | None = None  # DFLASH_SIMULATE_STEP_COST (goodput only): the step time observed
     hybrid: bool = False  # the target has Gated DeltaNet layers: each verify's recurrent state is committed
     disaggregation: str | None = None  # PD: "prefill" or "decode" (adapter/scale/disagg.py), None: a whole server
+    draft_window_why: str | None = None  # why the window's layout (slot rows or the ring), for the start-up line
 
     def __post_init__(self) -> None:
         assert self.mode in MODES and (self.mode == "adaptive") == (self.adaptive_table is not None)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dflash_sglang.core.checkpoint import check_fit
 from dflash_sglang.core.config import CheckpointError, DraftConfig, gated_deltanet, recurrent_layers
 from dflash_sglang.core.token_map import TOKEN_MAP_FILE, load_token_map, read_token_map
 
+from ..draft.attention import FlashInferPagedAttention
 from ..settings import DRAFT_ATTENTION, DRAFT_GRAPHS, IMPL_ENV, UnsupportedFlagError
 from ..versions import attention_dp, declare, model_config, view
 from .refusals import EXPERIMENTAL, disaggregation, refuse
@@ -38,29 +40,48 @@ def token_map_path(flag_value: str | None, draft_dir: str, draft: DraftConfig) -
     return str(flag_value)
 
 
-def draft_window(cfg, draft: DraftConfig, block: int, topk: int, graphs: str) -> int:
-    """--speculative-draft-window-size W (set): the drafter reads the last W context positions from a ring of rows per
-    request slot (adapter/draft_window.py). W >= the block size (SGLang's rule); refused with what addresses the draft
-    pool by target KV slot or reads it through req_to_token. cfg: the resolved view; topk: the resolved top-k."""
+@dataclass(frozen=True)
+class WindowLayout:
+    """How `--speculative-draft-window-size W` is served (adapter/draft/context_rows.py): the slot rows (one per target
+    KV slot) read over the last W positions, or a ring of W + N - 1 rows per request slot; `why`: the reason, said in
+    the start-up line."""
+
+    window: int
+    ring: bool
+    why: str
+    topk: int  # the resolved top-k (the goodput controller's trees left out for the ring)
+
+
+def draft_window(cfg, draft: DraftConfig, mode: str, block: int, topk: int, graphs: str, attention: str
+                 ) -> WindowLayout:
+    """--speculative-draft-window-size W (set): W >= the draft block size (SGLang's rule), and the layout. The ring
+    wherever it serves (its memory is the point with the radix cache off); the slot rows wherever the server needs a
+    draft row at each target KV slot, or reads the pool through req_to_token: then the window bounds the reads only.
+    The goodput controller's trees (no --speculative-eagle-topk) are left out for the ring: its shapes are then chains.
+    cfg: the resolved view; mode, block, topk: the resolved shape; graphs: --speculative-dflash-draft-graphs; attention:
+    the resolved drafter attention ("flashinfer" / "torch")."""
     flag, value = "--speculative-draft-window-size", cfg.speculative_draft_window_size
     if isinstance(value, bool) or not isinstance(value, int) or value < block:
         refuse(flag, value, f"must be an integer >= the draft block size ({block})")
-    refusals = (
-        (not cfg.disable_radix_cache, "a radix-cache hit would find no draft K/V for the cached prefix in the "
-         "request's window rows; add --disable-radix-cache"),
-        (topk > 1, f"tree verification (top-k {topk}) is not served with a draft window; verify chains "
-         "(--speculative-eagle-topk 1)"),
-        (disaggregation(cfg) is not None, "PD disaggregation transfers the draft pool by target KV slot"),
-        (bool(getattr(cfg, "enable_hierarchical_cache", False)), "HiCache offloads the draft pool by target KV slot"),
-        (attention_dp(cfg) is not None, "DP attention is not served with a draft window yet"),
-        (draft.dflash2 is not None, "DFlash2 drafters are not served with a draft window yet"),
-        (graphs == "static", "the draft CUDA graphs read their key rows through req_to_token: the draft pass runs "
-         "eagerly under a window (--speculative-dflash-draft-graphs auto or eager)"),
+    kinds = {draft.layer_kind(i) for i in range(draft.num_hidden_layers)}
+    dense = attention == "flashinfer" and not all(FlashInferPagedAttention.expresses(k, block) for k in kinds)
+    trees = topk > 1 and (mode != "goodput" or cfg.speculative_eagle_topk is not None)
+    slot_rows = (  # (needs the slot rows, why), first match said
+        (not cfg.disable_radix_cache, "the radix cache is on: a cached prefix's draft rows stay at its KV slots"),
+        (disaggregation(cfg) is not None, "PD disaggregation transfers the draft rows by target KV slot"),
+        (bool(getattr(cfg, "enable_hierarchical_cache", False)), "HiCache offloads the draft rows by target KV slot"),
+        (attention_dp(cfg) is not None, "DP attention: its groups' request slots are not sized for rings"),
+        (trees, f"tree verification (top-k {topk}): a tree's nodes share positions, by which a ring is indexed"),
+        (dense, "the drafter's dense attention path (a bidirectional sliding window narrower than the block on "
+         "FlashInfer) reads the draft rows by target KV slot"),
     )
-    for refused, why in refusals:
-        if refused:
-            refuse(flag, value, why)
-    return value
+    why = next((why for needed, why in slot_rows if needed), None)
+    if why is not None:
+        return WindowLayout(value, False, why, topk)
+    if graphs == "static":
+        refuse(flag, value, "with the radix cache off the window is a ring of rows per request slot, whose draft "
+               "pass runs eagerly (--speculative-dflash-draft-graphs auto or eager)")
+    return WindowLayout(value, True, "the radix cache is off: a ring per request slot", 1)
 
 
 def draft_graphs(value: str) -> str:

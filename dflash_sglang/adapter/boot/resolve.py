@@ -85,15 +85,15 @@ def handle_dflash_args(server_args: ServerArgs) -> DFlashSettings:
     mode, block, nodes, topk, table = resolve_shape(server_args, draft, flags, requested, simulation)
     max_running, budget = running_limits(mode, nodes, requested, flags["speculative_dflash_adaptive_token_budget"])
     graphs = draft_graphs(flags["speculative_dflash_draft_graphs"])
+    attention = draft_attention(flags["speculative_draft_attention_backend"], str(cfg.device))
+    window = None
     if cfg.speculative_draft_window_size is not None:
-        if mode == "goodput" and cfg.speculative_eagle_topk is None:
-            topk = 1  # the window's rings serve chains: the controller's shapes are chains (1..N rows)
-        window = draft_window(cfg, draft, block, topk, graphs)
-        # its rings are allocated per request slot when the worker is built (adapter/draft/memory.py): a known cap
-        max_running = max_running if max_running is not None else DEFAULT_MAX_RUNNING_REQUESTS
-        graphs = "eager"  # (`auto`: draft_window refused `static`)
-    else:
-        window = None
+        window = draft_window(cfg, draft, mode, block, topk, graphs, attention)
+        topk = window.topk
+        if window.ring:
+            # the rings are allocated per request slot when the worker is built (adapter/draft/memory.py): a known cap
+            max_running = max_running if max_running is not None else DEFAULT_MAX_RUNNING_REQUESTS
+            graphs = "eager"  # (`auto`: draft_window refused `static` with the ring)
     step_cost = simulated_step_cost()
     target, kv_dtype = model_config(server_args), draft_kv_dtype(cfg)
     if step_cost is not None and mode != "goodput":
@@ -102,9 +102,11 @@ def handle_dflash_args(server_args: ServerArgs) -> DFlashSettings:
     settings = DFlashSettings(
         draft_dir=str(cfg.speculative_draft_model_path), draft=draft, mode=mode, block_size=block, nodes=nodes,
         topk=topk, max_running_requests=max_running, device=str(cfg.device),
-        draft_attention=draft_attention(flags["speculative_draft_attention_backend"], str(cfg.device)),
-        draft_graphs=graphs, draft_kv_dtype=kv_dtype, draft_window=window,
-        draft_memory=draft_memory(draft, kv_dtype, target.dtype, window, ring_size(window, nodes) if window else 0),
+        draft_attention=attention, draft_graphs=graphs, draft_kv_dtype=kv_dtype,
+        draft_window=None if window is None else window.window,
+        draft_window_why=None if window is None else window.why,
+        draft_memory=draft_memory(draft, kv_dtype, target.dtype, None if window is None else window.window,
+                                  ring_size(window.window, nodes) if window is not None and window.ring else 0),
         context_len=int(target.context_len),
         tree_cuda_graph=bool(flags["speculative_dflash_tree_cuda_graph"]) and topk > 1,
         dummy_draft=dummy, adaptive_table=table,

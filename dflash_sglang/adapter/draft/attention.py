@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash_sglang import ops
 from dflash_sglang.core.config import LayerKind
 from dflash_sglang.core.draft_kv import DraftKVFormat
 
@@ -61,19 +60,6 @@ def host_indptrs(seq_lens_cpu: Tensor, block: int) -> tuple[Tensor, Tensor]:
     kv_indptr = torch.zeros(bs + 1, dtype=torch.int64)
     torch.cumsum(seq_lens_cpu.to(torch.int64) + block, 0, out=kv_indptr[1:])
     return torch.arange(bs + 1, dtype=torch.int32) * block, kv_indptr.to(torch.int32)
-
-
-def build_layout(req_to_token: Tensor, req_pool_indices: Tensor, seq_lens_cpu: Tensor, block: int,
-                 scratch_base: int) -> DraftLayout:
-    """req_to_token [pool_reqs, max_ctx] int32 (SGLang's table), req_pool_indices [bs], seq_lens_cpu [bs] int
-    committed tokens per request (host), scratch_base: first scratch row; request-pool slot r owns scratch
-    rows scratch_base + r*B .. + B-1. The key rows come from `ops.draft_kv_indices` (one kernel on CUDA)."""
-    device = req_to_token.device
-    qo_indptr_cpu, kv_indptr_cpu = host_indptrs(seq_lens_cpu, block)
-    slot = req_pool_indices.to(device=device, dtype=torch.int64)
-    kv_indices = ops.draft_kv_indices(kv_indptr_cpu.to(device, non_blocking=True), slot, req_to_token, scratch_base,
-                                      block, out=torch.empty(int(kv_indptr_cpu[-1]), dtype=torch.int32, device=device))
-    return DraftLayout(qo_indptr_cpu, kv_indptr_cpu, kv_indices)
 
 
 @dataclass(frozen=True)

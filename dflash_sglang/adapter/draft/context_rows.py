@@ -1,18 +1,21 @@
 """Which draft pool rows hold a request's context K/V: one per target KV slot, or a bounded ring per request.
 
-`SlotRows` (the default): pool row i is target KV slot i. A committed token's draft K/V go to its target slot and the
-drafter reads them through SGLang's `req_to_token`, so radix-cache hits, PD transfer and trees need no bookkeeping of
-their own; the pool grows with the target's token capacity.
+`SlotRows` (the default, and a draft window's layout wherever the ring cannot serve): pool row i is target KV slot i.
+A committed token's draft K/V go to its target slot and the drafter reads them through SGLang's `req_to_token`, so
+radix-cache hits, PD transfer, HiCache and trees need no bookkeeping of their own; the pool grows with the target's
+token capacity. Under `--speculative-draft-window-size W` a pass reads only the slots of the last W positions (core/
+drafter.py `context_window`): the rows stay, only the reads are bounded.
 
-`WindowRows` (`--speculative-draft-window-size W`): the drafter reads only the last W context positions (core/drafter.py
-`context_window`), so each request-pool slot r owns a ring of R = W + N - 1 rows and position p lives at row
+`WindowRows` (`--speculative-draft-window-size W` with the radix cache off): the drafter reads only the last W context
+positions, so each request-pool slot r owns a ring of R = W + N - 1 rows and position p lives at row
 r*R + p % R (N: the most verify rows a step commits). Why R: a decode step writes every verify row (positions
 L .. L+n-1, n <= N, rejected ones included), overwriting positions p - R; the next step, at a committed length
 L' >= L+1, reads L'-W .. L'-1, and L+n-1-R < L+1-W holds for R >= W + n - 1. A position is rewritten by the step that
 commits it before any pass reads it, and a pass at length L reads only positions this request committed (< L), so a
-ring reused by a new request is never read stale. The pool costs req_slots x R rows, whatever the context length.
+ring reused by a new request is never read stale. The pool costs req_slots x R rows, whatever the context length; a
+cached prefix's rows are not kept (the next request in the slot overwrites them), hence the radix cache off.
 
-Both give the same three things (`ContextRows`): the pass's key layout (`layout`), and the rows a prefill's and a
+Both give the same things (`ContextRows`): the pass's key layout (`layout`), and the rows a prefill's and a
 decode step's commits write (`prefill`, `decode`), so the worker's step calls one interface either way.
 """
 from __future__ import annotations
@@ -23,7 +26,9 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from .attention import DraftLayout, build_layout, host_indptrs
+from dflash_sglang import ops
+
+from .attention import DraftLayout, host_indptrs
 from .pool import new_pool
 
 
@@ -31,10 +36,16 @@ class ContextRows(Protocol):
     """Where a draft pool keeps context K/V (rows [0, rows); the block scratch rows follow)."""
 
     rows: int
+    window: int | None  # W: the context positions a pass reads (None: all of them)
 
-    def layout(self, req_to_token: Tensor, req_pool_indices: Tensor, seq_lens_cpu: Tensor, block: int,
-               scratch_base: int) -> DraftLayout:
-        """The pass's keys: request i's context rows, then its block scratch rows (scratch_base + r*block + j)."""
+    def key_lens(self, seq_lens_cpu: Tensor) -> Tensor:
+        """[bs] committed lengths (host) -> [bs] int64 context keys a pass reads (min(L, W), or L)."""
+        ...
+
+    def layout(self, req_to_token: Tensor, req_pool_indices: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor,
+               block: int, scratch_base: int) -> DraftLayout:
+        """The pass's keys: request i's context rows (its last `key_lens` positions, in position order), then its block
+        scratch rows (scratch_base + r*block + j). seq_lens [bs] on the device, seq_lens_cpu its host mirror."""
         ...
 
     def prefill(self, positions: Tensor, out_cache_loc: Tensor, req_pool_indices: Tensor,
@@ -48,23 +59,56 @@ class ContextRows(Protocol):
         [bs*n] int64."""
         ...
 
+    def describe(self) -> str:
+        """The layout in words, for the start-up line."""
+        ...
+
 
 @dataclass(frozen=True)
 class SlotRows:
-    """One pool row per target KV slot (rows = the target pool's slots, padding slot included)."""
+    """One pool row per target KV slot (rows = the target pool's slots, padding slot included); a pass reads the
+    slots of the last `window` positions (None: the whole context)."""
 
     rows: int
+    window: int | None = None
 
-    def layout(self, req_to_token: Tensor, req_pool_indices: Tensor, seq_lens_cpu: Tensor, block: int,
-               scratch_base: int) -> DraftLayout:
-        return build_layout(req_to_token, req_pool_indices, seq_lens_cpu, block, scratch_base)
+    def __post_init__(self) -> None:
+        assert self.window is None or self.window >= 1, self
+
+    def key_lens(self, seq_lens_cpu: Tensor) -> Tensor:
+        lens = seq_lens_cpu.to(torch.int64)
+        return lens if self.window is None else lens.clamp(max=self.window)
+
+    def key_rows(self, kv_indptr: Tensor, req_pool_indices: Tensor, seq_lens: Tensor, req_to_token: Tensor,
+                 scratch_base: int, block: int, out: Tensor) -> Tensor:
+        """The pass's key rows into out [capacity] int32 on the device, from kv_indptr [bs+1] int32 (device, over
+        `key_lens`), req_pool_indices / seq_lens [bs] (device): `ops.draft_kv_indices`, one kernel on CUDA, no host
+        read (the draft graphs capture it). Under a window each request's keys start at position L - min(L, W)."""
+        return ops.draft_kv_indices(kv_indptr, req_pool_indices, req_to_token, scratch_base, block, out=out,
+                                    seq_lens=None if self.window is None else seq_lens)
+
+    def layout(self, req_to_token: Tensor, req_pool_indices: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor,
+               block: int, scratch_base: int) -> DraftLayout:
+        """The ragged sizes from the host lengths; the key rows by `key_rows` on the device."""
+        device = req_to_token.device
+        qo_indptr, kv_indptr = host_indptrs(self.key_lens(seq_lens_cpu), block)
+        out = torch.empty(int(kv_indptr[-1]), dtype=torch.int32, device=device)
+        self.key_rows(kv_indptr.to(device, non_blocking=True), req_pool_indices.to(device), seq_lens.to(device),
+                      req_to_token, scratch_base, block, out)
+        return DraftLayout(qo_indptr, kv_indptr, out)
 
     def prefill(self, positions: Tensor, out_cache_loc: Tensor, req_pool_indices: Tensor,
                 extend_lens: list[int]) -> tuple[Tensor | None, Tensor]:
+        # every token: a later request's radix hit may end anywhere in this prompt and read the W positions before it
         return None, out_cache_loc
 
     def decode(self, positions: Tensor, slots: Tensor, req_pool_indices: Tensor) -> Tensor:
         return slots.reshape(-1)
+
+    def describe(self) -> str:
+        if self.window is None:
+            return "context rows at the target KV slots"
+        return f"draft window {self.window} over context rows at the target KV slots"
 
 
 @dataclass(frozen=True)
@@ -90,8 +134,8 @@ class WindowRows:
         """[bs] committed lengths (host) -> [bs] int64 context rows a pass reads: min(L, W)."""
         return seq_lens_cpu.to(torch.int64).clamp(max=self.window)
 
-    def layout(self, req_to_token: Tensor, req_pool_indices: Tensor, seq_lens_cpu: Tensor, block: int,
-               scratch_base: int) -> DraftLayout:
+    def layout(self, req_to_token: Tensor, req_pool_indices: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor,
+               block: int, scratch_base: int) -> DraftLayout:
         """Request i at committed length L reads ring rows of positions L-k .. L-1 (k = min(L, W)), then its block
         scratch. The ragged sizes come from the host lengths; one gather of the request-pool slots on the device."""
         device = req_pool_indices.device
@@ -128,6 +172,9 @@ class WindowRows:
         assert positions.shape[1] <= self.ring - self.window + 1, "a step verifies at most N rows (R >= W + N - 1)"
         return self.ring_rows(req_pool_indices.to(positions.device)[:, None], positions).reshape(-1)
 
+    def describe(self) -> str:
+        return f"draft window {self.window} in a ring of {self.ring} rows per request slot"
+
 
 def ring_size(window: int, nodes: int) -> int:
     """R for window W and at most N (>= 2) verify rows a step commits (module docstring)."""
@@ -145,12 +192,12 @@ class WindowPool:
 
     @classmethod
     def allocate(cls, settings, weights, dtype: torch.dtype, device) -> WindowPool | None:
-        """settings: the resolved DFlashSettings (None unless --speculative-draft-window-size); weights: the drafter.
-        Request slots: --max-running-requests + 1, the req_to_token rows SGLang allocates for it (the resolution
-        declares a cap under a window)."""
-        if settings.draft_window is None:
+        """settings: the resolved DFlashSettings (None unless --speculative-draft-window-size is served by the ring);
+        weights: the drafter. Request slots: --max-running-requests + 1, the req_to_token rows SGLang allocates for it
+        (the resolution declares a cap with the ring)."""
+        if settings.draft_window is None or settings.draft_memory.ring == 0:
             return None
-        assert settings.max_running_requests is not None, "declared under a window (adapter/boot/resolve.py)"
+        assert settings.max_running_requests is not None, "declared with the ring (adapter/boot/resolve.py)"
         req_slots = settings.max_running_requests + 1
         rows = WindowRows(settings.draft_window, settings.draft_memory.ring, req_slots)
         pool = new_pool(weights.cfg, rows.rows, req_slots, settings.block_size, dtype, device, settings.draft_kv_dtype)

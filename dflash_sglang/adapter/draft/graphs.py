@@ -4,11 +4,12 @@ the verify rows, one graph of each per captured batch size.
 Why: eager, one draft pass dispatches hundreds of aten ops and one commit dozens (scripts/count_draft_ops.py;
 counts in docs/benchmarks.md), each a host launch every decode step, while SGLang's builtin DFLASH replays its draft
 as one graph. Here a step replays two graphs. The draft graph starts with the attention layout: the
-`draft_layout` kernel (`ops.draft_kv_indices`) writes every request's key rows into a fixed buffer from kv_indptr,
-which FlashInfer's graph-mode wrapper reads at a fixed address. What stays on the host is what only the host
-knows: kv_indptr (a cumulative sum of the scheduler's host copy of seq_lens), FlashInfer's plan (host work and
-the copy of kv_indptr), and copying the step's inputs into the static buffers. A DFlash2 draft's graph also holds its
-selector's candidates and the chain's walk (adapter/draft/selector_graph.py; `select` replays it).
+`draft_layout` kernel (`ops.draft_kv_indices`, through the drafter's `context_rows.key_rows`) writes every request's
+key rows into a fixed buffer from kv_indptr and seq_lens (a draft window reads the last W positions), which
+FlashInfer's graph-mode wrapper reads at a fixed address. What stays on the host is what only the host knows:
+kv_indptr (a cumulative sum of the scheduler's host copy of seq_lens, each clamped to the window), FlashInfer's plan
+(host work and the copy of kv_indptr), and copying the step's inputs into the static buffers. A DFlash2 draft's graph
+also holds its selector's candidates and the chain's walk (adapter/draft/selector_graph.py; `select` replays it).
 
 Padding: bs requests replay the graph of the smallest captured size >= bs. Padded draft requests have no context
 and the drafter's padding scratch rows (`PagedDrafter.pad_slot`); their logits are never read. Padded commit rows
@@ -30,10 +31,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dflash_sglang import ops
 from dflash_sglang.core.selector import CandidateSelector, SelectorScores, TopK
 
 from .attention import DraftLayout, PagedAttention, host_indptrs
+from .context_rows import SlotRows
 from .model import PagedDrafter, TargetHead
 from .selector_graph import GraphedSelector, SelectorStatics
 
@@ -108,6 +109,7 @@ class DraftGraphs:
         selector: a DFlash2 draft's (None: DFlash v1), with `top`, its candidates over the whole draft vocabulary, and
         select_in_graph: its selection captured with the pass (False under TP: it follows the replay)."""
         assert drafter.attention is not None and drafter.pad_slot is not None, "a paged drafter with a padding slot"
+        assert isinstance(drafter.context_rows, SlotRows), "a draft window's ring runs eagerly (adapter/boot)"
         self.drafter, self.head, self.req_to_token = drafter, head, req_to_token
         self.block = drafter.block
         self.sizes = sorted(set(sizes))
@@ -208,10 +210,11 @@ class DraftGraphs:
             return None
         if seq_lens_cpu is None:
             seq_lens_cpu = seq_lens.to("cpu", torch.int64)
-        if int(seq_lens_cpu.sum()) + size * self.block > self.kv_indices.numel():
+        key_lens = self.drafter.context_rows.key_lens(seq_lens_cpu)
+        if int(key_lens.sum()) + size * self.block > self.kv_indices.numel():
             return None
         g = self.drafts[size]
-        self._plan(g, seq_lens_cpu)
+        self._plan(g, key_lens)
         g.bonus[:bs].copy_(bonus)
         g.seq_lens[:bs].copy_(seq_lens)
         g.req_pool_indices[:bs].copy_(req_pool_indices)
@@ -219,18 +222,19 @@ class DraftGraphs:
             g.req_pool_indices[bs:].fill_(self.drafter.pad_slot)
         return g
 
-    def _plan(self, g: _DraftGraph, seq_lens_cpu: Tensor) -> None:
-        """Host kv_indptr of the padded batch (padded requests: no context) into the graph's buffer, and the
-        attention planned on it. The layout carries no kv_indices: the graph's first kernel writes them."""
+    def _plan(self, g: _DraftGraph, key_lens: Tensor) -> None:
+        """Host kv_indptr of the padded batch (key_lens [bs] int64: each request's context keys, the drafter's
+        `context_rows.key_lens`; padded requests: none) into the graph's buffer, and the attention planned on it. The
+        layout carries no kv_indices: the graph's first kernel writes them."""
         lens = torch.zeros(g.size, dtype=torch.int64)
-        lens[: seq_lens_cpu.numel()] = seq_lens_cpu
+        lens[: key_lens.numel()] = key_lens
         qo_indptr, kv_indptr = host_indptrs(lens, self.block)
         g.kv_indptr.copy_(kv_indptr, non_blocking=True)
         g.attention.plan(DraftLayout(qo_indptr, kv_indptr, self.kv_indices[:0]))
 
     def _draft_body(self, g: _DraftGraph) -> None:
-        ops.draft_kv_indices(g.kv_indptr, g.req_pool_indices, self.req_to_token, self.drafter.scratch_base,
-                             self.block, out=self.kv_indices)
+        self.drafter.context_rows.key_rows(g.kv_indptr, g.req_pool_indices, g.seq_lens, self.req_to_token,
+                                           self.drafter.scratch_base, self.block, self.kv_indices)
         states = g.selection.states if g.selection is not None else None
         self.drafter.block_logits(self.head, g.bonus, g.seq_lens, g.req_pool_indices, g.attention, out=g.logits,
                                   states=states)

@@ -12,12 +12,13 @@ when the draft's heads, head_dim or KV dtype differ from the target's), 0.5.23 c
 dtype but divides its KV heads by the TP size (our pool is not sharded). `cell_size_hook` replaces both with the exact
 bytes of our pool row, so the target pool plus ours fit the memory SGLang measured.
 
-With a draft window (`--speculative-draft-window-size W`, adapter/draft/context_rows.py) the pool has no per-token term:
-it holds R = W + N - 1 rows per request-pool slot, a per-request term SGLang's per-token sizing cannot express. The
-worker allocates that pool when it is built (`DFlashWorker.__init__`, as it loads the draft weights), before SGLang
-measures the memory its KV pools may take, so the measurement counts it, and the hook adds 0 B/token. The request slots
-it serves are --max-running-requests + 1 (SGLang's req_to_token rows), which the resolution always declares under a
-window (adapter/boot/resolve.py); the worker checks SGLang's table against it.
+A draft window (`--speculative-draft-window-size W`, adapter/draft/context_rows.py) over the slot rows (the radix cache
+on, or what else needs them) costs the same per token: the rows stay, only the reads are bounded. With the ring (the
+radix cache off) the pool has no per-token term: it holds R = W + N - 1 rows per request-pool slot, a per-request term
+SGLang's per-token sizing cannot express. The worker allocates that pool when it is built (`DFlashWorker.__init__`, as
+it loads the draft weights), before SGLang measures the memory its KV pools may take, so the measurement counts it, and
+the hook adds 0 B/token. The request slots it serves are --max-running-requests + 1 (SGLang's req_to_token rows), which
+the resolution always declares with the ring (adapter/boot/resolve.py); the worker checks SGLang's table against it.
 """
 from __future__ import annotations
 
@@ -43,11 +44,11 @@ class DraftMemory:
     head_dim: int
     element_size: int  # bytes per stored element
     dtype: str  # the draft KV dtype's name ("auto" resolved to the model dtype's torch name)
-    window: int | None = None  # W (--speculative-draft-window-size), None: a row per target KV slot
-    ring: int = 0  # R: rows per request-pool slot under a window (adapter/draft/context_rows.py `ring_size`)
+    window: int | None = None  # W (--speculative-draft-window-size), None: the whole context
+    ring: int = 0  # R: rows per request-pool slot of the window's ring (context_rows.py `ring_size`), 0: slot rows
 
     def __post_init__(self) -> None:
-        assert (self.window is None) == (self.ring == 0), self
+        assert self.ring == 0 or (self.window is not None and self.ring > self.window), self
 
     @property
     def bytes_per_row(self) -> int:
@@ -55,18 +56,19 @@ class DraftMemory:
 
     @property
     def bytes_per_token(self) -> int:
-        """What a target KV slot costs the draft pool (SGLang's per-token sizing): a row, or 0 under a window."""
-        return self.bytes_per_row if self.window is None else 0
+        """What a target KV slot costs the draft pool (SGLang's per-token sizing): a row, or 0 with the ring."""
+        return self.bytes_per_row if self.ring == 0 else 0
 
     def bytes_per_request(self, context_len: int) -> int:
-        """A request of context_len tokens: one row per target KV slot it holds, or its ring under a window."""
-        return self.bytes_per_row * (context_len if self.window is None else self.ring)
+        """A request of context_len tokens: one row per target KV slot it holds, or its ring."""
+        return self.bytes_per_row * (context_len if self.ring == 0 else self.ring)
 
     def describe(self, context_len: int) -> str:
-        if self.window is not None:
+        if self.ring:
             return (f"draft KV {self.dtype}: window {self.window}, 0 B/token, {self.ring} rows x {self.bytes_per_row} "
                     f"B = {human_bytes(self.bytes_per_request(context_len))}/request at any context length")
-        return (f"draft KV {self.dtype}: {self.bytes_per_token} B/token, "
+        window = "" if self.window is None else f"window {self.window} over slot rows, "
+        return (f"draft KV {self.dtype}: {window}{self.bytes_per_token} B/token, "
                 f"{human_bytes(self.bytes_per_request(context_len))}/request at {context_len} tokens")
 
 
@@ -81,7 +83,7 @@ def human_bytes(n: int) -> str:
 def draft_memory(cfg: DraftConfig, kv_dtype: str, model_dtype: torch.dtype, window: int | None = None,
                  ring: int = 0) -> DraftMemory:
     """The pool row of a draft of config cfg stored in kv_dtype (SGLang's name; "auto": model_dtype); under a draft
-    window W, R rows per request slot."""
+    window W, over slot rows (ring 0) or R = ring rows per request slot."""
     dtype = parse_kv_dtype(kv_dtype) or model_dtype
     name = kv_dtype if kv_dtype != "auto" else str(model_dtype).removeprefix("torch.")
     return DraftMemory(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
@@ -118,6 +120,6 @@ def check_pool_memory(pool, memory: DraftMemory, slots: int, context_len: int) -
                            f"target model config's")
     scratch = (pool.rows - slots) * row
     held = (f"{slots // memory.ring} request slots x {memory.ring} ring rows, allocated before SGLang's KV sizing"
-            if memory.window is not None else f"{slots} target slots")
+            if memory.ring else f"{slots} target slots")
     return (f"{memory.describe(context_len)}, pool {human_bytes(pool.nbytes())} "
             f"({held} + {human_bytes(scratch)} block scratch)")

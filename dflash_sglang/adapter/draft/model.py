@@ -3,8 +3,9 @@
 The draft keeps one K/V row per target KV slot, under the target's slot ids (SGLang's allocator and
 `req_to_token` table are shared), so radix-cache prefix hits, chunked prefill and request aborts need
 no bookkeeping of their own: a slot's draft row is written whenever the slot's target KV is committed
-and is dead when the slot is freed. Under a draft window (`--speculative-draft-window-size`) the context
-rows are instead a bounded ring per request slot (adapter/draft/context_rows.py `WindowRows`, `context_rows`).
+and is dead when the slot is freed. Under a draft window (`--speculative-draft-window-size W`) a pass reads the
+last W positions' rows, and with the radix cache off the context rows are instead a bounded ring per request slot
+(adapter/draft/context_rows.py `SlotRows` / `WindowRows`, `context_rows`).
 
 - `commit` turns target features of committed tokens into every layer's context K/V (fc + hidden_norm,
   then each layer's k_proj/k_norm/RoPE and v_proj, i.e. `DFlashDrafter.context_kv`) and writes them at
@@ -231,7 +232,7 @@ class PagedDrafter:
         if self.attention is None:
             return self._draft_dense(block_embeds, positions, req_to_token, req_pool_indices, seq_lens_cpu)
         # eager: the layout's length (the sum of the context lengths) is data dependent
-        self.attention.plan(self.context_rows.layout(req_to_token, req_pool_indices, seq_lens_cpu, b,
+        self.attention.plan(self.context_rows.layout(req_to_token, req_pool_indices, seq_lens, seq_lens_cpu, b,
                                                      self.scratch_base))
         return self._run_block(block_embeds, positions, self.scratch_rows(req_pool_indices, b), self.attention)
 
@@ -257,15 +258,19 @@ class PagedDrafter:
 
     def _draft_dense(self, block_embeds: Tensor, positions: Tensor, req_to_token: Tensor, req_pool_indices: Tensor,
                      seq_lens_cpu: Tensor) -> Tensor:
-        """Context rows gathered into [bs, S] padded tensors, the core drafter's masked attention (any layer
-        type; memory grows with bs x the longest context)."""
+        """Each request's context rows (its last `key_lens` positions: the whole context, or a draft window's) gathered
+        through req_to_token into [bs, S] padded tensors, the core drafter's masked attention (any layer type; memory
+        grows with bs x the longest context read)."""
         device = block_embeds.device
-        bs, width = seq_lens_cpu.numel(), int(seq_lens_cpu.max()) if seq_lens_cpu.numel() else 0
-        ctx_pos = torch.arange(width, device=device).expand(bs, width)
+        lens = self.context_rows.key_lens(seq_lens_cpu)
+        width = int(lens.max()) if lens.numel() else 0
+        cols = torch.arange(width)
+        ctx_valid = cols[None, :] < lens[:, None]
+        # [bs, S] absolute positions (what RoPE'd keys and layer masks compare); padding rows read the request's first
+        ctx_pos = torch.where(ctx_valid, (seq_lens_cpu.to(torch.int64) - lens)[:, None] + cols, 0).to(device)
         ctx_slots = req_to_token[req_pool_indices.to(torch.int64)[:, None], ctx_pos].to(torch.int64)
-        ctx_valid = ctx_pos < seq_lens_cpu.to(device)[:, None]
         ctx_kv = self.pool.gather(ctx_slots)
-        return self.drafter(block_embeds.to(self.dtype), positions, ctx_kv, ctx_pos, ctx_valid=ctx_valid)
+        return self.drafter(block_embeds.to(self.dtype), positions, ctx_kv, ctx_pos, ctx_valid=ctx_valid.to(device))
 
     def head_logits(self, hidden: Tensor, lm_head_weight: Tensor, out: Tensor | None = None) -> Tensor:
         """hidden [bs, B, H] -> draft logits [bs, B-1, V] for block positions 1..B-1 (lm_head dtype), written into

@@ -12,13 +12,13 @@ waits for stage i before its layer i; our layers are at most the target's, so a 
 stage it reads has landed). SGLang's own plan (`_build_hicache_draft_plan`) reads a draft `ModelRunner`, which our
 drafter does not have: `draft_plan` builds the same SIDECAR plan over `HiCacheDraftPool`.
 
-Which rows: the draft pool (adapter/draft/model.py `DraftKVPool`) keeps one context row per target KV slot (rows
-[0, target size + page size), the target's padding slot included) and then the block scratch rows of every
-request-pool slot. Only the context rows are offloaded: the scratch rows belong to no slot, are rewritten by every
-draft pass, and are not part of any prefix. A draft window (adapter/draft/context_rows.py: context rows in per-request
-rings, not at slot ids) has nothing at the target's slot ids to offload and is refused with HiCache. An fp8 draft
-pool is described in bytes (uint8 rows, as SGLang's own fp8 pools store theirs): the transfers copy rows, never
-values.
+Which rows: the draft pool (adapter/draft/model.py `DraftKVPool`) keeps one context row per target KV slot (rows [0,
+target size + page size), the target's padding slot included) and then the block scratch rows of every request-pool
+slot. Only the context rows are offloaded: the scratch rows belong to no slot, are rewritten by every draft pass, and
+are not part of any prefix. A draft window served by its ring (adapter/draft/context_rows.py: context rows in
+per-request rings, not at slot ids) would have nothing at the target's slot ids to offload: with HiCache (or PD) the
+resolution serves a window over the slot rows, which offload as without one. An fp8 draft pool is described in bytes
+(uint8 rows, as SGLang's own fp8 pools store theirs): the transfers copy rows, never values.
 """
 from __future__ import annotations
 
@@ -108,8 +108,9 @@ def draft_plan(drafter: PagedDrafter | None, target_pool):
                                    "cannot back up a DFLASH draft KV pool to its host pool (0.5.23 can); pass "
                                    "--disaggregation-decode-retraction-backup cpu_tensor")
     if not isinstance(drafter.context_rows, SlotRows) or drafter.context_rows.rows < target_rows(target_pool):
-        raise UnsupportedFlagError("--enable-hierarchical-cache with --speculative-draft-window-size: the windowed "
-                                   "draft pool keeps no rows at the target's KV slots for HiCache to offload")
+        # (the resolution serves a window over the slot rows wherever KV goes to host: adapter/boot/draft_checks.py)
+        raise UnsupportedFlagError("--enable-hierarchical-cache with --speculative-draft-window-size: the window's "
+                                   "ring keeps no rows at the target's KV slots for HiCache to offload")
     layers, stages = drafter.pool.k.shape[0], int(target_pool.layer_num)  # (a stage per target layer of this rank)
     if layers > stages:  # (SGLang raises the same, less plainly, at host assembly)
         raise UnsupportedFlagError(f"--enable-hierarchical-cache: the draft has {layers} layers, more than the "

@@ -51,7 +51,7 @@ from dflash_sglang.core.selector import SelectorScores, some_row_samples
 from dflash_sglang.core.speculate import DraftScores, accept, committed_ranks, draft_block, propose, rank_paths
 from dflash_sglang.core.token_map import read_token_map
 
-from ..draft.context_rows import WindowPool
+from ..draft.context_rows import SlotRows, WindowPool
 from ..draft.graphs import DraftGraphs, default_sizes, graph_mode
 from ..draft.memory import check_pool_memory
 from ..draft.model import EagerDraftPass, PagedDrafter, TargetHead, load_draft_weights, weight_bytes
@@ -164,9 +164,9 @@ class DFlashWorker(BaseSpecWorker):
         total, books = weight_bytes(self.draft_weights)
         logger.info("DFLASH (dflash-sglang): draft weights %.1f MiB%s, resident before SGLang sizes the KV pools",
                     total / 2**20, f" (DFlash2 selector codebooks {books / 2**20:.1f} MiB)" if books else "")
-        # A draft window's pool (a ring per request slot, adapter/draft/context_rows.py) is resident now for the same
-        # reason:
-        # SGLang's per-token KV sizing cannot count it (adapter/draft/memory.py). None: the pool mirrors target slots.
+        # A draft window's ring pool (a ring per request slot, adapter/draft/context_rows.py) is resident now for the
+        # same reason: SGLang's per-token KV sizing cannot count it (adapter/draft/memory.py). None: the pool mirrors
+        # the target's slots (a window then bounds the reads only).
         self.window = WindowPool.allocate(self.settings, self.draft_weights, self.model_runner.dtype, self.device)
         self.schedule = ShapeSchedule.from_settings(self.settings)
         if (self.schedule.controller is not None and getattr(server_args, "enable_metrics", False)
@@ -245,7 +245,8 @@ class DFlashWorker(BaseSpecWorker):
         if kernels is not None:
             logger.info("DFLASH (dflash-sglang): CUDA ops %s", kernels)
         req_slots = int(req_to_token_pool.req_to_token.shape[0])
-        context_rows, pool = self.window.serving(req_slots) if self.window is not None else (None, None)
+        context_rows, pool = (self.window.serving(req_slots) if self.window is not None
+                              else (SlotRows(rows, self.settings.draft_window), None))
         self.drafter = PagedDrafter.load(self.draft_dir, rows, req_slots, self.block_size, self.model_runner.dtype,
                                          self.device, dummy=self.settings.dummy_draft,
                                          attention=self.settings.draft_attention, kv_dtype=self.settings.draft_kv_dtype,
@@ -282,11 +283,12 @@ class DFlashWorker(BaseSpecWorker):
         scratch = ""
         if self.hybrid is not None:  # SGLang allocated them from the verify rows we declared (adapter/step/hybrid.py)
             scratch = f", target state per verify row {state_scratch_bytes(req_to_token_pool) / 2**20:.1f} MiB"
+        rows_why = "" if self.settings.draft_window_why is None else f" ({self.settings.draft_window_why})"
         logger.info(
             "DFLASH (dflash-sglang): block_size=%d, %s, draft layers=%d, target layer ids=%s, draft attention %s, "
-            "%s%s%s", self.block_size, self.schedule.describe(), self.cfg.num_hidden_layers,
-            list(self.cfg.target_layer_ids), self.drafter.backend_name, memory, scratch,
-            ", verify CUDA graphs with the tree mask" if self.masked_graphs else "",
+            "%s%s, %s%s%s", self.block_size, self.schedule.describe(), self.cfg.num_hidden_layers,
+            list(self.cfg.target_layer_ids), self.drafter.backend_name, self.drafter.context_rows.describe(), rows_why,
+            memory, scratch, ", verify CUDA graphs with the tree mask" if self.masked_graphs else "",
         )
 
     def init_attention_backends(self) -> None:
@@ -423,7 +425,7 @@ class DFlashWorker(BaseSpecWorker):
         if batch.return_logprob:
             logits = logits_output.next_token_logits.view(seq_lens.numel(), step.positions.shape[1], -1)
             attach_logprobs(batch, logits_output, logits, step.out_tokens, accept_nodes)
-        # Every verify row's draft K/V goes to that row's own slot (or window ring row): rejected rows land past the new
+        # Every verify row's draft K/V goes to that row's own slot (or ring row): rejected rows land past the new
         # committed length (rows the next step rewrites), so none is filtered out (a boolean gather = a host sync).
         rows = (logits_output.hidden_states, step.positions.reshape(-1),
                 self.drafter.context_rows.decode(step.positions, step.slots, batch.req_pool_indices))
