@@ -141,24 +141,45 @@ def test_draft_kv_indices_of_a_window_hand_computed():
     assert out.tolist() == want
 
 
+def test_draft_kv_indices_of_a_ring_hand_computed():
+    """With a ring of R rows per request slot (a draft window W over the ring, adapter/draft/context_rows.py
+    `WindowRows`): request i's keys are the ring rows r*R + p % R of its last min(L, W) positions, no table read."""
+    seq_lens, pool, window, ring, block = (9, 0, 3, 14), (3, 0, 5, 2), 5, 8, 4
+    keys = [min(n, window) for n in seq_lens]
+    kv = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    kv[1:] = torch.cumsum(torch.tensor(keys) + block, 0)
+    out = draft_kv_indices(kv, torch.tensor(pool), None, 500, block, torch.full((int(kv[-1]),), -7, dtype=torch.int32),
+                           seq_lens=torch.tensor(seq_lens), ring=ring)
+    want = []
+    for n, k, r in zip(seq_lens, keys, pool):
+        want += [r * ring + p % ring for p in range(n - k, n)] + [500 + r * block + j for j in range(block)]
+    assert out.tolist() == want
+
+
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="needs g++ or $CXX")
-@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("layout", ["whole", "window", "ring"])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_draft_kv_indices_kernel_logic_matches_reference(index_dtype, window):
+def test_draft_kv_indices_kernel_logic_matches_reference(index_dtype, layout):
     """The kernel's per-row logic (built for the CPU) equals the reference: the whole context, or a window's last W
-    positions (seq_lens given, some past the table's width so that their rows read -1)."""
+    positions (seq_lens given, some past the table's width so that their rows read -1) over the slot rows or a ring of
+    R rows per request slot (no table)."""
     g = torch.Generator().manual_seed(1)
+    window, ring = (None, 0) if layout == "whole" else (5, 8 if layout == "ring" else 0)
     seq_lens = torch.randint(0, 17 if window is None else 20, (40,), generator=g)
     keys = seq_lens if window is None else seq_lens.clamp(max=window)
     pool = torch.randint(0, 7, (40,), generator=g).tolist()  # slot 6: past the table, so context rows read -1
     kv, pool_t, table, block = _draft_case(keys.tolist(), pool, g)
-    lens = None if window is None else seq_lens
+    lens, table = (None if window is None else seq_lens), (None if ring else table)
     want = draft_kv_indices(kv, pool_t, table, 900, block, torch.full((int(kv[-1]) + 3,), -7, dtype=torch.int32),
-                            seq_lens=lens)
+                            seq_lens=lens, ring=ring)
     got = ops.draft_kv_indices(kv, pool_t.to(index_dtype), table, 900, block, out=torch.full_like(want, -7),
-                               seq_lens=None if lens is None else lens.to(index_dtype), backend="host")
-    assert torch.equal(got, want) and (want == -1).any()
+                               seq_lens=None if lens is None else lens.to(index_dtype), ring=ring, backend="host")
+    assert torch.equal(got, want) and (want == -1).any() == (not ring)
     with pytest.raises(ValueError, match="kv_indptr must be"):
-        ops.draft_kv_indices(kv[:-1], pool_t, table, 900, block, out=want, backend="host")
+        ops.draft_kv_indices(kv[:-1], pool_t, table, 900, block, out=want, ring=ring, seq_lens=lens, backend="host")
     with pytest.raises(ValueError, match="seq_lens must be"):
-        ops.draft_kv_indices(kv, pool_t, table, 900, block, out=want, seq_lens=seq_lens[:3], backend="host")
+        ops.draft_kv_indices(kv, pool_t, table, 900, block, out=want, seq_lens=seq_lens[:3], ring=ring,
+                             backend="host")
+    with pytest.raises(ValueError, match="a ring .* needs seq_lens"):
+        ops.draft_kv_indices(kv, pool_t, None, 900, block, out=want, seq_lens=None, ring=max(ring, 8),
+                             backend="host")

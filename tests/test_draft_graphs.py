@@ -33,10 +33,22 @@ DRAFTS = {
 }
 
 
-def _setup(device="cpu", dtype=torch.float32, hidden=32, attention="torch", draft="dflash", window=None):
-    """A PagedDrafter over a pool with committed contexts for every request slot, its TargetHead, req_to_token.
-    window: a draft window W over the slot rows (each pass reads the last W positions), None: the whole context."""
-    from dflash_sglang.adapter.draft.context_rows import SlotRows
+WINDOW = 6  # the draft window of the windowed layouts (most STEPS contexts outrun it)
+
+
+def _context_rows(layout: str | None, slots: int):
+    """The drafter's context rows: None, the whole context over the slot rows; "slots", a draft window over them;
+    "ring", a draft window's ring per request slot (R = W + 3 - 1: commits of up to 3 rows per request)."""
+    from dflash_sglang.adapter.draft.context_rows import SlotRows, WindowRows, ring_size
+
+    if layout == "ring":
+        return WindowRows(WINDOW, ring_size(WINDOW, 3), REQ_SLOTS)
+    return SlotRows(slots, WINDOW if layout == "slots" else None)
+
+
+def _setup(device="cpu", dtype=torch.float32, hidden=32, attention="torch", draft="dflash", layout=None):
+    """A PagedDrafter over a pool with committed contexts for every request slot (prefilled where `layout` keeps
+    them: `_context_rows`), its TargetHead, req_to_token."""
     from dflash_sglang.adapter.draft.pool import DraftKVPool
     from dflash_sglang.adapter.draft.model import PagedDrafter, TargetHead
 
@@ -45,13 +57,15 @@ def _setup(device="cpu", dtype=torch.float32, hidden=32, attention="torch", draf
     core = tiny_drafter(cfg).to(device, dtype).requires_grad_(False)  # served weights (SGLang runs without autograd)
     slots = 1 + REQ_SLOTS * WIDTH  # slot 0: SGLang's padding slot, never a request's
     req_to_token = (1 + torch.randperm(slots - 1)).view(REQ_SLOTS, WIDTH).to(torch.int32).to(device)
-    pool = DraftKVPool(cfg.num_hidden_layers, slots + (REQ_SLOTS + 1) * BLOCK, cfg.num_key_value_heads,
+    rows = _context_rows(layout, slots)
+    pool = DraftKVPool(cfg.num_hidden_layers, rows.rows + (REQ_SLOTS + 1) * BLOCK, cfg.num_key_value_heads,
                        cfg.head_dim, dtype, device)
-    paged = PagedDrafter(core, pool, scratch_base=slots, block=BLOCK, pad_slot=REQ_SLOTS, attention=attention,
-                         context_rows=SlotRows(slots, window))
+    paged = PagedDrafter(core, pool, scratch_base=rows.rows, block=BLOCK, pad_slot=REQ_SLOTS, attention=attention,
+                         context_rows=rows)
     for r in range(REQ_SLOTS):
         feats = torch.randn(WIDTH, cfg.n_features * cfg.hidden_size, device=device, dtype=dtype)
-        paged.commit(feats, torch.arange(WIDTH, device=device), req_to_token[r].to(torch.int64))
+        paged.commit_extend(feats, torch.arange(WIDTH, device=device), req_to_token[r].to(torch.int64),
+                            torch.tensor([r], device=device), [WIDTH])
     embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size).to(device, dtype)
     lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
     head = TargetHead(embed, lm_head, cfg.mask_token_id, embed_scale=1.5)
@@ -74,13 +88,14 @@ def _step_inputs(seq_lens, pool_idx, cfg, device="cpu"):
                                                                                                           device=device)
 
 
-@pytest.mark.parametrize("draft, window", [("dflash", None), ("gemma4", None), ("dflash", 6), ("gemma4", 6)])
-def test_static_draft_replays_equal_eager_on_mixed_batches(draft, window):
-    """... the whole context, and a draft window of 6 over the slot rows (its key rows from the window's last
-    positions, on the device; most contexts of STEPS outrun it)."""
+@pytest.mark.parametrize("layout", [None, "slots", "ring"])
+@pytest.mark.parametrize("draft", ["dflash", "gemma4"])
+def test_static_draft_replays_equal_eager_on_mixed_batches(draft, layout):
+    """... over the whole context, and a draft window over the slot rows or its ring (the key rows of the window's
+    last positions built on the device by the same kernel, `draft_layout`, from the static seq_lens)."""
     from dflash_sglang.adapter.draft.model import EagerDraftPass
 
-    cfg, paged, head, r2t = _setup(draft=draft, window=window)
+    cfg, paged, head, r2t = _setup(draft=draft, layout=layout)
     assert paged.attention is not None  # (causal and sliding-window layers on the paged path)
     graphs = _graphs(paged, head, r2t, cfg)
     eager = EagerDraftPass(paged, head, r2t)  # the same call as the graphs'
@@ -98,24 +113,28 @@ def test_static_draft_replays_equal_eager_on_mixed_batches(draft, window):
         assert graphs.drafts[graphs._size_for(len(seq_lens))].req_pool_indices[len(seq_lens):].eq(REQ_SLOTS).all()
 
 
-def test_static_commit_replays_equal_eager():
-    from dflash_sglang.adapter.draft.graphs import PAD_SLOT
-
-    cfg, paged, head, r2t = _setup()
-    _, eager, _, _ = _setup()
+@pytest.mark.parametrize("layout", [None, "ring"])
+def test_static_commit_replays_equal_eager(layout):
+    """Padded commit rows write the padding scratch's first row, never a context row (a ring's row 0 is request slot
+    0's, unlike SGLang's padding KV slot 0)."""
+    cfg, paged, head, r2t = _setup(layout=layout)
+    _, eager, _, _ = _setup(layout=layout)
     graphs = _graphs(paged, head, r2t, cfg, nodes=(3,))
+    pad_row = graphs.pad_row
+    assert pad_row == paged.scratch_base + REQ_SLOTS * BLOCK
     feats = cfg.n_features * cfg.hidden_size
     for bs in (3, 1, 8):  # padded, padded over stale rows, exact
         rows = torch.arange(bs * 3)
         hidden = torch.randn(bs * 3, feats)
-        positions, slots = WIDTH + rows, (1 + rows * 5) % (REQ_SLOTS * WIDTH)
+        # context rows 1.. (the slot rows: past SGLang's padding slot 0; a ring: row 0 stays as request slot 0's)
+        positions, slots = WIDTH + rows, (1 + rows * 5) % (paged.context_rows.rows - 1)
         assert graphs.commit(hidden, positions, slots + 1, bs=bs, nodes=3)
         eager.commit(hidden, positions, slots + 1)
-        # padded rows (over the stale rows of a larger batch) wrote SGLang's padding slot
-        assert graphs.commits[(graphs._size_for(bs), 3)].slots[bs * 3:].eq(PAD_SLOT).all()
+        # padded rows (over the stale rows of a larger batch) wrote the padding row
+        assert graphs.commits[(graphs._size_for(bs), 3)].slots[bs * 3:].eq(pad_row).all()
     assert not graphs.commit(hidden[:3], positions[:3], slots[:3], bs=3, nodes=1)  # no graph for 1 row / request
     real = torch.ones(paged.pool.rows, dtype=torch.bool)
-    real[PAD_SLOT] = False  # padded rows wrote SGLang's padding slot, which no request reads
+    real[pad_row] = False  # padded rows wrote the padding scratch, which no pass reads as context
     for pool_a, pool_b in ((paged.pool.k, eager.pool.k), (paged.pool.v, eager.pool.v)):
         torch.testing.assert_close(pool_a[:, real], pool_b[:, real], rtol=1e-6, atol=1e-6)
 
@@ -171,7 +190,7 @@ def _same_scores(got, want, bonus, exact=True):
     assert torch.equal(got.ranks(got.argmax(depth)), want.ranks(want.argmax(depth)))
 
 
-@pytest.mark.parametrize("draft", ["dflash2", "dflash2_full", "dflash2_full_window"])
+@pytest.mark.parametrize("draft", ["dflash2", "dflash2_full", "dflash2_full_slots", "dflash2_full_ring"])
 @pytest.mark.parametrize("layout", ["one_process", "tp_layout"])
 @pytest.mark.parametrize("sampling", ["greedy", "mixed"])
 def test_static_dflash2_selection_equals_eager(layout, sampling, draft):
@@ -180,11 +199,12 @@ def test_static_dflash2_selection_equals_eager(layout, sampling, draft):
     rows, temperatures and uniforms, exact, too large for any graph): one process (candidates and walk inside the
     graph) and the TP layout (candidates merged over vocab shards and walked after the replay). Mixed: requests greedy
     and sampled at two temperatures, every other step all greedy; the walk's generator is left where eager leaves it
-    (every TP rank draws alike). `_window`: a draft window of 6 over the slot rows."""
+    (every TP rank draws alike). `_slots` / `_ring`: a draft window over the slot rows / its ring."""
     from dflash_sglang.adapter.draft.model import EagerDraftPass
     from dflash_sglang.core.selector import SelectorScores
 
-    cfg, paged, head, r2t = _setup(draft=draft.removesuffix("_window"), window=6 if draft.endswith("_window") else None)
+    layout = next((w for w in ("slots", "ring") if draft.endswith(f"_{w}")), None)
+    cfg, paged, head, r2t = _setup(draft=draft.removesuffix(f"_{layout}"), layout=layout)
     in_graph = layout == "one_process"
     top = _top(cfg.vocab_size, 1 if in_graph else 2)
     graphs = _graphs(paged, head, r2t, cfg, top=top, in_graph=in_graph)
@@ -235,19 +255,19 @@ class _MetaAttention:
         return torch.empty_like(q)
 
 
-def _meta_graphs(dflash2: bool = False, in_graph: bool = True, window: int | None = None):
+def _meta_graphs(dflash2: bool = False, in_graph: bool = True, layout: str | None = None):
     """DraftGraphs (static mode) over a drafter, pool and head on the meta device (shapes, no data), with the config;
-    window: a draft window over the slot rows."""
-    from dflash_sglang.adapter.draft.context_rows import SlotRows
+    layout: the context rows (`_context_rows`)."""
     from dflash_sglang.adapter.draft.graphs import DraftGraphs
     from dflash_sglang.adapter.draft.pool import DraftKVPool
     from dflash_sglang.adapter.draft.model import PagedDrafter, TargetHead, random_drafter
 
     cfg = draft_config_for(tiny_target("qwen3"), block_size=BLOCK, **DRAFTS["dflash2" if dflash2 else "dflash"])
-    pool = DraftKVPool(cfg.num_hidden_layers, 64 + (REQ_SLOTS + 1) * BLOCK, cfg.num_key_value_heads, cfg.head_dim,
-                       torch.float32, "meta")
-    paged = PagedDrafter(random_drafter(cfg, "meta", torch.float32).requires_grad_(False), pool, 64, BLOCK,
-                         pad_slot=REQ_SLOTS, context_rows=SlotRows(64, window))
+    rows = _context_rows(layout, 64)
+    pool = DraftKVPool(cfg.num_hidden_layers, rows.rows + (REQ_SLOTS + 1) * BLOCK, cfg.num_key_value_heads,
+                       cfg.head_dim, torch.float32, "meta")
+    paged = PagedDrafter(random_drafter(cfg, "meta", torch.float32).requires_grad_(False), pool, rows.rows, BLOCK,
+                         pad_slot=REQ_SLOTS, context_rows=rows)
     paged.attention = _MetaAttention()
     head = TargetHead(torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta"),
                       torch.empty(cfg.vocab_size, cfg.hidden_size, device="meta"), cfg.mask_token_id)
@@ -259,12 +279,14 @@ def _meta_graphs(dflash2: bool = False, in_graph: bool = True, window: int | Non
     return graphs, cfg
 
 
-@pytest.mark.parametrize("draft", ["dflash", "dflash2", "dflash_window"])
+@pytest.mark.parametrize("draft", ["dflash", "dflash2", "dflash_slots", "dflash_ring"])
 def test_captured_bodies_do_no_host_sync(draft):
     """The bodies a CUDA graph captures, run on meta tensors (no data): any host read (.item(), .tolist(), a
     data-dependent shape such as a boolean mask's) raises there, as it would break a capture. DFlash2: the pass, the
-    selector's candidates and the chain's walk (greedy and sampled rows alike); a window: its key rows from seq_lens."""
-    graphs, cfg = _meta_graphs(dflash2=draft == "dflash2", window=6 if draft == "dflash_window" else None)
+    selector's candidates and the chain's walk (greedy and sampled rows alike); a draft window over the slot rows or
+    its ring: the key rows from seq_lens."""
+    layout = next((w for w in ("slots", "ring") if draft.endswith(f"_{w}")), None)
+    graphs, cfg = _meta_graphs(dflash2=draft == "dflash2", layout=layout)
     for size in SIZES:
         graphs._draft_body(graphs.drafts[size])
         assert graphs.drafts[size].logits.shape == (size, BLOCK - 1, cfg.vocab_size)

@@ -107,22 +107,23 @@ def test_verify_sampling_matches_reference(bs, depth, k, n, vocab, sequential):
 
 @pytest.mark.parametrize("bs", [1, 33, 256])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("window", [None, 300])
-def test_draft_kv_indices_match_reference(bs, index_dtype, window):
-    """The whole context, or a draft window's last W positions (seq_lens given)."""
+@pytest.mark.parametrize("layout", ["whole", "window", "ring"])
+def test_draft_kv_indices_match_reference(bs, index_dtype, layout):
+    """The whole context, or a draft window's last W positions (seq_lens given) over the slot rows or its ring."""
     g = torch.Generator().manual_seed(bs)
     table = torch.randint(0, 1 << 30, (300, 2048), generator=g, dtype=torch.int32)
+    window, ring = (None, 0) if layout == "whole" else (300, 315 if layout == "ring" else 0)
     seq = torch.randint(0, 2048, (bs,), generator=g)
     keys = seq if window is None else seq.clamp(max=window)
     pool = torch.randperm(300, generator=g)[:bs].to(index_dtype)
     kv = torch.zeros(bs + 1, dtype=torch.int32)
     kv[1:] = torch.cumsum(keys + 16, 0)
-    lens = None if window is None else seq.to(index_dtype)
+    lens, table = (None if window is None else seq.to(index_dtype)), (None if ring else table)
     want = ref_block.draft_kv_indices(kv, pool, table, 7000, 16, torch.full((int(kv[-1]) + 9,), -7, dtype=torch.int32),
-                                      seq_lens=lens)
-    got = ops.draft_kv_indices(kv.to(DEV), pool.to(DEV), table.to(DEV), 7000, 16,
+                                      seq_lens=lens, ring=ring)
+    got = ops.draft_kv_indices(kv.to(DEV), pool.to(DEV), None if table is None else table.to(DEV), 7000, 16,
                                out=torch.full((want.numel(),), -7, dtype=torch.int32, device=DEV),
-                               seq_lens=None if lens is None else lens.to(DEV))
+                               seq_lens=None if lens is None else lens.to(DEV), ring=ring)
     assert torch.equal(got.cpu(), want)
 
 

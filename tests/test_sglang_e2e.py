@@ -13,17 +13,16 @@ imports sglang:
   stop strings / max_new_tokens landing inside an accepted block or path; an aborted request; sampled
   requests (DFLASH only) for a distribution test.
 - Qwen3 target, DFLASH with `speculative_num_draft_tokens=4` (not the checkpoint's 8), greedy prompts.
-- Llama target, a chain with a draft window of 8 positions (`speculative_draft_window_size=8`): with the radix cache
-  off (its ring), greedy and sampled, prompts prefilled in chunks longer than the ring; with the radix cache on (the
-  slot rows, static draft graphs), greedy, sampled and a two-turn chat whose second turn hits the first's prefix; and
+- Llama target, a chain with a draft window of 8 positions (`speculative_draft_window_size=8`, static draft graphs):
+  with the radix cache off (its ring), greedy and sampled, prompts prefilled in chunks longer than the ring; with the
+  radix cache on (the slot rows), greedy, sampled and a two-turn chat whose second turn hits the first's prefix; and
   `speculative_draft_window_size=32` with SGLang's defaults otherwise (the goodput controller, trees included).
 - The SmolLM2-135M testbed pair (real target, the shipped trained drafter, block 16), when installed: 32
   ShareGPT eval-split prompts (chat template) sent concurrently, DFLASH chain and plain Engines; and HiCache
   (tests/cpu_hicache.py) DFLASH chain and plain Engines whose shared prefix goes to host memory and comes back.
-The tree, adaptive and ShareGPT DFLASH Engines draft and commit through the draft-graph runner's static buffers
-(`speculative_dflash_draft_graphs="static"`: the CUDA-graph path's padding and buffers, replayed without
-capture); the
-chain and Qwen3 Engines run the eager path.
+The tree, adaptive, ShareGPT, DFlash2 and window DFLASH Engines draft and commit through the draft-graph runner's
+static buffers (`speculative_dflash_draft_graphs="static"`: the CUDA-graph path's padding and buffers, replayed
+without capture); the chain and Qwen3 Engines run the eager path.
 Checks (per mode): greedy and stop cases token-identical to the plain Engine (Qwen3: to HF greedy); sampled
 3-token continuations match the target's exact distribution (chi-square); the reported accept length
 matches the core reference decoder's (same chain / tree shape) within 5%; adaptive: the shapes the worker
@@ -67,7 +66,7 @@ FULL_MODES = MODES + ("dflash2",)
 CONTROLLED = ("goodput", "dflash2")  # the goodput controller picks each step's shape
 # Engines drafting through static draft graphs (the DFlash2 ones: its selection replayed with the pass, or after it
 # at TP 2)
-STATIC_GRAPH_MODES = ("tree", "adaptive", "sharegpt", "dflash2", "tp2_dflash2_chain", "window_radix")
+STATIC_GRAPH_MODES = ("tree", "adaptive", "sharegpt", "dflash2", "tp2_dflash2_chain", "window", "window_radix")
 # adaptive mode: trees at <= 8 running requests, chains above; the budget caps bs * nodes at 80, so batches of
 # 14..40 requests get chains of 5..2 and batches of 41+ (the sampled scenario) plain 1-token steps. The 40 greedy
 # prompts start decoding together (2-token chains); their acceptance differs, so they finish at different steps
@@ -780,12 +779,12 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
         *sharegpt_jobs(pair_dir),
         *hicache_jobs(pair_dir),  # HiCache: the draft pool offloaded to host and loaded back with the target's
         *fp8_jobs(pair_dir),
-        # a draft window of W = BLOCK positions (adapter/draft/context_rows.py): a ring of R = W + N - 1 = 15 rows per
-        # request
-        # slot; prompts up to 40 tokens prefilled in chunks of 32 (longer than R), contexts up to 64 (the rings wrap)
+        # a draft window of W = BLOCK positions (adapter/draft/context_rows.py), the radix cache off: a ring of
+        # R = W + N - 1 = 15 rows per request slot, its key rows built in the draft graphs' static replay; prompts up
+        # to 40 tokens prefilled in chunks of 32 (longer than R), contexts up to 64 (the rings wrap)
         dict(name="window", root=str(pair_dir), spec=True, full=False, sampled=True, block=BLOCK, chunk=32,
              env=debug_env(pair_dir),
-             engine_kwargs={"speculative_draft_window_size": BLOCK, "disable_radix_cache": True}),
+             engine_kwargs={"speculative_draft_window_size": BLOCK, "disable_radix_cache": True, **STATIC_GRAPHS}),
         # ... and with the radix cache on (SGLang's default): the slot rows, each pass reading the last W positions'
         # slots, through the draft graphs' static buffers; the two-turn chats hit their first turns' prefixes
         dict(name="window_radix", root=str(pair_dir), spec=True, full=False, sampled=True, block=BLOCK,
@@ -1201,9 +1200,10 @@ def test_goodput_metrics_beside_sglangs(runs):
 
 @pytest.mark.parametrize("mode", STATIC_GRAPH_MODES)
 def test_static_draft_graphs_served_padded_batches(runs, pair_dir, mode):  # runs: the Engines have run
-    """The tree, adaptive, ShareGPT and DFlash2 Engines drafted and committed through the draft-graph runner's static
-    buffers (the chain Engine runs eagerly), padded batches included; their greedy tests above check the outputs
-    (DFlash2: its selector's candidates and walk in the replayed body on one process, after the replay at TP 2)."""
+    """The tree, adaptive, ShareGPT, DFlash2 and window Engines drafted and committed through the draft-graph runner's
+    static buffers (the chain Engine runs eagerly), padded batches included; their greedy tests above check the
+    outputs (DFlash2: its selector's candidates and walk in the replayed body on one process, after the replay at TP
+    2; the windows: the key rows of the slot rows' last W positions and of the ring built in the replayed body)."""
     import re
 
     if mode not in runs:

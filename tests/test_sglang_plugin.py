@@ -441,12 +441,11 @@ def test_tree_refuses_attention_backends_without_a_tree_mask(plugin, monkeypatch
         (dict(speculative_num_draft_tokens=1), r"^--speculative-num-draft-tokens 1: the block size must be >= 2"),
         (dict(speculative_num_draft_tokens=5000), r"^--speculative-num-draft-tokens 5000: at most 256 verify tokens"),
         # a draft window (adapter/draft/context_rows.py): W >= the block (6 here, SGLang's rule), with the radix cache
-        # on or off (test_draft_window_resolution); the ring (radix cache off) drafts eagerly
+        # on or off (test_draft_window_resolution)
         (dict(speculative_draft_window_size=4),
          r"^--speculative-draft-window-size 4: must be an integer >= the draft block size \(6\)"),
-        (dict(speculative_draft_window_size=64, disable_radix_cache=True, speculative_dflash_draft_graphs="static"),
-         r"^--speculative-draft-window-size 64: with the radix cache off the window is a ring of rows per request "
-         r"slot, whose draft pass runs eagerly"),
+        (dict(speculative_draft_window_size=4, disable_radix_cache=True),
+         r"^--speculative-draft-window-size 4: must be an integer >= the draft block size \(6\)"),
         (dict(speculative_num_draft_tokens=4, speculative_dflash_block_size=5),
          r"^--speculative-num-draft-tokens 4 and"),
         (dict(speculative_eagle_topk=0), r"^--speculative-eagle-topk 0: must be >= 1"),
@@ -918,6 +917,9 @@ def test_draft_kv_dtype_through_sglangs_own_resolution(plugin, pair, monkeypatch
     # the radix cache off: the ring (no shape flag: the controller over chains only, as the ring serves chains)
     (dict(disable_radix_cache=True), True, "goodput", 1, "the radix cache is off"),
     (dict(disable_radix_cache=True, speculative_num_draft_tokens=6), True, "chain", 1, "the radix cache is off"),
+    # ... under the draft graphs (the ring's key rows built on the device: ops.draft_kv_indices with a ring)
+    (dict(disable_radix_cache=True, speculative_dflash_draft_graphs="static"), True, "goodput", 1,
+     "the radix cache is off"),
     # SGLang's defaults (the radix cache on): the slot rows, with what they serve: the controller's trees, the draft
     # graphs
     (dict(), False, "goodput", 4, "the radix cache is on"),
@@ -934,10 +936,10 @@ def test_draft_kv_dtype_through_sglangs_own_resolution(plugin, pair, monkeypatch
 def test_draft_window_resolution(plugin, pair, monkeypatch, kw, ring, mode, topk, why):
     """--speculative-draft-window-size W: with the radix cache off, a ring of R = W + N - 1 rows per request slot: 0
     B/token for SGLang's KV sizing (the hook adds nothing), R rows per request at any context length, a declared
-    request cap (the rings are allocated per request slot before KV sizing), chains, eager draft passes. Wherever the
-    ring cannot serve (the radix cache on, SGLang's default; trees), the slot rows read over the last W positions: a
-    row per token for the KV sizing, SGLang's own request cap, trees and the draft graphs as without a window. The
-    reason is in the settings (the start-up line says it)."""
+    request cap (the rings are allocated per request slot before KV sizing), chains, the draft graphs as asked.
+    Wherever the ring cannot serve (the radix cache on, SGLang's default; trees; PD; DP attention), the slot rows read
+    over the last W positions: a row per token for the KV sizing, SGLang's own request cap, trees and the draft graphs
+    as without a window. The reason is in the settings (the start-up line says it)."""
     from sglang.srt.runtime_context import get_context
     from sglang.srt.speculative import dflash_utils
 
@@ -955,14 +957,13 @@ def test_draft_window_resolution(plugin, pair, monkeypatch, kw, ring, mode, topk
     memory = s.draft_memory
     get_context().set_server_args(server_args)
     kv = dict(target_cell_size_per_token=1000, target_num_layers=4, draft_num_layers=2)
+    assert s.draft_graphs == kw.get("speculative_dflash_draft_graphs", "auto")
     if ring:
-        assert s.draft_graphs == "eager"
         assert (memory.window, memory.ring, memory.bytes_per_token) == (16, 16 + s.nodes - 1, 0)
         assert memory.bytes_per_request(10) == memory.bytes_per_request(10**6) == memory.ring * memory.bytes_per_row
         assert s.max_running_requests == resolved_value(server_args, "max_running_requests") == 48
         assert dflash_utils.scale_kv_cell_size_per_token_for_dflash(**kv) == 1000
         return
-    assert s.draft_graphs == kw.get("speculative_dflash_draft_graphs", "auto")
     assert (memory.window, memory.ring) == (16, 0) and memory.bytes_per_token == memory.bytes_per_row > 0
     assert memory.bytes_per_request(100) == 100 * memory.bytes_per_row
     if mode == "goodput":

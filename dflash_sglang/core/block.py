@@ -92,22 +92,24 @@ def _slots(seq_lens: Tensor, n: int, req_to_token: Tensor | None, req_pool_indic
 
 
 def draft_kv_indices(
-    kv_indptr: Tensor, req_pool_indices: Tensor, req_to_token: Tensor, scratch_base: int, block: int, out: Tensor,
-    seq_lens: Tensor | None = None,
+    kv_indptr: Tensor, req_pool_indices: Tensor, req_to_token: Tensor | None, scratch_base: int, block: int,
+    out: Tensor, seq_lens: Tensor | None = None, ring: int = 0,
 ) -> Tensor:
     """Key rows of one drafter pass over the paged draft pool (the reference for the `draft_layout` CUDA op).
 
-    Request i's keys are its last ctx_len = kv_len - block committed context positions, then its block rows:
-    out[kv_indptr[i] + t] = req_to_token[r, start + t] for t < ctx_len, else scratch_base + r*block + (t - ctx_len),
-    with r = req_pool_indices[i], kv_len = kv_indptr[i+1] - kv_indptr[i] and start = seq_lens[i] - ctx_len (a draft
+    Request i's keys are its last ctx_len = kv_len - block committed context positions p = start + t, then its block
+    rows: out[kv_indptr[i] + t] = the row of p for t < ctx_len, else scratch_base + r*block + (t - ctx_len), with
+    r = req_pool_indices[i], kv_len = kv_indptr[i+1] - kv_indptr[i] and start = seq_lens[i] - ctx_len (a draft
     window's last W positions: ctx_len = min(seq_len, W)), or start = 0 without seq_lens (the whole context: ctx_len =
-    seq_len); a context row outside the table (r or start + t out of range) is -1.
+    seq_len). The row of position p: req_to_token[r, p] (the slot rows; -1 when r or p is outside the table), or, with
+    ring = R > 0, r*R + p % R (a draft window's ring of R rows per request slot; -1 for r or p < 0; no table read).
 
-    kv_indptr [bs+1] int (device), req_pool_indices [bs] int, req_to_token [R, W] int32, out [capacity] int32 with
-    capacity >= kv_indptr[bs]; rows past kv_indptr[bs] are left as they are; seq_lens [bs] int committed lengths
-    (device) or None. Fixed shapes and no host read (this runs inside the draft CUDA graph's static replay), so the
-    work is O(capacity).
+    kv_indptr [bs+1] int (device), req_pool_indices [bs] int, req_to_token [R, W] int32 (None with a ring), out
+    [capacity] int32 with capacity >= kv_indptr[bs]; rows past kv_indptr[bs] are left as they are; seq_lens [bs] int
+    committed lengths (device) or None (required with a ring). Fixed shapes and no host read (this runs inside the draft
+    CUDA graph's static replay), so the work is O(capacity).
     """
+    assert ring == 0 or seq_lens is not None, "a ring's rows follow positions: seq_lens"
     cap, bs = out.numel(), req_pool_indices.numel()
     indptr = kv_indptr.to(torch.int64)
     row = torch.arange(cap, device=out.device)
@@ -117,10 +119,13 @@ def draft_kv_indices(
     ctx_len = indptr[req + 1] - indptr[req] - block
     pool_row = req_pool_indices.to(torch.int64)[req] if bs else torch.zeros_like(req)
     position = offset if seq_lens is None or not bs else seq_lens.to(torch.int64)[req] - ctx_len + offset
-    rows, width = req_to_token.shape
-    ctx_slot = req_to_token[pool_row.clamp(0, rows - 1), position.clamp(0, width - 1)].to(torch.int64)
-    # a context outside the table reads as -1
-    inside = (pool_row >= 0) & (pool_row < rows) & (position >= 0) & (position < width)
-    ctx_slot = torch.where(inside, ctx_slot, -1)
-    value = torch.where(offset < ctx_len, ctx_slot, scratch_base + pool_row * block + offset - ctx_len)
+    if ring:
+        inside = (pool_row >= 0) & (position >= 0)
+        ctx_row = pool_row * ring + position.remainder(ring)
+    else:
+        rows, width = req_to_token.shape
+        ctx_row = req_to_token[pool_row.clamp(0, rows - 1), position.clamp(0, width - 1)].to(torch.int64)
+        inside = (pool_row >= 0) & (pool_row < rows) & (position >= 0) & (position < width)
+    ctx_row = torch.where(inside, ctx_row, -1)  # a context outside the table (or before position 0) reads as -1
+    value = torch.where(offset < ctx_len, ctx_row, scratch_base + pool_row * block + offset - ctx_len)
     return out.copy_(torch.where(owner < bs, value.to(out.dtype), out))

@@ -50,7 +50,7 @@ class DraftLayoutParams(ctypes.Structure):
         ("kv_indptr", c_void_p), ("req_pool_indices", IndexView), ("req_to_token", c_void_p),
         ("req_to_token_stride", c_int64), ("req_to_token_rows", c_int64), ("scratch_base", c_int64),
         ("block", c_int64), ("bs", c_int64), ("capacity", c_int64), ("kv_indices", c_void_p),
-        ("seq_lens", IndexView),
+        ("seq_lens", IndexView), ("ring", c_int64),
     ]
 
 

@@ -94,33 +94,39 @@ def _launch(
 
 
 def draft_kv_indices(
-    kv_indptr: Tensor, req_pool_indices: Tensor, req_to_token: Tensor, scratch_base: int, block: int, *, out: Tensor,
-    seq_lens: Tensor | None = None, backend: str = "auto",
+    kv_indptr: Tensor, req_pool_indices: Tensor, req_to_token: Tensor | None, scratch_base: int, block: int, *,
+    out: Tensor, seq_lens: Tensor | None = None, ring: int = 0, backend: str = "auto",
 ) -> Tensor:
     """The drafter pass's key rows into `out` [capacity] int32 (see core/block.py draft_kv_indices). kv_indptr
-    [bs+1] int32 on the device, req_pool_indices [bs] int32/int64, req_to_token [R, W] int32 row-major, seq_lens [bs]
-    int32/int64 committed lengths (a draft window: each request's keys are its last kv_len - block positions) or None
-    (the whole context from position 0). No host read and no allocation on CUDA: the draft CUDA graphs capture it."""
+    [bs+1] int32 on the device, req_pool_indices [bs] int32/int64, req_to_token [R, W] int32 row-major (None with a
+    ring), seq_lens [bs] int32/int64 committed lengths (a draft window: each request's keys are its last kv_len - block
+    positions) or None (the whole context from position 0), ring: R > 0 for a draft window's ring of R rows per request
+    slot (seq_lens required), 0 for the slot rows. No host read and no allocation on CUDA: the draft CUDA graphs
+    capture it."""
     if kv_indptr.shape != (req_pool_indices.numel() + 1,):
         raise ValueError(f"kv_indptr must be [bs+1] for {req_pool_indices.numel()} requests, "
                          f"got {tuple(kv_indptr.shape)}")
     if seq_lens is not None and seq_lens.shape != req_pool_indices.shape:
         raise ValueError(f"seq_lens must be [bs] for {req_pool_indices.numel()} requests, got {tuple(seq_lens.shape)}")
+    if ring < 0 or (ring and seq_lens is None) or (not ring and req_to_token is None):
+        raise ValueError(f"ring {ring}: a ring (> 0) needs seq_lens, the slot rows (0) req_to_token")
     backend = _lib.resolve_backend(backend, out.device)
     if backend == "reference":
-        return ref.draft_kv_indices(kv_indptr, req_pool_indices, req_to_token, scratch_base, block, out, seq_lens)
+        return ref.draft_kv_indices(kv_indptr, req_pool_indices, req_to_token, scratch_base, block, out, seq_lens,
+                                    ring)
     device = out.device
+    table = None if ring else req_to_token
     _abi.check_inputs(device, kv_indptr=(kv_indptr, (torch.int32,)),
                       req_pool_indices=(req_pool_indices, _abi.INDEX_DTYPES), seq_lens=(seq_lens, _abi.INDEX_DTYPES),
-                      req_to_token=(req_to_token, (torch.int32,)), out=(out, (torch.int32,)))
-    if req_to_token.dim() != 2:
-        raise ValueError(f"req_to_token must be [R, W], got {tuple(req_to_token.shape)}")
+                      req_to_token=(table, (torch.int32,)), out=(out, (torch.int32,)))
+    if table is not None and table.dim() != 2:
+        raise ValueError(f"req_to_token must be [R, W], got {tuple(table.shape)}")
     params = _abi.DraftLayoutParams(
         kv_indptr=_abi.ptr(kv_indptr), req_pool_indices=_abi.index_view(req_pool_indices),
-        req_to_token=_abi.ptr(req_to_token), req_to_token_stride=req_to_token.stride(0),
-        req_to_token_rows=req_to_token.shape[0], scratch_base=scratch_base, block=block,
+        req_to_token=_abi.ptr(table), req_to_token_stride=0 if table is None else table.stride(0),
+        req_to_token_rows=0 if table is None else table.shape[0], scratch_base=scratch_base, block=block,
         bs=req_pool_indices.numel(), capacity=out.numel(), kv_indices=_abi.ptr(out),
-        seq_lens=_abi.index_view(seq_lens),
+        seq_lens=_abi.index_view(seq_lens), ring=ring,
     )
     _lib.launch(backend, "draft_layout", params, device)
     return out

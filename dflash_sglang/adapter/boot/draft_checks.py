@@ -52,14 +52,13 @@ class WindowLayout:
     topk: int  # the resolved top-k (the goodput controller's trees left out for the ring)
 
 
-def draft_window(cfg, draft: DraftConfig, mode: str, block: int, topk: int, graphs: str, attention: str
-                 ) -> WindowLayout:
+def draft_window(cfg, draft: DraftConfig, mode: str, block: int, topk: int, attention: str) -> WindowLayout:
     """--speculative-draft-window-size W (set): W >= the draft block size (SGLang's rule), and the layout. The ring
     wherever it serves (its memory is the point with the radix cache off); the slot rows wherever the server needs a
     draft row at each target KV slot, or reads the pool through req_to_token: then the window bounds the reads only.
     The goodput controller's trees (no --speculative-eagle-topk) are left out for the ring: its shapes are then chains.
-    cfg: the resolved view; mode, block, topk: the resolved shape; graphs: --speculative-dflash-draft-graphs; attention:
-    the resolved drafter attention ("flashinfer" / "torch")."""
+    cfg: the resolved view; mode, block, topk: the resolved shape; attention: the resolved drafter attention
+    ("flashinfer" / "torch")."""
     flag, value = "--speculative-draft-window-size", cfg.speculative_draft_window_size
     if isinstance(value, bool) or not isinstance(value, int) or value < block:
         refuse(flag, value, f"must be an integer >= the draft block size ({block})")
@@ -78,9 +77,6 @@ def draft_window(cfg, draft: DraftConfig, mode: str, block: int, topk: int, grap
     why = next((why for needed, why in slot_rows if needed), None)
     if why is not None:
         return WindowLayout(value, False, why, topk)
-    if graphs == "static":
-        refuse(flag, value, "with the radix cache off the window is a ring of rows per request slot, whose draft "
-               "pass runs eagerly (--speculative-dflash-draft-graphs auto or eager)")
     return WindowLayout(value, True, "the radix cache is off: a ring per request slot", 1)
 
 

@@ -88,12 +88,11 @@ def handle_dflash_args(server_args: ServerArgs) -> DFlashSettings:
     attention = draft_attention(flags["speculative_draft_attention_backend"], str(cfg.device))
     window = None
     if cfg.speculative_draft_window_size is not None:
-        window = draft_window(cfg, draft, mode, block, topk, graphs, attention)
+        window = draft_window(cfg, draft, mode, block, topk, attention)
         topk = window.topk
         if window.ring:
             # the rings are allocated per request slot when the worker is built (adapter/draft/memory.py): a known cap
             max_running = max_running if max_running is not None else DEFAULT_MAX_RUNNING_REQUESTS
-            graphs = "eager"  # (`auto`: draft_window refused `static` with the ring)
     step_cost = simulated_step_cost()
     target, kv_dtype = model_config(server_args), draft_kv_dtype(cfg)
     if step_cost is not None and mode != "goodput":

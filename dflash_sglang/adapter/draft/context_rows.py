@@ -3,8 +3,8 @@
 `SlotRows` (the default, and a draft window's layout wherever the ring cannot serve): pool row i is target KV slot i.
 A committed token's draft K/V go to its target slot and the drafter reads them through SGLang's `req_to_token`, so
 radix-cache hits, PD transfer, HiCache and trees need no bookkeeping of their own; the pool grows with the target's
-token capacity. Under `--speculative-draft-window-size W` a pass reads only the slots of the last W positions (core/
-drafter.py `context_window`): the rows stay, only the reads are bounded.
+token capacity. Under `--speculative-draft-window-size W` a pass reads only the slots of the last W positions
+(core/drafter.py `context_window`): the rows stay, only the reads are bounded.
 
 `WindowRows` (`--speculative-draft-window-size W` with the radix cache off): the drafter reads only the last W context
 positions, so each request-pool slot r owns a ring of R = W + N - 1 rows and position p lives at row
@@ -15,8 +15,10 @@ commits it before any pass reads it, and a pass at length L reads only positions
 ring reused by a new request is never read stale. The pool costs req_slots x R rows, whatever the context length; a
 cached prefix's rows are not kept (the next request in the slot overwrites them), hence the radix cache off.
 
-Both give the same things (`ContextRows`): the pass's key layout (`layout`), and the rows a prefill's and a
-decode step's commits write (`prefill`, `decode`), so the worker's step calls one interface either way.
+Both give the same things (`ContextRows`): the pass's key lengths and key rows (`key_lens` on the host, `key_rows` on
+the device: one kernel, `ops.draft_kv_indices`, in its slot-row or ring-aware form, so the draft graphs capture
+either), the eager pass's layout from them (`layout`), and the rows a prefill's and a decode step's commits write
+(`prefill`, `decode`), so the worker's step and the graphs call one interface either way.
 """
 from __future__ import annotations
 
@@ -42,10 +44,18 @@ class ContextRows(Protocol):
         """[bs] committed lengths (host) -> [bs] int64 context keys a pass reads (min(L, W), or L)."""
         ...
 
+    def key_rows(self, kv_indptr: Tensor, req_pool_indices: Tensor, seq_lens: Tensor, req_to_token: Tensor,
+                 scratch_base: int, block: int, out: Tensor) -> Tensor:
+        """The pass's key rows into out [capacity] int32 on the device: request i's context rows (its last `key_lens`
+        positions, in position order), then its block scratch rows (scratch_base + r*block + j); from kv_indptr [bs+1]
+        int32 (device, over `key_lens`), req_pool_indices / seq_lens [bs] (device). `ops.draft_kv_indices`: one kernel
+        on CUDA, no host read (the draft graphs capture it)."""
+        ...
+
     def layout(self, req_to_token: Tensor, req_pool_indices: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor,
                block: int, scratch_base: int) -> DraftLayout:
-        """The pass's keys: request i's context rows (its last `key_lens` positions, in position order), then its block
-        scratch rows (scratch_base + r*block + j). seq_lens [bs] on the device, seq_lens_cpu its host mirror."""
+        """The eager pass's layout: the ragged sizes from `key_lens` of the host lengths, the key rows by `key_rows`.
+        seq_lens [bs] on the device, seq_lens_cpu its host mirror."""
         ...
 
     def prefill(self, positions: Tensor, out_cache_loc: Tensor, req_pool_indices: Tensor,
@@ -64,8 +74,21 @@ class ContextRows(Protocol):
         ...
 
 
+class _Layout:
+    """`ContextRows.layout` from the rows' own `key_lens` and `key_rows` (one body for both layouts)."""
+
+    def layout(self, req_to_token: Tensor, req_pool_indices: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor,
+               block: int, scratch_base: int) -> DraftLayout:
+        device = req_pool_indices.device
+        qo_indptr, kv_indptr = host_indptrs(self.key_lens(seq_lens_cpu), block)
+        out = torch.empty(int(kv_indptr[-1]), dtype=torch.int32, device=device)
+        self.key_rows(kv_indptr.to(device, non_blocking=True), req_pool_indices, seq_lens.to(device), req_to_token,
+                      scratch_base, block, out)
+        return DraftLayout(qo_indptr, kv_indptr, out)
+
+
 @dataclass(frozen=True)
-class SlotRows:
+class SlotRows(_Layout):
     """One pool row per target KV slot (rows = the target pool's slots, padding slot included); a pass reads the
     slots of the last `window` positions (None: the whole context)."""
 
@@ -81,21 +104,10 @@ class SlotRows:
 
     def key_rows(self, kv_indptr: Tensor, req_pool_indices: Tensor, seq_lens: Tensor, req_to_token: Tensor,
                  scratch_base: int, block: int, out: Tensor) -> Tensor:
-        """The pass's key rows into out [capacity] int32 on the device, from kv_indptr [bs+1] int32 (device, over
-        `key_lens`), req_pool_indices / seq_lens [bs] (device): `ops.draft_kv_indices`, one kernel on CUDA, no host
-        read (the draft graphs capture it). Under a window each request's keys start at position L - min(L, W)."""
+        """The slots of the context positions through req_to_token; under a window each request's keys start at
+        position L - min(L, W) (seq_lens read on the device)."""
         return ops.draft_kv_indices(kv_indptr, req_pool_indices, req_to_token, scratch_base, block, out=out,
                                     seq_lens=None if self.window is None else seq_lens)
-
-    def layout(self, req_to_token: Tensor, req_pool_indices: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor,
-               block: int, scratch_base: int) -> DraftLayout:
-        """The ragged sizes from the host lengths; the key rows by `key_rows` on the device."""
-        device = req_to_token.device
-        qo_indptr, kv_indptr = host_indptrs(self.key_lens(seq_lens_cpu), block)
-        out = torch.empty(int(kv_indptr[-1]), dtype=torch.int32, device=device)
-        self.key_rows(kv_indptr.to(device, non_blocking=True), req_pool_indices.to(device), seq_lens.to(device),
-                      req_to_token, scratch_base, block, out)
-        return DraftLayout(qo_indptr, kv_indptr, out)
 
     def prefill(self, positions: Tensor, out_cache_loc: Tensor, req_pool_indices: Tensor,
                 extend_lens: list[int]) -> tuple[Tensor | None, Tensor]:
@@ -112,7 +124,7 @@ class SlotRows:
 
 
 @dataclass(frozen=True)
-class WindowRows:
+class WindowRows(_Layout):
     """A ring of `ring` rows per request-pool slot for the last `window` context positions (module docstring)."""
 
     window: int  # W: context positions a pass reads (--speculative-draft-window-size)
@@ -134,23 +146,12 @@ class WindowRows:
         """[bs] committed lengths (host) -> [bs] int64 context rows a pass reads: min(L, W)."""
         return seq_lens_cpu.to(torch.int64).clamp(max=self.window)
 
-    def layout(self, req_to_token: Tensor, req_pool_indices: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor,
-               block: int, scratch_base: int) -> DraftLayout:
-        """Request i at committed length L reads ring rows of positions L-k .. L-1 (k = min(L, W)), then its block
-        scratch. The ragged sizes come from the host lengths; one gather of the request-pool slots on the device."""
-        device = req_pool_indices.device
-        lens = self.key_lens(seq_lens_cpu)
-        qo_indptr, kv_indptr = host_indptrs(lens, block)
-        bs, per_req = lens.numel(), lens + block
-        owner = torch.repeat_interleave(torch.arange(bs), per_req)  # [total] request of each key
-        offset = torch.arange(int(kv_indptr[-1]), dtype=torch.int64) - kv_indptr[:-1].to(torch.int64)[owner]
-        ctx = offset < lens[owner]
-        # a context key's position, or a block key's offset j within the block
-        value = torch.where(ctx, seq_lens_cpu.to(torch.int64)[owner] - lens[owner] + offset, offset - lens[owner])
-        host = torch.stack([owner, value, ctx.to(torch.int64)]).to(device, non_blocking=True)
-        slot = req_pool_indices.to(torch.int64)[host[0]]
-        rows = torch.where(host[2].bool(), self.ring_rows(slot, host[1]), scratch_base + slot * block + host[1])
-        return DraftLayout(qo_indptr, kv_indptr, rows.to(torch.int32))
+    def key_rows(self, kv_indptr: Tensor, req_pool_indices: Tensor, seq_lens: Tensor, req_to_token: Tensor,
+                 scratch_base: int, block: int, out: Tensor) -> Tensor:
+        """Request i at committed length L reads the ring rows r*R + p % R of positions L-k .. L-1 (k = min(L, W)):
+        the ring-aware form of the same kernel (no table read; seq_lens on the device)."""
+        return ops.draft_kv_indices(kv_indptr, req_pool_indices, None, scratch_base, block, out=out,
+                                    seq_lens=seq_lens, ring=self.ring)
 
     def prefill(self, positions: Tensor, out_cache_loc: Tensor, req_pool_indices: Tensor,
                 extend_lens: list[int]) -> tuple[Tensor | None, Tensor]:

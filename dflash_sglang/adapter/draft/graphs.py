@@ -13,7 +13,8 @@ also holds its selector's candidates and the chain's walk (adapter/draft/selecto
 
 Padding: bs requests replay the graph of the smallest captured size >= bs. Padded draft requests have no context
 and the drafter's padding scratch rows (`PagedDrafter.pad_slot`); their logits are never read. Padded commit rows
-write KV slot 0, which SGLang's allocators never hand out (its padding slot). Batches larger than every captured
+write the first of those padding scratch rows (`pad_row`), which no pass reads as context, in either context layout
+(the slot rows, or a draft window's rings, whose row 0 is request slot 0's). Batches larger than every captured
 size, shapes without a commit graph, and layouts longer than the index buffer run eagerly.
 
 When: on CUDA, wherever the target captures its decode graphs, at its batch sizes (`graph_mode`; SGLang's
@@ -34,12 +35,10 @@ from torch import Tensor
 from dflash_sglang.core.selector import CandidateSelector, SelectorScores, TopK
 
 from .attention import DraftLayout, PagedAttention, host_indptrs
-from .context_rows import SlotRows
 from .model import PagedDrafter, TargetHead
 from .selector_graph import GraphedSelector, SelectorStatics
 
 logger = logging.getLogger(__name__)
-PAD_SLOT = 0  # SGLang's padding KV slot: its token allocators start at 1
 _MAX_INDEX_ROWS = 1 << 24  # the shared int32 kv_indices buffer stays <= 64 MiB; longer layouts run eagerly
 _DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256)
 
@@ -93,7 +92,7 @@ class _CommitGraph:
     rows: int
     hidden: Tensor  # [rows, n_features * H] target features
     positions: Tensor  # [rows] int64
-    slots: Tensor  # [rows] int64; padded rows hold PAD_SLOT
+    slots: Tensor  # [rows] int64 pool rows; padded rows hold the padding row (`DraftGraphs.pad_row`)
     graph: object = None
 
 
@@ -109,7 +108,6 @@ class DraftGraphs:
         selector: a DFlash2 draft's (None: DFlash v1), with `top`, its candidates over the whole draft vocabulary, and
         select_in_graph: its selection captured with the pass (False under TP: it follows the replay)."""
         assert drafter.attention is not None and drafter.pad_slot is not None, "a paged drafter with a padding slot"
-        assert isinstance(drafter.context_rows, SlotRows), "a draft window's ring runs eagerly (adapter/boot)"
         self.drafter, self.head, self.req_to_token = drafter, head, req_to_token
         self.block = drafter.block
         self.sizes = sorted(set(sizes))
@@ -139,7 +137,9 @@ class DraftGraphs:
         }
         rows = max_size * nodes[-1]
         hidden = torch.zeros(rows, feature_dim, dtype=feature_dtype, device=device)
-        positions, slots = torch.zeros(rows, **i64), torch.full((rows,), PAD_SLOT, **i64)
+        # padded commit rows write here: the padding scratch's first row, never read as context
+        self.pad_row = drafter.scratch_base + drafter.pad_slot * self.block
+        positions, slots = torch.zeros(rows, **i64), torch.full((rows,), self.pad_row, **i64)
         self.commits = {
             (s, n): _CommitGraph(s * n, hidden[: s * n], positions[: s * n], slots[: s * n])
             for s in self.sizes for n in nodes
@@ -255,7 +255,7 @@ class DraftGraphs:
         c.positions[:rows].copy_(positions)
         c.slots[:rows].copy_(slots)
         if rows < c.rows:
-            c.slots[rows:].fill_(PAD_SLOT)
+            c.slots[rows:].fill_(self.pad_row)
         self._replay(c, self._commit_body, f"commit of {nodes} rows per request", bs, size)
         return True
 
