@@ -1029,6 +1029,79 @@ def test_pd_disaggregation_resolves_where_sglang_has_a_dflash_path(plugin, pair,
 
 
 @child_only
+@pytest.mark.parametrize("watched", [True, False])
+def test_pd_decode_retraction_backs_up_and_restores_the_draft_rows(plugin, monkeypatch, watched):
+    """--disaggregation-decode-retraction-backup cpu_tensor (adapter/scale/retraction.py), through SGLang's own
+    `Req.offload_kv_cache` / `Req.load_kv_cache` (what its `cpu_tensor` backup and restore call) on a real request, KV
+    pool, allocator and req_to_token: the request's slots are freed, their rows reused by others, and it resumes at
+    other slots. With the worker's watch (a PD decode server), its draft pass after the restore equals the one before
+    the retraction bit for bit (the same drafts, so the same acceptance as never having retracted), a draft window
+    over the slot rows included; without it, it differs (it would draft from the rows other requests left)."""
+    from dflash_sglang.adapter.versions import pd_disaggregation_supported, req_kv_info
+
+    if not pd_disaggregation_supported():
+        pytest.skip(f"sglang {version('sglang')} has no DFLASH PD path (no decode server retracts)")
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from dflash_sglang.adapter.draft.context_rows import SlotRows
+    from dflash_sglang.adapter.draft.model import PagedDrafter
+    from dflash_sglang.adapter.scale import retraction
+    from factories import draft_config_for, tiny_drafter, tiny_target
+
+    torch.manual_seed(0)
+    size, block, row = 64, 4, 1
+    target = MHATokenToKVPool(size=size, page_size=1, dtype=torch.float32, head_num=2, head_dim=8, layer_num=2,
+                              device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    allocator = TokenToKVPoolAllocator(size, torch.float32, "cpu", target, need_sort=False)
+    req_to_token = ReqToTokenPool(size=4, max_context_len=size, device="cpu", enable_memory_saver=False)
+    cfg = draft_config_for(tiny_target("qwen3"), block_size=block)
+    paged = PagedDrafter.load("unused", size + 1, 4, block, torch.float32, "cpu", weights=tiny_drafter(cfg),
+                              context_rows=SlotRows(size + 1, window=8))
+    monkeypatch.setattr(retraction, "_retraction", None)
+    if watched:
+        retraction.watch_retractions(paged.pool)
+    params = SamplingParams(max_new_tokens=8)
+    params.normalize(None)
+    req = Req("r", "", list(range(1, 14)), params)
+    req.output_ids = [3, 5, 7]  # 15 committed tokens with KV (the newest has none yet)
+    if req_kv_info():
+        req.kv.req_pool_idx = row
+    else:
+        req.req_pool_idx = row
+    n = req.seqlen - 1
+    slots = allocator.alloc(n)
+    req_to_token.req_to_token[row, :n] = slots.to(torch.int32)
+    for layer in range(2):  # the target KV SGLang backs up, and ours
+        target.k_buffer[layer][slots] = torch.randn(n, 2, 8)
+    paged.commit(torch.randn(n, cfg.n_features * cfg.hidden_size), torch.arange(n), slots)
+    target_before = target.k_buffer[1][slots].clone()
+    embeds = torch.randn(1, block, cfg.hidden_size)
+    positions = n + torch.arange(block)[None]
+
+    def draft():
+        return paged.draft(embeds, positions, req_to_token.req_to_token, torch.tensor([row]), torch.tensor([n]))
+
+    before = draft()
+    req.offload_kv_cache(req_to_token, allocator)
+    allocator.free(slots)
+    others = allocator.alloc(size)  # every slot reused by other requests: their draft rows overwrite ours
+    paged.commit(torch.randn(size, cfg.n_features * cfg.hidden_size), torch.arange(size), others)
+    allocator.free(others)
+    allocator.alloc(7)  # (the resumed request gets other slots than before)
+    new_slots = allocator.alloc(n)
+    assert not torch.equal(new_slots, slots)
+    req_to_token.req_to_token[row, :n] = new_slots.to(torch.int32)
+    req.load_kv_cache(req_to_token, allocator)
+    assert torch.equal(target.k_buffer[1][new_slots], target_before)  # (SGLang's own restore of the target KV)
+    after = draft()
+    assert torch.equal(after, before) == watched
+    assert getattr(req, retraction.BACKUP, None) is None
+
+
+@child_only
 def test_transferred_draft_pool_is_laid_out_as_sglangs_kv_pool(plugin):
     """The entries the transfer engine reads off our draft pool (adapter/scale/disagg.py) have the layout of SGLang's
     own MHATokenToKVPool of the same shape: K of every layer then V, one buffer each, the same byte lengths and bytes

@@ -189,6 +189,27 @@ def test_field_and_module_probes_agree_with_the_release():
 
 
 @child_only
+def test_req_kv_info_agrees_with_the_request_and_its_offload():
+    """Where the probe says a request keeps its req_to_token row in `req.kv`, SGLang's own retraction offload reads it
+    there (else on the request); `req_pool_index` reads the row either way."""
+    import inspect
+
+    from sglang.srt.managers.schedule_batch import Req
+
+    from dflash_sglang.adapter.versions import req_kv_info, req_pool_index
+
+    req = _req(4, [], set())
+    offload = inspect.getsource(Req.offload_kv_cache)
+    assert ("self.kv.req_pool_idx" in offload) == req_kv_info()
+    assert ("self.req_pool_idx" in offload) == (not req_kv_info())
+    if req_kv_info():
+        req.kv.req_pool_idx = 3
+    else:
+        req.req_pool_idx = 3
+    assert req_pool_index(req) == 3
+
+
+@child_only
 def test_draft_kv_dtype_reading_follows_the_parser():
     """`has_draft_kv_cache_dtype` agrees with SGLang's parser (the flag a user types), and the seam reads the draft
     flag where it exists and is set, else --kv-cache-dtype."""

@@ -36,7 +36,10 @@ release, what each function adapts (upstream symbol, and the first release with 
 - HiCache with our draft pool (`hicache_draft_served`, 0.5.23: the spec worker's `HiCacheDraftPlan` and host pools
   built from a pool's buffer description, `mem_cache/device_pool_info.MHABufferInfo`; 0.5.18 .. 0.5.22 build a draft
   sidecar's host pool from SGLang's own pool object): none -> `--enable-hierarchical-cache` refused, naming the
-  release.
+  release;
+- a request's req_to_token row (`req_kv_info`, by 0.5.23: the `req_pool_idx` field of `schedule_batch.ReqKvInfo`, the
+  request's `kv`): `req.req_pool_idx` -> `req.kv.req_pool_idx` (`req_pool_index`, what the PD decode retraction backup
+  indexes req_to_token with).
 
 What did not change (checked against the seven wheels): the plugin entry-point group and `HookRegistry`, the hooked
 symbols (adapter/boot/plugin.py), `DFlashDraftInputV2` / `DFlashVerifyInput`, `get_context().server_args`, and the
@@ -166,12 +169,30 @@ def has_mamba_track_grid() -> bool:
     return hasattr(runtime_context, "mamba_track_grid")
 
 
+@cache
+def req_kv_info() -> bool:
+    """A request keeps its req_to_token row in its KV bookkeeping, `req.kv.req_pool_idx` (a field of
+    `schedule_batch.ReqKvInfo`); else on the request itself (`req.req_pool_idx`)."""
+    import dataclasses
+
+    from sglang.srt.managers import schedule_batch
+
+    info = getattr(schedule_batch, "ReqKvInfo", None)
+    return info is not None and "req_pool_idx" in {f.name for f in dataclasses.fields(info)}
+
+
+def req_pool_index(req: Any) -> int:
+    """A request's row of req_to_token."""
+    return req.kv.req_pool_idx if req_kv_info() else req.req_pool_idx
+
+
 # Every probe by name (those above; `pd_disaggregation_supported` below, beside the refusal it decides): the forms of
 # the installed SGLang. tests/test_sglang_versions.py checks each against what the module it names actually has;
 # tests/sglang_support.py reports them to tests that do not import sglang.
 PROBES = ("sealed_resolution", "public_acc_len_sampler", "stops_before_cap", "min_new_tokens_holds_eos",
           "hidden_mode_reads_server_args", "cpu_bind_entry_per_rank", "has_mamba_track_grid", "has_attn_dp_size",
-          "pd_disaggregation_supported", "has_draft_kv_cache_dtype", "attention_dp_served", "hicache_draft_served")
+          "pd_disaggregation_supported", "has_draft_kv_cache_dtype", "attention_dp_served", "hicache_draft_served",
+          "req_kv_info")
 
 
 def resolve(server_args: Any) -> Any:

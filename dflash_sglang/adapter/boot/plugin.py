@@ -21,6 +21,8 @@ validation, metrics) stays as it is, and wrap these with AROUND hooks:
   token (adapter/draft/memory.py);
 - PD disaggregation's decode side (0.5.20 on; adapter/scale/disagg.py): `DecodePreallocQueue._pre_alloc` marks a
   transfer's draft rows unsent, `build_dflash_disagg_draft_input` checks them when the requests join the decode batch;
+  `Req.offload_kv_cache` / `Req.load_kv_cache` back up and restore a retracted request's draft rows with its target KV
+  (`--disaggregation-decode-retraction-backup cpu_tensor`, adapter/scale/retraction.py);
 - `dflash_utils.resolve_dflash_verify_mask_policy`: with `--speculative-dflash-tree-cuda-graph` and trees, the
   target's verify CUDA graphs are captured with the custom-mask buffers (adapter/step/verify.py);
 - on CPU only, two helpers that the speculative path runs as Triton kernels (adapter/step/cpu.py): the KV-copy
@@ -215,6 +217,7 @@ def register() -> None:
 
     from ..draft.memory import CELL_SIZE, cell_size_hook
     from ..scale.disagg import pd_hooks
+    from ..scale.retraction import retraction_hooks
     from ..step.cpu import (
         allocate_token_bitmask_hook,
         apply_vocab_mask_hook,
@@ -229,7 +232,7 @@ def register() -> None:
         (ROW_HEADROOM, _row_headroom), (CELL_SIZE, cell_size_hook),
         (KV_COPY_WARMUP, kv_copy_warmup_hook), (ASSIGN_REQ_TO_TOKEN, assign_req_to_token_pool_hook),
         (GRAMMAR_BITMASK, allocate_token_bitmask_hook), (GRAMMAR_APPLY, apply_vocab_mask_hook),
-        *version_hooks(), *pd_hooks(),
+        *version_hooks(), *pd_hooks(), *retraction_hooks(),
     ):
         HookRegistry.register(target, hook, HookType.AROUND)
     _registered = True

@@ -58,6 +58,7 @@ from ..draft.model import EagerDraftPass, PagedDrafter, TargetHead, load_draft_w
 from ..scale.disagg import TransferredDraftPool, watch_transfers
 from ..scale.dp_attention import DECODE, EXTEND, IDLE, AttentionDP
 from ..scale.hicache import draft_plan as hicache_draft_plan
+from ..scale.retraction import watch_retractions
 from ..scale.tp import DraftVocab
 from ..settings import TREE_ATTENTION_BACKENDS, UnsupportedFlagError, settings_of
 from ..versions import prefill_hidden_full
@@ -254,6 +255,8 @@ class DFlashWorker(BaseSpecWorker):
                                          context_rows=context_rows, pool=pool)
         memory = check_pool_memory(self.drafter.pool, self.settings.draft_memory, self.drafter.scratch_base,
                                    self.context_len)
+        if self.settings.disaggregation == "decode":  # a retracted request's draft rows go to host with its KV
+            watch_retractions(self.drafter.pool)
         target = self.model_runner.model
         # The drafter proposes over the token map of the settings (checked at start-up) or the whole vocabulary.
         token_map = read_token_map(self.settings.token_map, self.cfg.vocab_size) if self.settings.token_map else None
