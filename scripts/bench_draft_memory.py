@@ -5,9 +5,11 @@
     python scripts/bench_draft_memory.py window --windows 32,128,512,full          # tau vs draft window W
     python scripts/bench_draft_memory.py plan --budget-mib 64 --prompt-tokens 256   # capacity per option + the
                                                                                     # timed CPU Engine command
+    python scripts/bench_draft_memory.py capacity --budget-gib 40                   # a draft window's layouts at
+                                                                                    # 8k-32k contexts (Qwen3-8B)
 
 See `dflash_sglang/bench/draft_memory.py`. Last stdout line: JSON. `tau` exits 1 if any arm's greedy output differs
-from plain decoding.
+from plain decoding; `capacity` if its arithmetic and SGLang's own sizing differ.
 """
 import sys
 from pathlib import Path

@@ -75,6 +75,7 @@ def test_window_tau_reports_every_window_lossless():
     prompts = mixed_prompts(96, lengths=(12, 20, 9))
     res = window_tau(target, drafter, prompts, 10, 4, (2, None))
     assert set(res) == {"2", "full"} and all(r["lossless"] and r["tau"] >= 1.0 for r in res.values())
+    assert all(len(r["prompt_tau"]) == len(prompts) for r in res.values())  # (each prompt's, for the paired ratio)
     assert drafter.context_window is None  # restored
 
 
@@ -121,3 +122,42 @@ def test_script_tiny_run(pair, args):
     else:
         assert set(res["arms"]) == {"auto", "fp8_e4m3"} and all(a["lossless"] for a in res["arms"].values())
 
+
+
+def test_capacity_rows_per_layout():
+    """Per-token layouts (no window, a window over the slot rows, the builtin's) hold budget // (target + draft) tokens;
+    the ring holds the most requests whose rings (one more request slot) and target KV fit."""
+    from dflash_sglang.bench.window_capacity import capacity_rows
+
+    rows = {r.layout: r for r in capacity_rows(10**9, 1000, 100, [4096], [64], 16)}
+    assert set(rows) == {"whole", "slots64", "builtin64", "ring64"}
+    assert rows["whole"] == rows["slots64"].__class__("whole", 4096, 1100, 0, 10**9 // 1100, 10**9 // 1100 // 4096)
+    assert rows["slots64"].requests == rows["builtin64"].requests == rows["whole"].requests
+    ring = rows["ring64"]
+    assert ring.ring_bytes == (64 + 15) * 100 and ring.bytes_per_token == 1000
+    b = ring.requests
+    assert b * 4096 * 1000 + (b + 1) * ring.ring_bytes <= 10**9 < (b + 1) * 4096 * 1000 + (b + 2) * ring.ring_bytes
+    assert ring.max_total_tokens == (10**9 - (b + 1) * ring.ring_bytes) // 1000 and b > rows["whole"].requests
+
+
+def test_capacity_arithmetic_is_sglangs_own_sizing():
+    """For the Qwen3-8B + Qwen3-8B-DFlash-b16 shapes, every layout's token capacity and requests held, computed by
+    SGLang's own sizing (its resolution of our flags, the hooked per-token cell, its pool configurator; a child
+    process), equal the arithmetic."""
+    from sglang_support import sglang_skip_reason
+
+    if sglang_skip_reason() is not None:
+        pytest.skip(sglang_skip_reason())
+    from dflash_sglang.bench.window_capacity import (QWEN3_8B, QWEN3_8B_DFLASH, capacity_rows, compare,
+                                                      sglang_sizing_in_child, write_pair)
+
+    import tempfile
+
+    budget, contexts, windows = 40 * 2**30, [8192, 32768], [2048]
+    target = kv_bytes_per_token(36, 8, 128, 2)
+    rows = capacity_rows(budget, target, kv_bytes_per_token(5, 8, 128, 2), contexts, windows, 16)
+    with tempfile.TemporaryDirectory() as tmp:
+        sglang = sglang_sizing_in_child(*write_pair(Path(tmp), QWEN3_8B, QWEN3_8B_DFLASH), budget, contexts, windows)
+    assert compare(rows, sglang) == [] and len(sglang) == len(rows) == 8
+    ring = next(r for r in rows if r.layout == "ring2048" and r.context == 32768)
+    assert ring.requests > next(r for r in rows if r.layout == "whole" and r.context == 32768).requests

@@ -6,7 +6,8 @@ tau = committed tokens per verify step, the prefill token counted (as SGLang rep
 plain decoding in every arm (lossless: a mismatch exits 1). Not timed.
 
 `window`: the same decoder with the drafter's sliding context window (core/drafter.py `context_window`, the
-definition of `--speculative-draft-window-size W`) on long multi-turn ShareGPT eval contexts, tau per W. With
+definition of `--speculative-draft-window-size W`) on long multi-turn ShareGPT eval contexts, tau per W and each
+prompt's tau over its whole-context tau (median, 95% interval over the prompts: what the window costs). With
 `--engine`, also one CPU Engine per W (one at a time, greedy chains of the drafter block, the radix cache off in every
 arm): its tau from SGLang's per-request verify counts and whether its output equals the reference decoder's. Not
 timed.
@@ -18,6 +19,9 @@ budget holds, and the largest batch of requests of a given length it admits; the
 (scripts/bench_engine.py: every arm at its own `--max-total-tokens` and `--max-running-requests`, token-identical to
 plain, tau per arm) that measures tokens/s at that batch. SGLang fills memory by the same division, so the
 capacities are what a server given that budget would get; the Engine run checks that the batch runs.
+
+`capacity`: what a draft window is for at long contexts (8k-32k tokens), per draft pool layout, for the Qwen3-8B +
+Qwen3-8B-DFlash-b16 shapes, checked against SGLang's own sizing (bench/window_capacity.py).
 """
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from .noise import RatioSpread
 
 DTYPES = ("auto", "bf16", "fp8_e4m3", "fp8_e5m2")  # draft KV arms ("auto": the model dtype)
 REPO = Path(__file__).resolve().parents[2]
@@ -153,6 +159,7 @@ def window_tau(target, drafter, prompts: list[list[int]], new_tokens: int, block
             steps = sum(len(g.accept_lengths) for g in gens)
             out["full" if w is None else str(w)] = {"tau": sum(len(g.tokens) for g in gens) / steps, "steps": steps,
                                                     "lossless": [g.tokens for g in gens] == plain,
+                                                    "prompt_tau": [len(g.tokens) / len(g.accept_lengths) for g in gens],
                                                     "ids": [g.tokens for g in gens]}
             print(f"[window] {w}: tau {out['full' if w is None else str(w)]['tau']:.3f}", file=sys.stderr, flush=True)
     finally:
@@ -186,13 +193,22 @@ def _window(args: argparse.Namespace) -> int:
                          "engine_equals_reference": r["equals_reference"]}
     for r in res.values():
         r.pop("ids", None)
+    full = res.get("full")
+    for r in res.values():  # each prompt's tau over its whole-context tau: the window's cost, prompt by prompt
+        if full is not None:
+            spread = RatioSpread.paired(r["prompt_tau"], full["prompt_tau"])
+            r["vs_full"] = {"median": spread.median, "interval": spread.interval}
     lens = [len(p) for p in prompts]
     print(f"reference decoder, {len(prompts)} ShareGPT eval multi-turn prompts ({min(lens)}..{max(lens)} tokens, "
           f"mean {sum(lens) / len(lens):.0f}) x {args.new_tokens} new tokens, block {block}, model {args.dtype}")
-    print(f"{'window':<8} {'tau':>6} {'steps':>6} lossless" + (" engine_tau engine=reference" if args.engine else ""))
+    print(f"{'window':<8} {'tau':>6} {'steps':>6} lossless {'per-prompt tau / full: median (95% interval)':>46}"
+          + (" engine_tau engine=reference" if args.engine else ""))
     for name, r in res.items():
         engine = f" {r['engine_tau']:10.3f} {r['engine_equals_reference']}" if "engine_tau" in r else ""
-        print(f"{name:<8} {r['tau']:6.3f} {r['steps']:6d} {r['lossless']}{engine}")
+        vs = r.get("vs_full")
+        ci = vs["interval"] if vs else None
+        ratio = f"{vs['median']:.3f} ({ci[0]:.2f}-{ci[1]:.2f})" if ci else "-"
+        print(f"{name:<8} {r['tau']:6.3f} {r['steps']:6d} {str(r['lossless']):<8} {ratio:>46}{engine}")
     print(json.dumps({"mode": "window", "prompts": len(prompts), "prompt_tokens": [min(lens), max(lens)],
                       "new_tokens": args.new_tokens, "block": block, "dtype": args.dtype, "windows": res}))
     return 0 if all(r["lossless"] and r.get("engine_equals_reference", True) for r in res.values()) else 1
@@ -288,10 +304,44 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _capacity(args: argparse.Namespace) -> int:
+    """The window's capacity at long contexts (bench/window_capacity.py): the arithmetic per layout, checked against
+    SGLang's own sizing in a child process (exit 1 where they differ)."""
+    import tempfile
+
+    from .window_capacity import QWEN3_8B, QWEN3_8B_DFLASH, capacity_rows, compare, sglang_sizing_in_child, write_pair
+
+    budget = int(args.budget_gib * 2**30)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    windows = [int(w) for w in args.windows.split(",")]
+    target, draft = QWEN3_8B, QWEN3_8B_DFLASH
+    elem = 2  # bf16
+    target_cell = kv_bytes_per_token(target["num_hidden_layers"], target["num_key_value_heads"], target["head_dim"],
+                                     elem)
+    draft_row = kv_bytes_per_token(draft["num_hidden_layers"], draft["num_key_value_heads"], draft["head_dim"], elem)
+    rows = capacity_rows(budget, target_cell, draft_row, contexts, windows, draft["block_size"])
+    with tempfile.TemporaryDirectory() as tmp:
+        sglang = sglang_sizing_in_child(*write_pair(Path(tmp), target, draft), budget, contexts, windows)
+    differ = compare(rows, sglang)
+    print(f"Qwen3-8B + z-lab/Qwen3-8B-DFlash-b16 shapes (bf16, TP 1), KV budget {args.budget_gib} GiB: target "
+          f"{target_cell} B/token, draft row {draft_row} B; requests of each context length held at once")
+    print(f"{'layout':<12} {'context':>8} {'B/token':>8} {'ring B/slot':>12} {'max tokens':>10} {'requests':>8} "
+          f"{'vs whole':>8}")
+    whole = {r.context: r.requests for r in rows if r.layout == "whole"}
+    for r in rows:
+        gain = f"{r.requests / whole[r.context]:.2f}x" if whole[r.context] else "-"
+        print(f"{r.layout:<12} {r.context:8d} {r.bytes_per_token:8d} {r.ring_bytes:12d} {r.max_total_tokens:10d} "
+              f"{r.requests:8d} {gain:>8}")
+    print("SGLang's own sizing:", "agrees on every row" if not differ else "DIFFERS: " + "; ".join(differ))
+    print(json.dumps({"mode": "capacity", "budget_gib": args.budget_gib, "rows": [asdict(r) for r in rows],
+                      "sglang_agrees": not differ}))
+    return 1 if differ else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="mode", required=True)
-    for name in ("tau", "plan", "window"):
+    for name in ("tau", "plan", "window", "capacity"):
         s = sub.add_parser(name)
         s.add_argument("--target", help="target dir (default: the testbed pair)")
         s.add_argument("--draft", help="draft dir (with --target)")
@@ -315,9 +365,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--prompt-tokens", type=int, default=256, help="prompt tokens per request")
     plan.add_argument("--repeats", type=int, default=3)
     plan.add_argument("--windows", default="", help="draft windows W to plan beside the dtypes (comma list)")
+    capacity = sub.choices["capacity"]
+    capacity.add_argument("--budget-gib", type=float, default=40.0, help="KV budget (SGLang's available bytes)")
+    capacity.add_argument("--contexts", default="8192,16384,32768", help="tokens per request (comma list)")
+    capacity.add_argument("--windows", default="512,2048,4096", help="draft windows W (comma list)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return {"tau": _tau, "plan": _plan, "window": _window}[args.mode](args)
+    return {"tau": _tau, "plan": _plan, "window": _window, "capacity": _capacity}[args.mode](args)
