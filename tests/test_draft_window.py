@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from factories import draft_config_for, mixed_prompts, tiny_drafter, tiny_target
+from sglang_support import requires_sglang
 
 BLOCK = 4
 
@@ -79,8 +80,8 @@ def _window_rows():
     return WindowRows(WINDOW, ring_size(WINDOW, NODES), REQ_SLOTS)
 
 
+@requires_sglang
 def test_window_layout_reads_ring_rows_of_the_last_w_positions():
-    pytest.importorskip("sglang")
     rows = _window_rows()
     assert rows.ring == 8 and rows.rows == REQ_SLOTS * 8
     seq_lens, scratch = torch.tensor([3, 12, 5, 30]), 1000
@@ -94,9 +95,9 @@ def test_window_layout_reads_ring_rows_of_the_last_w_positions():
         assert seg == ring + [scratch + r * BLOCK + j for j in range(BLOCK)]
 
 
+@requires_sglang
 def test_prefill_writes_only_the_last_r_positions_of_a_long_chunk():
     """A chunk longer than R writes its last R positions only (no repeated scatter index); shorter ones all."""
-    pytest.importorskip("sglang")
     rows = _window_rows()
     extend = [3, 13, 8]  # (13 > R = 8)
     prefix = [0, 4, 20]
@@ -111,9 +112,9 @@ def test_prefill_writes_only_the_last_r_positions_of_a_long_chunk():
     assert index is None  # every token written: no gather
 
 
+@requires_sglang
 def test_window_pool_is_bounded_by_request_slots():
     """The pool holds req_slots x R context rows (+ the block scratch) whatever the target's KV capacity."""
-    pytest.importorskip("sglang")
     from dflash_sglang.adapter.draft.model import PagedDrafter
     from dflash_sglang.adapter.draft.pool import pool_rows
 
@@ -123,6 +124,7 @@ def test_window_pool_is_bounded_by_request_slots():
     assert sizes == {pool_rows(REQ_SLOTS * 8, REQ_SLOTS, BLOCK)}
 
 
+@requires_sglang
 @pytest.mark.parametrize("shape", ["qwen3", "gemma4"])
 def test_paged_window_pass_and_commits_equal_the_reference_drafter(shape):
     """Mixed-length batch; chunked prefill (a chunk longer than R; two requests per extend batch); decode steps whose
@@ -130,7 +132,6 @@ def test_paged_window_pass_and_commits_equal_the_reference_drafter(shape):
     rewrites them); contexts grow past W and R. Every pass equals the core drafter with `context_window` W over the
     true context (and differs from the full-context pass once a context is longer than W). gemma4: causal
     sliding-window layers on the paged path over the window's keys."""
-    pytest.importorskip("sglang")
     from factories import GEMMA4_DRAFT
 
     from dflash_sglang.adapter.draft.model import PagedDrafter
