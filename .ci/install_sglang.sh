@@ -38,6 +38,7 @@ COMMON=(
   "python-multipart" "soundfile==0.13.1" "jsonschema==4.26.0"  # jsonschema: the OpenAI chat endpoint (HTTP server)
   "prometheus-client==0.23.1"  # --enable-metrics (SGLang's collectors and ours, adapter/step/metrics.py)
   "sglang-router==0.3.2"  # the load balancer users put in front of several servers (the router e2e test)
+  "datasets==5.2.0"  # SGLang's benchmark client (sglang.benchmark.serving) imports it at start (its MMMU loader)
 )
 # Each release's own pins (its wheel's METADATA); where a release leaves a package unpinned, the version tested with
 # the release before it. The patch number N of 0.5.N picks the pins (0.5.17 .. 0.5.23).

@@ -16,7 +16,8 @@ EXIT_USAGE = 2
 # Subcommands implemented elsewhere: (module, help). Each module exposes add_arguments(p) and run(args) -> int.
 EXTERNAL = {
     "train": ("dflash_sglang.train.cli", "train a DFlash drafter for a target (z-lab checkpoint out)"),
-    "demo": ("dflash_sglang.testbed.demo", "set up the SmolLM2 testbed and decode a few eval prompts"),
+    "demo": ("dflash_sglang.testbed.demo", "serve the SmolLM2 testbed pair through SGLang (or the reference decoder): "
+                                           "plain vs DFLASH, interleaved, identical outputs, a table"),
 }
 
 

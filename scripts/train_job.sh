@@ -2,7 +2,8 @@
 # The standing background training job for the embedded SmolLM2 drafter (recipes/training.md, "Standing CPU job").
 #
 #   bash scripts/train_job.sh start     # (re)start the loop, resuming from the latest checkpoint; no-op if running
-#   bash scripts/train_job.sh pause     # SIGSTOP the whole job (every timing and heavy suite run does this first)
+#   bash scripts/train_job.sh pause     # SIGSTOP the whole job (every timing and heavy suite run does this first);
+#                                       # "already paused" when it is, and nothing sent
 #   bash scripts/train_job.sh resume    # SIGCONT it
 #   bash scripts/train_job.sh stop      # SIGTERM: the trainer checkpoints the step it is on, then exits
 #   bash scripts/train_job.sh status    # running / paused / stopped, CPU-hours so far, held-out tau_est curve
@@ -47,6 +48,11 @@ running_pid() {
   kill -0 "$pid" 2>/dev/null && echo "$pid"
 }
 
+is_paused() {  # the job's deepest process (the trainer, when one runs) is stopped
+  local last; last=$(descendants "$1" | tail -n 1)
+  case "$(ps -o stat= -p "${last:-$1}" 2>/dev/null | tr -d ' ')" in T*) return 0 ;; *) return 1 ;; esac
+}
+
 shards() { ls "$JOB_DIR/cache" 2>/dev/null | grep -c '^shard' || true; }
 
 loop() {
@@ -86,6 +92,9 @@ case "${1:-status}" in
   _loop) loop ;;
   pause|resume|stop)
     pid=$(running_pid) || { echo "train_job: not running"; exit 0; }
+    # said, not done: a benchmark's pause (bench/quiet.py) must not take over a pause someone made by hand, which its
+    # resume would undo
+    if [ "$1" = pause ] && is_paused "$pid"; then echo "train_job: already paused (pid $pid)"; exit 0; fi
     sig=$([ "$1" = pause ] && echo STOP || { [ "$1" = resume ] && echo CONT || echo TERM; })
     procs="$pid $(descendants "$pid" | tr '\n' ' ')"
     [ "$1" = stop ] && kill -CONT -- "-$pid" $procs 2>/dev/null || true
@@ -95,8 +104,7 @@ case "${1:-status}" in
     echo "train_job: $1 (SIG$sig to process group $pid and pids $procs)" | tee -a "$LOG" ;;
   status)
     if pid=$(running_pid); then
-      state=$(ps -o stat= -p "$(descendants "$pid" | tail -n 1)" 2>/dev/null | tr -d ' ')
-      case "$state" in T*) echo "train_job: paused (pid $pid)" ;; *) echo "train_job: running (pid $pid)" ;; esac
+      if is_paused "$pid"; then echo "train_job: paused (pid $pid)"; else echo "train_job: running (pid $pid)"; fi
     else
       echo "train_job: stopped"
     fi

@@ -3,13 +3,17 @@
 with their interval and wording, and mismatches vs plain. No Engine starts, nothing is timed."""
 from __future__ import annotations
 
+import subprocess
+import time
+from pathlib import Path
+
 import pytest
 
 from dflash_sglang.bench.engine import (
     STATIC_TABLE, build_plan, mismatches, parse_arm, parse_kv, parse_value, plot_switch, summarize, switch_schedule,
 )
 from dflash_sglang.bench.noise import FASTER, ONE_REPEAT, SAME, SLOWER, RatioSpread
-from dflash_sglang.bench.quiet import busy_share, cpu_model, training_paused
+from dflash_sglang.bench.quiet import SCRIPT, busy_share, cpu_model, training_paused
 
 SPEC = {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": "/d"}
 
@@ -187,6 +191,17 @@ def test_repeats_run_as_passes_over_the_arms(monkeypatch):
     assert {(r["arm"], r["repeats"], r["verdict"]) for r in rows if r["arm"] == "spec"} == {("spec", 3, SAME)}
 
 
+@pytest.mark.parametrize("arm,base,head", [
+    ([7.0, 7.2, 6.9], [10.0, 10.1, 9.9], "slower than whole: "),
+    ([10.9, 8.5], [10.0, 10.0], "same as whole within noise: "),
+    ([13.0, 13.4, 12.9], [10.0, 10.5, 9.8], "speedup "),
+])
+def test_ratio_words_name_the_baseline_arm(arm, base, head):
+    """A ratio over another arm than plain (bench/pd.py's is over the whole server) is worded over that arm."""
+    text = RatioSpread.paired(arm, base, baseline="whole").words()
+    assert text.startswith(head) and "plain" not in text, text
+
+
 def test_ratio_spread_refuses_unpaired_speeds():
     with pytest.raises(ValueError, match="same number"):
         RatioSpread.paired([1.0, 2.0], [1.0])
@@ -210,13 +225,57 @@ def test_training_paused_calls_the_job_script(tmp_path):
         assert not job.paused
 
 
+def _job_script(tmp_path, says: str):
+    """A stand-in train_job.sh that records its actions in `calls` and answers every one with `says`."""
+    calls, script = tmp_path / "calls", tmp_path / "job.sh"
+    script.write_text(f'echo "$1" >> {calls}; echo "{says}"\n')
+    return script, calls
+
+
 def test_training_not_running_is_not_resumed(tmp_path):
-    calls = tmp_path / "calls"
-    script = tmp_path / "job.sh"
-    script.write_text(f'echo "$1" >> {calls}; echo "train_job: not running"\n')
+    script, calls = _job_script(tmp_path, "train_job: not running")
     with training_paused(script) as job:
         assert not job.paused
     assert calls.read_text().split() == ["pause"]
+
+
+def test_training_paused_by_someone_else_is_not_resumed(tmp_path):
+    script, calls = _job_script(tmp_path, "train_job: already paused (pid 1)")
+    with training_paused(script) as job:
+        assert not job.paused
+        assert not job.pause()
+    assert calls.read_text().split() == ["pause", "pause"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads process states from /proc")
+def test_train_job_script_leaves_a_hand_paused_job_paused(tmp_path, monkeypatch):
+    """scripts/train_job.sh itself, on a stand-in job (a sleeping process group): a benchmark that pauses the running
+    job resumes it on exit, a repeated pause included; one that finds it paused by hand leaves it paused."""
+    monkeypatch.setenv("DFLASH_TRAIN_JOB_DIR", str(tmp_path))
+    job = subprocess.Popen(["sleep", "300"], start_new_session=True)
+
+    def stopped(want: bool) -> bool:  # (a signal is delivered asynchronously: wait a little for the state)
+        for _ in range(100):
+            if (Path(f"/proc/{job.pid}/stat").read_text().split()[2] == "T") == want:
+                return True
+            time.sleep(0.02)
+        return False
+
+    try:
+        (tmp_path / "job.pid").write_text(str(job.pid))
+        with training_paused() as pause:
+            assert pause.paused and stopped(True)
+            assert pause.pause() and stopped(True)  # "already paused": by us, so still ours to resume
+        assert stopped(False)
+        assert "pause (SIGSTOP" in subprocess.run(["bash", str(SCRIPT), "pause"], capture_output=True, text=True,
+                                                  check=True).stdout  # by hand
+        with training_paused() as pause:
+            assert not pause.paused and stopped(True)
+        assert stopped(True)  # left as found
+        assert "paused" in subprocess.run(["bash", str(SCRIPT), "status"], capture_output=True, text=True).stdout
+    finally:
+        job.kill()
+        job.wait()
 
 
 def test_busy_share_is_a_share():

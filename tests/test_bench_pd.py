@@ -18,6 +18,7 @@ def test_report_gives_tokens_per_second_acceptance_and_the_ratio_over_the_first_
     assert rows[1]["tokens_per_s"] == pytest.approx(36.0) and rows[1]["acceptance"] == 3.2
     assert rows[1]["ratio"] == pytest.approx((0.5 + 12 / 16) / 2, abs=1e-3) and rows[1]["mismatches"] == 1
     assert "ratio" not in rows[0]
+    assert rows[1]["words"].startswith("same as whole within noise") and "plain" not in rows[1]["words"]
 
 
 @pytest.mark.parametrize("arm, servers", [("whole", 1), ("plain", 1), ("pd", 3), ("plain-pd", 3)])

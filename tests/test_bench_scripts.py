@@ -11,6 +11,7 @@ import csv
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,16 +59,11 @@ def pair() -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def sglang_env(tmp_path_factory) -> dict:
-    """Environment for SGLang subprocesses on CPU; skips when SGLang's server or benchmark cannot be imported."""
-    paths = [str(SHIMS)]
-    if importlib.util.find_spec("datasets") is None:
-        # sglang.benchmark.serving imports HF `datasets` for its MMMU loader only; we never load MMMU.
-        stub = tmp_path_factory.mktemp("stubs") / "datasets"
-        stub.mkdir()
-        (stub / "__init__.py").write_text("def load_dataset(*a, **k):\n    raise RuntimeError('datasets stub')\n")
-        paths.append(str(stub.parent))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths + [os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+def sglang_env() -> dict:
+    """Environment for SGLang subprocesses on CPU (the import shims on the path, as a user's); skips when SGLang's
+    server or benchmark client cannot be imported (the client needs HF `datasets`: .ci/install_sglang.sh)."""
+    paths = [str(SHIMS), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths).rstrip(os.pathsep)}
     probe = subprocess.run([sys.executable, "-c",
                             "import sglang.srt.entrypoints.http_server, sglang.benchmark.serving"],
                            env=env, capture_output=True, text=True, timeout=300)
@@ -194,6 +190,30 @@ def test_bench_accept_server_backend(pair, sglang_env, server, tmp_path):
     assert lines[0].startswith("Roofline")
     (row,) = res["rows"]
     assert 1 <= row["tau"] <= row["block_size"] and row["steps"] > 0
+
+
+@pytest.mark.slow
+def test_sglang_bench_serving_on_a_dflash_server(pair, sglang_env, server, tmp_path):
+    """SGLang's own benchmark client as the README runs it against a DFLASH server on the embedded pair: the dataset
+    file from the one-liner (`python -m dflash_sglang.bench.datasets sharegpt-json`: the packaged ShareGPT JSON is
+    cut off mid-record, which the client rejects), every request served, and an accept length printed."""
+    arm, srv = server
+    if arm != "ours":
+        pytest.skip("an accept length needs a DFLASH server (dflash_sglang.adapter is not installed)")
+    target, _ = pair
+    path = subprocess.run([sys.executable, "-m", "dflash_sglang.bench.datasets", "sharegpt-json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, check=True).stdout.strip()
+    assert Path(path).is_file() and isinstance(json.loads(Path(path).read_text()), list), path
+    proc = subprocess.run([sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--base-url",
+                           srv.url, "--dataset-name", "sharegpt", "--dataset-path", path, "--tokenizer", str(target),
+                           "--num-prompts", "8", "--sharegpt-output-len", "16", "--max-concurrency", "4",
+                           "--output-file", str(tmp_path / "bench_serving.jsonl")],
+                          cwd=ROOT, env=sglang_env, capture_output=True, text=True, timeout=900)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"^Successful requests: +8 *$", out, re.M), out[-3000:]  # (the client pads its columns)
+    accept = re.search(r"^Accept length: +([\d.]+) *$", out, re.M)
+    assert accept and float(accept[1]) >= 1.0, out[-3000:]
 
 
 # ------------------------------------------------------------------ fast checks, no server

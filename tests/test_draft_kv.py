@@ -159,6 +159,40 @@ def test_draft_memory_counts_the_pool_row(name, element):
         check_pool_memory(pool, wrong, 100, 1000)
 
 
+@requires_sglang
+@pytest.mark.parametrize("window", [None, 8])
+def test_start_up_lines_account_for_the_block_scratch(window):
+    """The block scratch (a block of rows per request slot, past the context rows) is priced in both start-up lines,
+    and each says whether SGLang's KV sizing counted it: not without a window (its sizing is per token), with a window
+    yes (the rings and the scratch are allocated before it)."""
+    from types import SimpleNamespace
+
+    from dflash_sglang.adapter.draft.memory import check_pool_memory, draft_memory, human_bytes, sizing_line
+    from dflash_sglang.adapter.draft.pool import new_pool, pool_rows
+
+    cfg = draft_config_for(tiny_target("qwen3"), block_size=BLOCK)
+    ring = window + BLOCK - 1 if window else 0
+    memory = draft_memory(cfg, "auto", torch.float32, window, ring)
+    req_slots = 5
+    context = req_slots * ring if window else 100
+    pool = new_pool(cfg, context, req_slots, BLOCK, torch.float32, "cpu")
+    scratch = (pool_rows(context, req_slots, BLOCK) - context) * memory.bytes_per_row
+    assert pool.nbytes() == (context + (req_slots + 1) * BLOCK) * memory.bytes_per_row
+    line = check_pool_memory(pool, memory, context, 1000)
+    per_slot = f"block scratch {BLOCK} rows = {human_bytes(BLOCK * memory.bytes_per_row)} per request slot"
+    sized = sizing_line(768, 999, SimpleNamespace(draft_memory=memory, context_len=1000, block_size=BLOCK))
+    assert sized.startswith(f"KV sizing at {768 + memory.bytes_per_token} B/token = target 768 + draft KV float32: ")
+    assert per_slot in sized and "(SGLang's estimate: 999)" in sized
+    if window is None:
+        assert f"100 target slots, counted by SGLang's KV sizing per token, + {human_bytes(scratch)} block scratch, " \
+               f"not counted" in line, line
+        assert "not in SGLang's per-token KV sizing" in sized, sized
+    else:
+        assert f"{req_slots} request slots x {ring} ring rows, allocated before SGLang's KV sizing with their " \
+               f"{human_bytes(scratch)} block scratch: all counted by it" in line, line
+        assert "allocated with the rings before SGLang's KV sizing, which counts both" in sized, sized
+
+
 # ---------------------------------------------------------------------------------------------- GPU (FlashInfer)
 @requires_sglang
 @requires_flashinfer_gpu

@@ -6,6 +6,10 @@ import pytest
 import torch
 
 from factories import draft_config_for, mixed_prompts, tiny_drafter, tiny_target
+from sglang_support import requires_sglang
+
+# (the adapter's modules need a supported sglang installed, not importable: this process never imports it)
+pytestmark = requires_sglang
 
 BLOCK = 4
 
@@ -89,7 +93,6 @@ def _window_rows():
 
 
 def test_window_layout_reads_ring_rows_of_the_last_w_positions():
-    pytest.importorskip("sglang")
     rows = _window_rows()
     assert rows.ring == 8 and rows.rows == REQ_SLOTS * 8
     seq_lens, scratch = torch.tensor([3, 12, 5, 30]), 1000
@@ -106,7 +109,6 @@ def test_window_layout_reads_ring_rows_of_the_last_w_positions():
 def test_slot_rows_layout_reads_the_slots_of_the_last_w_positions():
     """A window over the slot rows: request i's keys are req_to_token[r, L-k .. L-1] (k = min(L, W)), then its block
     scratch; without a window the whole context."""
-    pytest.importorskip("sglang")
     from dflash_sglang.adapter.draft.context_rows import SlotRows
 
     r2t = torch.randperm(1000)[: REQ_SLOTS * WIDTH].view(REQ_SLOTS, WIDTH).to(torch.int32)
@@ -122,7 +124,6 @@ def test_slot_rows_layout_reads_the_slots_of_the_last_w_positions():
 
 def test_prefill_writes_only_the_last_r_positions_of_a_long_chunk():
     """A chunk longer than R writes its last R positions only (no repeated scatter index); shorter ones all."""
-    pytest.importorskip("sglang")
     rows = _window_rows()
     extend = [3, 13, 8]  # (13 > R = 8)
     prefix = [0, 4, 20]
@@ -139,7 +140,6 @@ def test_prefill_writes_only_the_last_r_positions_of_a_long_chunk():
 
 def test_window_pool_is_bounded_by_request_slots():
     """The pool holds req_slots x R context rows (+ the block scratch) whatever the target's KV capacity."""
-    pytest.importorskip("sglang")
     from dflash_sglang.adapter.draft.model import PagedDrafter
     from dflash_sglang.adapter.draft.pool import pool_rows
 
@@ -181,7 +181,6 @@ def test_paged_window_pass_and_commits_equal_the_reference_drafter(layout, shape
     The ring (the radix cache off) and the slot rows read over the last W (the radix cache on), each over DFlash,
     Gemma-4 style (causal sliding-window layers) and DFlash2 drafts on the paged path; the slot rows also on the dense
     path (a bidirectional window narrower than the block, which FlashInfer cannot express)."""
-    pytest.importorskip("sglang")
     core, paged, r2t = _paged(shape, layout, monkeypatch)
     cfg, rows = core.cfg, paged.context_rows
     H, F = cfg.hidden_size, cfg.n_features * cfg.hidden_size

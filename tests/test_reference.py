@@ -178,6 +178,44 @@ class ScriptedController:
         self.counts[shape] = self.counts.get(shape, 0) + 1
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_plain_steps_defer_the_drafters_upkeep_without_changing_a_token_or_an_acceptance(arch, monkeypatch):
+    """A plain step leaves its token's drafter context K/V pending; the next drafted step (or a finished request)
+    computes them in one pass. Mixed lengths, runs of plain steps between drafted ones, requests finishing in
+    between: the outputs are plain decoding's, and every step's acceptance and the drafter context at every drafted
+    step are what computing the K/V at every step gives."""
+    target = tiny_target(arch, vocab=8, seed=SEEDS[arch][0])
+    drafter = tiny_drafter(draft_config_for(target, block_size=4), seed=SEEDS[arch][1])
+    prompts = mixed_prompts(8, lengths=(3, 9, 1, 14, 6, 2), seed=3)
+    shapes = [SpecShape(1, 1)] * 3 + [SpecShape(4, 1)] + [SpecShape(1, 1)] * 2 + [SpecShape(3, 1)]
+    contexts: dict[bool, list] = {True: [], False: []}
+
+    def run(defer: bool):
+        dec = ReferenceDecoder(target, drafter)
+        dec.defer_plain_upkeep = defer
+        scores = dec._scores
+
+        def recording(batch, *args):  # the drafter context each drafted step reads
+            contexts[defer].append([(k.clone(), v.clone()) for k, v in batch.ctx_kv])
+            return scores(batch, *args)
+
+        monkeypatch.setattr(dec, "_scores", recording)
+        # max_new_tokens differ per request through EOS: some finish while others still run plain steps
+        return dec.generate(prompts, max_new_tokens=14, block_size=4, controller=ScriptedController(shapes),
+                            eos_token_id=5)
+
+    deferred, every_step = run(True), run(False)
+    plain = ReferenceDecoder(target, drafter).plain_generate(prompts, max_new_tokens=14, eos_token_id=5)
+    assert [o.tokens for o in deferred] == plain == [o.tokens for o in every_step]
+    assert [o.accept_lengths for o in deferred] == [o.accept_lengths for o in every_step]
+    assert any(a > 1 for o in deferred for a in o.accept_lengths)  # drafts accepted: the context matters
+    assert len(contexts[True]) == len(contexts[False]) >= 3
+    for mine, theirs in zip(contexts[True], contexts[False]):
+        for (k, v), (k2, v2) in zip(mine, theirs):
+            torch.testing.assert_close(k, k2, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(v, v2, rtol=1e-5, atol=1e-6)
+
+
 # goodput: None, or how many of a goodput controller's warm-up decisions (chains of 4, 1, 3 rows, one step each)
 # are spent before the run: 0 -> a drafted step then a plain step; 1 -> a plain step then a chain of 3;
 # "scripted": a tree, a plain step and a chain in turn

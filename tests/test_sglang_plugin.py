@@ -1419,9 +1419,9 @@ def test_refusals_happen_on_the_tokenizer_side(plugin, monkeypatch):
 
 @child_only
 def test_builtin_dflash_verify_drops_the_repetition_penalty(plugin):
-    """A fact docs/sglang.md states: SGLang's builtin DFLASH verify (`apply_dflash_verify_logits_adjustments`, both
-    versions) builds the penalties by applying the penalizers to a zero tensor and adds that to every verify row, so
-    the multiplicative repetition penalty scales zeros and has no effect, where plain decoding divides the logit."""
+    """A fact docs/request-options.md states: SGLang's builtin DFLASH verify (`apply_dflash_verify_logits_adjustments`,
+    both versions) builds the penalties by applying the penalizers to a zero tensor and adds that to every verify row,
+    so the multiplicative repetition penalty scales zeros and has no effect, where plain decoding divides the logit."""
     from sglang.srt.sampling.penaltylib import BatchedPenalizerOrchestrator, BatchedRepetitionPenalizer
     from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
     from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
@@ -1449,11 +1449,12 @@ def test_builtin_dflash_verify_drops_the_repetition_penalty(plugin):
 
 @child_only
 def test_every_setting_is_documented():
-    """README's flag table and docs/sglang.md name every setting, and every retired variable with its flag."""
+    """README's flag table and the serving guide's settings (docs/serving-flags.md) name every setting, and every
+    retired variable with its flag."""
     from dflash_sglang.adapter.boot.flags import RETIRED_ENV, SETTINGS
 
     repo = Path(__file__).resolve().parents[1]
-    readme, guide = (repo / "README.md").read_text(), (repo / "docs" / "sglang.md").read_text()
+    readme, guide = (repo / "README.md").read_text(), (repo / "docs" / "serving-flags.md").read_text()
     for s in SETTINGS:
         assert f"`{s.flag}" in readme and f"`{s.flag}" in guide, s.flag
     for name in RETIRED_ENV:

@@ -132,3 +132,22 @@ def test_compact_path_slots_matches_brute_force(seed):
     for b in range(bs):
         a = int(result.accept_len[b])
         assert rows[b, a] == result.bonus[b] and bool((rows[b, a + 1 :] == -1).all())
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_decode_hidden_rows_are_the_predicting_verify_rows(tree):
+    """return_hidden_states (adapter/step/hidden.py): per request its committed tokens' predicting verify rows at
+    i * stride + j (a chain's row j, a tree path's j-th node) for a step of n = 4 rows under a stride of 8; the slots
+    past n, which a step never commits, stay zero (never read)."""
+    from dflash_sglang.adapter.step.hidden import decode_rows
+
+    bs, n, stride, width = 3, 4, 8, 5
+    hidden = torch.randn(bs * n, width, generator=torch.Generator().manual_seed(0))
+    accept_nodes = torch.tensor([[0, 2, 3, -1], [0, -1, -1, -1], [0, 1, -1, -1]]) if tree else None
+    out = decode_rows(hidden, accept_nodes, bs, stride)
+    assert out.shape == (bs * stride, width)
+    for i in range(bs):
+        path = [int(x) for x in accept_nodes[i] if x >= 0] if tree else list(range(n))
+        for j, row in enumerate(path):
+            assert torch.equal(out[i * stride + j], hidden[i * n + row]), (i, j)
+        assert not out[i * stride + n:(i + 1) * stride].any()

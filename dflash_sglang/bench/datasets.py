@@ -4,10 +4,16 @@
 ShareGPT file is a truncated array it cannot parse, so `sharegpt_json` writes the testbed's fixed eval split
 (never used in training) as a valid file. SPEED-Bench rows carry `category` and `turns` (the format SGLang's
 speed-bench loader reads), so the same local file serves both scripts.
+
+    python -m dflash_sglang.bench.datasets sharegpt-json   # prints the path of that file (written on first use)
+
+is how a user hands it to SGLang's client: `--dataset-path "$(python -m dflash_sglang.bench.datasets sharegpt-json)"`.
 """
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,3 +90,25 @@ def jsonl_prompts(path: Path, n: int | None = None, category: str | None = None)
     if not out:
         raise ValueError(f"{path}: no prompts" + (f" in category {category!r}" if category else ""))
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dflash_sglang.bench.datasets",
+                                description="Write a dataset file SGLang's benchmark client reads; print its path.")
+    sub = p.add_subparsers(dest="what", required=True)
+    one = sub.add_parser("sharegpt-json", help="the ShareGPT eval split as `--dataset-name sharegpt` JSON")
+    one.add_argument("--limit", type=int, default=2000, help="conversations (default 2000)")
+    one.add_argument("--out-dir", type=Path, default=None, help="default: $DFLASH_SGLANG_HOME/bench")
+    args = p.parse_args(argv)
+    from dflash_sglang.testbed import TestbedUnavailable
+
+    try:
+        print(sharegpt_json(args.out_dir, args.limit))
+    except TestbedUnavailable as e:  # (the package to install, in one line)
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

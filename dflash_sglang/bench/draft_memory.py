@@ -167,19 +167,27 @@ def window_tau(target, drafter, prompts: list[list[int]], new_tokens: int, block
     return out
 
 
-def _window(args: argparse.Namespace) -> int:
+def _load_pair(args: argparse.Namespace):
+    """The pair the `tau` and `window` modes decode with (--target / --draft, else the testbed pair) in --dtype ->
+    (target_dir, draft_dir, target model, drafter, tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..core.checkpoint import load_drafter
     from ..testbed import default_pair
-    from ..testbed.data import load_split
 
     target_dir, draft_dir = (Path(args.target), Path(args.draft)) if args.target else default_pair()
     dtype = getattr(torch, args.dtype)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
     drafter = load_drafter(draft_dir, dtype=dtype).eval()
-    prompts = multi_turn_prompts(AutoTokenizer.from_pretrained(target_dir), load_split("eval"), args.prompts,
-                                 args.min_prompt_tokens, args.max_prompt_tokens)
+    return target_dir, draft_dir, target, drafter, AutoTokenizer.from_pretrained(target_dir)
+
+
+def _window(args: argparse.Namespace) -> int:
+    from ..testbed.data import load_split
+
+    target_dir, draft_dir, target, drafter, tokenizer = _load_pair(args)
+    prompts = multi_turn_prompts(tokenizer, load_split("eval"), args.prompts, args.min_prompt_tokens,
+                                 args.max_prompt_tokens)
     block = args.block or drafter.cfg.block_size
     windows = tuple(None if w == "full" else int(w) for w in args.windows.split(","))
     res = window_tau(target, drafter, prompts, args.new_tokens, block, windows)
@@ -244,18 +252,10 @@ def window_engine_tau(target_dir: Path, draft_dir: Path, prompts: list[list[int]
 
 
 def _tau(args: argparse.Namespace) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..core.checkpoint import load_drafter
-    from ..testbed import default_pair
     from ..testbed.data import eval_prompts
 
-    target_dir, draft_dir = (Path(args.target), Path(args.draft)) if args.target else default_pair()
-    dtype = getattr(torch, args.dtype)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
-    drafter = load_drafter(draft_dir, dtype=dtype).eval()
-    prompts = [list(p.ids) for p in eval_prompts(AutoTokenizer.from_pretrained(target_dir), args.prompts,
-                                                 args.max_prompt_tokens)]
+    _, _, target, drafter, tokenizer = _load_pair(args)
+    prompts = [list(p.ids) for p in eval_prompts(tokenizer, args.prompts, args.max_prompt_tokens)]
     block = args.block or drafter.cfg.block_size
     res = reference_tau(target, drafter, prompts, args.new_tokens, block, tuple(args.dtypes.split(",")))
     print(f"reference decoder, {len(prompts)} ShareGPT eval prompts x {args.new_tokens} new tokens, block {block}, "

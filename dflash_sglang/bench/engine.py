@@ -31,6 +31,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,20 @@ PREDICTABLE = (
     "Write the alphabet from A to Z ten times, separated by spaces.", "Print the even numbers from 2 to 600.",
 )
 WARMUP_NEW, WARMUP_PROMPTS, KV_MARGIN = 8, 4, 80  # KV_MARGIN: tokens per request beyond prompt + new (verify rows)
+
+
+@dataclass
+class RunSettings:
+    """What every arm's child shares: `run_arm` and `run_passes` read these (bench_engine's argparse namespace has
+    the same fields; the demo, testbed/demo_sglang.py, builds one)."""
+
+    out: Path  # each child's job, result and log: <out>/<arm>.p<pass>.*
+    new_tokens: int  # per request of a timed round (warm-ups: WARMUP_NEW)
+    repeats: int = 1  # interleaved passes over the arms
+    sampling: list[str] = field(default_factory=list)  # KEY=VALUE sampling params added to every request
+    env: dict[str, str] = field(default_factory=dict)  # the children's environment beyond cpu_env's
+    child_timeout: float = 3600.0
+
 
 def parse_value(text: str) -> Any:
     """'3' -> 3, '0.5' -> 0.5, 'true'/'false' -> bool, 'none' -> None, else the string."""
@@ -215,7 +231,16 @@ def _r(x: float | None, nd: int = 3) -> float | None:
     return None if x is None else round(float(x), nd)
 
 
-def run_arm(name: str, kwargs: dict, plan: list[dict], args: argparse.Namespace, common: dict,
+def cpu_engine_kwargs(target: Path | str, plan: list[dict], new_tokens: int, max_running: int) -> dict[str, Any]:
+    """The Engine kwargs every arm shares on CPU: the target in float32 on torch_native attention, a KV pool that holds
+    the plan's largest round (prompt + new tokens + verify rows per request), SGLang's warnings only, seed 0."""
+    need = max(sum(len(p) + new_tokens + KV_MARGIN for p in s["ids"]) for s in plan)
+    return {"model_path": str(target), "device": "cpu", "dtype": "float32", "attention_backend": "torch_native",
+            "log_level": "warning", "random_seed": 0, "max_total_tokens": max(16384, need),
+            "chunked_prefill_size": 512, "max_running_requests": max_running}
+
+
+def run_arm(name: str, kwargs: dict, plan: list[dict], args: RunSettings | argparse.Namespace, common: dict,
             stem: str | None = None) -> dict | None:
     """One arm's child process (its own session, killed as a group on timeout / Ctrl-C) on the plan's steps; its
     result or None. Its job, result and log files are `<stem>.*` in --out (default stem: the arm's name)."""
@@ -243,11 +268,13 @@ def run_arm(name: str, kwargs: dict, plan: list[dict], args: argparse.Namespace,
     return json.loads(Path(job["result"]).read_text())
 
 
-def run_passes(arms: dict[str, dict], plan: list[dict], args: argparse.Namespace,
-               common: dict) -> tuple[dict[str, dict | None], dict[str, dict]]:
+def run_passes(arms: dict[str, dict], plan: list[dict], args: RunSettings | argparse.Namespace, common: dict,
+               busy_probe_s: float = 2.0, say: Callable[[str], None] = lambda line: print(line, flush=True),
+               on_engine: Callable[[str, dict], None] | None = None) -> tuple[dict[str, dict | None], dict[str, dict]]:
     """Every repeat a pass over the arms in turn, one Engine at a time (the training job paused before each): the
     arms' results, their rounds merged over passes (None: an arm that failed in any pass, not run after), and per
-    arm what each pass's child did (busy share before it, startup, child seconds, rounds)."""
+    arm what each pass's child did (busy share over `busy_probe_s` before it, startup, child seconds, rounds).
+    `say` gets the progress lines; `on_engine(arm, what its pass's child did)` is called after each Engine."""
     results: dict[str, dict | None] = {name: {"rounds": []} for name in arms}
     info: dict[str, dict] = {name: {"kwargs": kwargs, "passes": []} for name, kwargs in arms.items()}
     with training_paused() as job:
@@ -257,9 +284,9 @@ def run_passes(arms: dict[str, dict], plan: list[dict], args: argparse.Namespace
                 if results[name] is None:
                     continue
                 job.pause()
-                seen = {"pass": k, "busy_share_before": _r(busy_share(2.0))}
-                print(f"[{name}] pass {k + 1}/{args.repeats}: starting Engine {kwargs} (machine busy "
-                      f"{seen['busy_share_before']})", flush=True)
+                seen = {"pass": k, "busy_share_before": _r(busy_share(busy_probe_s))}
+                say(f"[{name}] pass {k + 1}/{args.repeats}: starting Engine {kwargs} (machine busy "
+                    f"{seen['busy_share_before']})")
                 t0 = time.perf_counter()
                 res = run_arm(name, kwargs, steps, args, common, stem=f"{name}.p{k}")
                 seen.update(child_s=_r(time.perf_counter() - t0), startup_s=_r((res or {}).get("startup_s")),
@@ -267,7 +294,9 @@ def run_passes(arms: dict[str, dict], plan: list[dict], args: argparse.Namespace
                                                          "tokens": sum(map(len, r["ids"]))}
                                                         for r in (res or {}).get("rounds", [])])
                 info[name]["passes"].append(seen)
-                print(f"[{name}] Engine startup {seen['startup_s']}s, child {seen['child_s']}s", flush=True)
+                say(f"[{name}] Engine startup {seen['startup_s']}s, child {seen['child_s']}s")
+                if on_engine is not None:
+                    on_engine(name, seen)
                 results[name] = None if res is None else {"rounds": results[name]["rounds"] + res["rounds"]}
     return results, info
 
@@ -339,10 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     evals = [list(p.ids) for p in eval_prompts(tok, n_eval)]
     plan = build_plan(args.workload, concurrency, args.repeats, evals,
                       [chat_prompt_ids(tok, t) for t in PREDICTABLE], args.phases, args.phase_rounds)
-    need = max(sum(len(p) + args.new_tokens + KV_MARGIN for p in s["ids"]) for s in plan)
-    common = {"model_path": str(target), "device": "cpu", "dtype": "float32", "attention_backend": "torch_native",
-              "log_level": "warning", "random_seed": 0, "max_total_tokens": max(16384, need),
-              "chunked_prefill_size": 512, "max_running_requests": max(concurrency), **parse_kv(args.engine_kwarg)}
+    common = {**cpu_engine_kwargs(target, plan, args.new_tokens, max(concurrency)), **parse_kv(args.engine_kwarg)}
     args.out.mkdir(parents=True, exist_ok=True)
     if args.trace:
         args.env["SGLANG_LOGGING_CONFIG_PATH"] = str(logging_config(args.out / "trace_logging.json"))

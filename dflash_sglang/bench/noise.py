@@ -1,4 +1,5 @@
-"""A speed ratio over plain decoding from interleaved repeats, and the words it may be reported in.
+"""A speed ratio over plain decoding (or another baseline arm) from interleaved repeats, and the words it may be
+reported in.
 
 One timing of each arm on a shared 2-core machine swings by +-15% from minute to minute; a ratio of such timings is
 noise as often as signal. So arms run in turn, repeat after repeat (plain, arm, plain, arm, ...), each repeat gives
@@ -26,16 +27,18 @@ class RatioSpread:
     (Student t over the log ratios: repeats are few, and timing noise scales a speed rather than adding to it).
     The demo (testbed/demo.py) words its ratios with this too."""
 
-    ratios: tuple[float, ...]  # [repeats] arm tok/s / plain tok/s
+    ratios: tuple[float, ...]  # [repeats] arm tok/s / baseline tok/s
+    baseline: str = "plain"  # the arm the ratios are over, as `words` names it (PD's is the whole server, ...)
 
     @classmethod
-    def paired(cls, arm: Sequence[float], base: Sequence[float]) -> RatioSpread:
-        """arm, base: [repeats] tokens/s of the arm and of plain, repeat by repeat."""
+    def paired(cls, arm: Sequence[float], base: Sequence[float], baseline: str = "plain") -> RatioSpread:
+        """arm, base: [repeats] tokens/s of the arm and of the baseline arm (`baseline`: its name), repeat by
+        repeat."""
         if len(arm) != len(base) or not arm:
             raise ValueError(f"paired speeds need the same number (>= 1) of repeats, got {len(arm)} and {len(base)}")
         if min(*arm, *base) <= 0:
             raise ValueError("speeds must be > 0 tokens/s")
-        return cls(tuple(a / b for a, b in zip(arm, base)))
+        return cls(tuple(a / b for a, b in zip(arm, base)), baseline)
 
     @property
     def median(self) -> float:
@@ -67,11 +70,13 @@ class RatioSpread:
 
     def words(self) -> str:
         """e.g. 'same as plain within noise: 0.97x (95% interval 0.85-1.10x, per repeat 0.85-1.09x, 6 interleaved
-        repeats)' or 'speedup 1.35x (...)'; never a speedup or slower where the interval covers 1.0."""
-        ci, verdict, m = self.interval, self.verdict, self.median
+        repeats)' or 'speedup 1.35x (...)'; never a speedup or slower where the interval covers 1.0. The baseline is
+        named as it is ('slower than whole: ...' over PD's whole server), plain by default."""
+        ci, verdict, m, base = self.interval, self.verdict, self.median, self.baseline
         if ci is None:
             return f"{m:.2f}x from one repeat: no interval, so no verdict on speed"
         spread = (f"95% interval {ci[0]:.2f}-{ci[1]:.2f}x, per repeat {min(self.ratios):.2f}-{max(self.ratios):.2f}x, "
                   f"{len(self.ratios)} interleaved repeats")
-        head = {FASTER: f"speedup {m:.2f}x", SLOWER: f"slower than plain: {m:.2f}x"}.get(verdict, f"{SAME}: {m:.2f}x")
+        head = {FASTER: f"speedup {m:.2f}x", SLOWER: f"slower than {base}: {m:.2f}x"}.get(
+            verdict, f"same as {base} within noise: {m:.2f}x")  # (SAME's words when the baseline is plain)
         return f"{head} ({spread})"

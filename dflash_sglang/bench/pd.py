@@ -118,7 +118,7 @@ def report(results: list[ArmResult]) -> list[dict]:
                arm.seconds], "acceptance": round(sum(arm.tokens) / sum(arm.steps), 3) if sum(arm.steps) else None,
                "mismatches": arm.mismatches}
         if arm is not base:
-            spread = RatioSpread.paired(tps, [t / s for t, s in zip(base.tokens, base.seconds)])
+            spread = RatioSpread.paired(tps, [t / s for t, s in zip(base.tokens, base.seconds)], base.name)
             row.update(ratio=round(spread.median, 3), interval=spread.interval, words=spread.words())
         rows.append(row)
     return rows

@@ -3,6 +3,8 @@ benchmark, and measure how busy the machine is anyway (it is shared) and what it
 
     with training_paused() as job:   # SIGSTOP now, SIGCONT on exit (also on an error, Ctrl-C or SIGTERM)
         job.pause()                  # again before each timed part: idempotent, nothing when the job is not running
+
+A job someone had paused before is not resumed on exit (only a pause of ours is undone).
 """
 from __future__ import annotations
 
@@ -31,16 +33,21 @@ def _job(action: str, script: Path) -> str | None:
 
 
 class TrainingPause:
-    """Pauses the training job; resumes it only if a pause of ours reached a running job."""
+    """Pauses the training job; resumes it only if a pause of ours stopped a running job. A job that was paused already
+    (by hand, or by another benchmark) is left as it was found: the script says "already paused" and sends nothing,
+    and `resume` undoes only our own pause."""
 
     def __init__(self, script: Path = SCRIPT) -> None:
         self.script = Path(script)
         self.paused = False
 
     def pause(self) -> bool:
+        """Whether the job is paused by us now (a repeated pause of ours finds it "already paused": still ours)."""
         out = _job("pause", self.script)
         if out is None or "not running" in out:
             return False
+        if "already paused" in out:  # by an earlier call of ours, or by someone else: it stays whose it was
+            return self.paused
         self.paused = True
         return True
 

@@ -1,31 +1,39 @@
-"""The goodput controller's choices over time, from a benchmark Engine's log: what `bench_engine --trace` plots.
+"""The goodput controller's choices over time, from a benchmark Engine's log: what `bench_engine --trace` plots and
+the SGLang demo (testbed/demo_sglang.py) words.
 
 With `--trace` a DFLASH arm's child logs the controller's per-step debug line (`adapter/step/shapes.py`: "DFLASH goodput
 step: shape=<rows, or NODESxTOPK for a tree> bs=<batch> accepted=<drafts, summed over the batch> seconds=<wall>") to the
-same log as the child's round lines ("[arm] s<k> c=<c> <wall>s", printed after each round), so each step belongs to the
-round whose line follows it. The plot: the verify rows chosen at every decode step (1 = a plain step; trees marked),
-with the tokens it committed, the rounds shaded by phase. Debug logging costs the traced arm a little, so traces come
-from their own run, not a timed one.
+same log as the child's round lines ("[arm] s<k> c=<c> <wall>s" of a switch round, "[arm] c<c>.r<pass> c=<c> <wall>s"
+of an eval round, printed after each round), so each step belongs to the round whose line follows it. The plot: the
+verify rows chosen at every decode step (1 = a plain step; trees marked), with the tokens it committed, the rounds
+shaded by phase. Debug logging costs the traced arm a little, so bench_engine's traces come from their own run, not a
+timed one; the demo times its traced arm, on CPU, where a line's microseconds are nothing beside a ~90 ms step.
 """
 from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from .plotting import pyplot
 
 _STEP = re.compile(r"DFLASH goodput step: shape=(\d+)(?:x(\d+))? bs=(\d+) accepted=(\d+)")
-_ROUND = re.compile(r"^\[[^\]]+\] (?:s(\d+)|warmup) c=\d+ ")
+_ROUND = re.compile(r"^\[[^\]]+\] (?:s(\d+)|c\d+\.r(\d+)|warmup) c=\d+ ")
 
 
 @dataclass(frozen=True)
 class TracedStep:
     nodes: int  # the verify rows chosen per request (1: a plain step)
     committed: float  # tokens committed per request (1 + mean accepted drafts)
-    round: int  # the switch round it belongs to
+    round: int  # the round it belongs to (switch: its index in the stream; eval: its pass)
     topk: int = 1  # > 1: a tree over this top-k
+
+    @property
+    def shape(self) -> str:
+        """core/goodput.py's label: '4' a chain of 4 rows (1: a plain step), '8x4' a tree of 8 nodes over top-4."""
+        return f"{self.nodes}x{self.topk}" if self.topk > 1 else str(self.nodes)
 
 
 def logging_config(path: Path) -> Path:
@@ -47,10 +55,15 @@ def parse_trace(log_text: str) -> list[TracedStep]:
         if m := _STEP.search(line):
             pending.append((int(m[1]), 1 + int(m[4]) / int(m[3]), int(m[2] or 1)))
         elif m := _ROUND.match(line):
-            if m[1] is not None:
-                steps += [TracedStep(n, c, int(m[1]), k) for n, c, k in pending]
+            if (k := m[1] or m[2]) is not None:
+                steps += [TracedStep(n, c, int(k), t) for n, c, t in pending]
             pending = []
     return steps
+
+
+def shape_mix(steps: list[TracedStep]) -> Counter[str]:
+    """Decode steps per shape label ('1': plain steps)."""
+    return Counter(s.shape for s in steps)
 
 
 def plot_trace(steps: list[TracedStep], phases: list[str], path: Path) -> str | None:

@@ -75,7 +75,7 @@ def server_argv(args, mode: str | None) -> list[str]:
             "--sleep-on-idle",  # an idle scheduler otherwise spins a core, taken from the server under test
             *shlex.split(args.server_args)]
     if mode is None:  # synchronous like the DFLASH servers on CPU: SGLang's overlap scheduler feeds the penalizers
-        argv.append("--disable-overlap-schedule")  # one token late (docs/sglang.md, "Request options")
+        argv.append("--disable-overlap-schedule")  # one token late (docs/request-options.md, "Request options")
     else:
         argv += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(args.draft),
                  *MODE_FLAGS[mode]]

@@ -26,7 +26,11 @@ every depth it reaches) and the credit pays for it (at most one probe every `pro
 could still beat the best step at acceptance `probe_z` standard errors above its estimate (a large batch's probe
 measures many requests at once: once drafting is known not to pay there, probes wait until those counts fade). So with
 speculation off the controller spends at most about `probe_fraction` of the time re-checking whether traffic became
-predictable, and turns speculation back on when it did. Trees need no probes of their own: every drafted step measures
+predictable, and turns speculation back on when it did. The other way round, while a drafted shape is best, a plain
+step is re-priced (reason "reprice") once its batch-size bucket has gone `reprice_gap` steps without one, from the same
+credit: a fit over one long chain's steps alone cannot tell the per-request cost from the per-row one (they grow
+together), so without measured plain steps a load spike that made drafting slower than plain decoding could leave the
+controller on a long chain. Trees need no probes of their own: every drafted step measures
 the ranks they are priced from, and a tree whose cost is not measured yet is priced as the chain of its size plus a
 tree's prior overhead, so it runs once it looks best and is then priced as measured.
 
@@ -42,6 +46,7 @@ from dataclasses import dataclass, field
 from .acceptance import AcceptanceModel, Calibration, RankModel, expected_tokens, rank_counts, tree_tokens
 from .adaptive import SpecShape
 
+PLAIN = SpecShape(1, 1)  # a plain decoding step: one verify row, no drafter pass
 DEFAULT_TREE_TOPK = 4  # the largest tree top-k by default: trees over top-2 and top-4 are candidates
 N_TERMS = 6  # [1, bs, bs*(n-1), drafts, drafts*bs, tree*bs]
 TERMS = ("step", "per_request", "per_extra_row", "draft_pass", "draft_per_request", "tree_per_request")
@@ -76,6 +81,8 @@ class GoodputConfig:
     probe_z: float = 2.0  # ... and runs only if, at acceptance this many standard errors above the estimate, it
     # could beat the best step (a large batch's probe measures a lot: once that is known, probes stop until the
     # counts fade)
+    reprice_gap: int = 64  # while a drafted shape is best, a plain step at least every this many decode steps of a
+    # batch-size bucket (paid from the probe credit): its price is measured, not inferred (0 = never)
 
     def __post_init__(self) -> None:
         if self.max_nodes < 1:
@@ -84,6 +91,8 @@ class GoodputConfig:
             raise ValueError(f"max_depth must be >= 1, got {self.max_depth}")
         if self.max_topk < 1:
             raise ValueError(f"max_topk must be >= 1, got {self.max_topk}")
+        if self.reprice_gap < 0:
+            raise ValueError(f"reprice_gap must be >= 0, got {self.reprice_gap}")
         if not 0 <= self.probe_fraction < 1:
             raise ValueError(f"probe_fraction must be in [0, 1), got {self.probe_fraction}")
         if self.cost_prior is not None and len(self.cost_prior) != N_TERMS:
@@ -162,6 +171,7 @@ class CostModel:
     measured: dict[tuple[SpecShape, int], tuple[float, float, float]] = field(default_factory=dict)  # (shape,
     # batch-size bucket) -> (mean seconds, mean bs, forgotten weight)
     _theta: list[float] | None = field(init=False, default=None)
+    _linear: dict[tuple[SpecShape, int], float] = field(init=False, default_factory=dict)  # memo until observe
 
     def __post_init__(self) -> None:
         self.a = [[0.0] * N_TERMS for _ in range(N_TERMS)]
@@ -185,6 +195,7 @@ class CostModel:
         if self.prior is None:  # the first plain or drafted step sets a rough prior (see _default_prior)
             self.prior = _default_prior(shape, bs, seconds)
         self._theta = None
+        self._linear.clear()
 
     @property
     def ready(self) -> bool:
@@ -196,8 +207,11 @@ class CostModel:
         return self._theta
 
     def linear(self, shape: SpecShape | int, bs: int) -> float:
-        theta = self.theta()
-        return max(1e-9, sum(t * f for t, f in zip(theta, features(shape, bs))))
+        key = (_shape(shape), bs)
+        value = self._linear.get(key)
+        if value is None:  # (a step's decision asks for the same shapes several times)
+            value = self._linear[key] = max(1e-9, sum(t * f for t, f in zip(self.theta(), features(*key))))
+        return value
 
     def predict(self, shape: SpecShape | int, bs: int) -> float:
         """A shape measured at a similar batch size (the same power-of-two bucket) costs what it measured (scaled by
@@ -270,7 +284,7 @@ def _solve(m: list[list[float]], v: list[float]) -> list[float]:
 @dataclass
 class Decision:
     shape: SpecShape
-    reason: str  # "warmup" | "best" | "probe"
+    reason: str  # "warmup" | "best" | "probe" (a longer chain) | "reprice" (a plain step while drafting is best)
     predicted_tps: float | None = None  # the chosen shape's predicted committed tokens / s (None in warm-up)
 
 
@@ -298,12 +312,14 @@ class GoodputController:
         self.credit = 0.0  # probe credit (seconds)
         self.steps = 0
         self._last_probe = -cfg.probe_gap  # the step count at the last probe
+        self._last_plain: dict[int, int] = {}  # batch-size bucket -> the step count at its last plain step
         self.counts: dict[SpecShape, int] = {}  # decode steps per shape
         self._timed: set[SpecShape] = set()  # shapes whose first timed step was seen (and left out of the fit)
         self.last: Decision | None = None
         self._tokens_s = 0.0  # forgotten sums for the measured committed tokens/s
         self._seconds_s = 0.0
         self._tree_e: dict[int, list[float]] | None = None  # top-k -> uncalibrated E(m, k), m = 1..max_nodes
+        self._rates: list[float] | None = None  # acceptance by depth, until the next observation
 
     # ---------------------------------------------------------------- the decision
     def choose(self, bs: int) -> Decision:
@@ -312,6 +328,12 @@ class GoodputController:
             n = self._warmup.pop(0) if self._warmup else self.longest
             return self._decide(SpecShape(n, 1), "warmup", None)
         best, best_g, _ = self.best(bs)
+        if best.nodes > 1 and self._reprice_due(bs):
+            # what a plain step loses: its time less the time the best shape takes for the bs tokens it commits
+            extra = max(self.cost.predict(PLAIN, bs) - bs / best_g, 0.0)
+            if self.credit >= extra:
+                self.credit -= extra
+                return self._decide(PLAIN, "reprice", self.goodput(PLAIN, bs))
         probe = self.probe_length(best, bs)
         if (probe > best.nodes and self.cfg.probe_fraction > 0 and self.steps - self._last_probe >= self.cfg.probe_gap
                 and self.could_beat(probe, bs, best_g)):
@@ -324,6 +346,11 @@ class GoodputController:
                 self._last_probe = self.steps
                 return self._decide(SpecShape(probe, 1), "probe", self.goodput(SpecShape(probe, 1), bs))
         return self._decide(best, "best", best_g)
+
+    def _reprice_due(self, bs: int) -> bool:
+        """Whether this batch-size bucket has gone reprice_gap decode steps without a plain step."""
+        gap = self.cfg.reprice_gap
+        return gap > 0 and self.steps - self._last_plain.get(_bucket(bs), 0) >= gap
 
     def could_beat(self, nodes: int, bs: int, goodput: float) -> bool:
         """Whether a chain of `nodes` could beat `goodput` if acceptance were at its optimistic rates."""
@@ -350,7 +377,9 @@ class GoodputController:
     def expected(self, shape: SpecShape) -> float:
         """E(shape): committed tokens per request (a tree's calibrated by what trees of its top-k accepted)."""
         if shape.is_chain:
-            return expected_tokens(self.acceptance.rates(), shape.nodes)
+            if self._rates is None:  # (until the next observation: every chain of a decision reads them)
+                self._rates = self.acceptance.rates()
+            return expected_tokens(self._rates, shape.nodes)
         e = self._tree_expected()[shape.topk][shape.nodes - 1]
         return 1.0 + (e - 1.0) * self.calibration[shape.topk].ratio
 
@@ -387,6 +416,8 @@ class GoodputController:
             return
         self.steps += 1
         self.counts[shape] = self.counts.get(shape, 0) + 1
+        if shape.nodes == 1:
+            self._last_plain[_bucket(bs)] = self.steps
         if shape.is_chain:
             self.acceptance.observe(shape.nodes, accepted)
         else:  # calibrate against the prediction the step was chosen with; a tree's accepted length is not a chain's,
@@ -395,7 +426,7 @@ class GoodputController:
             self.acceptance.observe_counts(*rank_counts(self.cfg.depth, ranks or ()))
         if ranks is not None and self.uses_ranks:
             self.ranks.observe(ranks)
-        self._tree_e = None
+        self._tree_e = self._rates = None
         if seconds is None or seconds <= 0:
             return
         if shape not in self._timed:  # a shape's first step pays one-time costs (allocations, first calls): not its
@@ -405,7 +436,7 @@ class GoodputController:
         decay = 0.5 ** (1.0 / self.cfg.accept_halflife)
         self._tokens_s = self._tokens_s * decay + bs + sum(accepted)
         self._seconds_s = self._seconds_s * decay + seconds
-        if self.last is not None and self.last.reason == "probe":
+        if self.last is not None and self.last.reason in ("probe", "reprice"):
             return  # a probe is paid from the credit when chosen
         self.credit += self.cfg.probe_fraction * seconds
 

@@ -12,7 +12,7 @@ from the request's output so far (the prompt does not count):
 The additive ones are summed first, `logits + (-(frequency + presence) + mask)`, then the scaling is applied: the
 arithmetic of SGLang's default (overlap) scheduler, which accumulates both per batch before the forward. (Its
 non-overlap path applies the penalizers one by one in the iteration order of a set of classes, which changes from
-one process to the next; docs/sglang.md, "Request options".) Then grammar and logit bias.
+one process to the next; docs/request-options.md, "Request options".) Then grammar and logit bias.
 
 A verify row is a point in the output that plain decoding would reach one token at a time: row j of a step sees
 the committed output plus the drafted tokens on its path (a chain: drafts 0..j-1; a tree: node j's ancestors). So

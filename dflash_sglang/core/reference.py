@@ -68,7 +68,11 @@ class _Batch:
     pos: Tensor  # [bs, L] int64
     seq_len: Tensor  # [bs] int64: committed tokens with KV (= position of `bonus`)
     bonus: Tensor  # [bs] int64: last committed token, not yet in the KV cache
-    ctx_kv: list[KV] | None = None  # drafter context K/V, same time axis as the cache
+    ctx_kv: list[KV] | None = None  # drafter context K/V, same time axis as the cache (less the pending columns)
+    # Plain steps' target features [bs, 1, F] and positions [bs, 1], not yet drafter context K/V: the cache's last
+    # len(pending) columns. A plain step needs no drafter, so its upkeep waits for the next drafted step (or a
+    # change of the batch) and then runs as one pass over them all (`_catch_up`).
+    pending: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
 
 def _gather_time(x: Tensor, idx: Tensor, dim: int) -> Tensor:
@@ -82,6 +86,11 @@ def _gather_time(x: Tensor, idx: Tensor, dim: int) -> Tensor:
 
 class ReferenceDecoder:
     """Speculative generation with `target` (HF causal LM) and `drafter`, greedy or lossless sampling."""
+
+    # A plain step (one verify row, no drafter pass) leaves the drafter's context K/V of its token pending until the
+    # next drafted step or a change of the batch, which computes them all in one pass; False: every step at once (the
+    # same K/V per token; kept for tests and before/after timings).
+    defer_plain_upkeep = True
 
     def __init__(self, target, drafter: DFlashDrafter) -> None:
         check_fit(drafter.cfg, target.config)
@@ -276,8 +285,12 @@ class ReferenceDecoder:
         """One draft -> verify -> accept -> commit step for every running request; with `ranks`, also the drafter's
         ranks of the committed tokens (core/speculate.py `committed_ranks`; None on a plain step)."""
         t0 = time.perf_counter()
+        plain = shape.nodes == 1
+        defer = plain and self.defer_plain_upkeep
         drafted = draft_block(shape, block)  # (a short chain drafts with a block of its own length)
-        scores = self._scores(batch, drafted, params, gen) if shape.nodes > 1 else None
+        if not plain:
+            self._catch_up(batch)
+        scores = None if plain else self._scores(batch, drafted, params, gen)
         t1 = time.perf_counter()
         proposal = propose(batch.bonus, scores, shape)
         positions = batch.seq_len[:, None] + proposal.depth
@@ -293,16 +306,18 @@ class ReferenceDecoder:
         if states is not None:
             states.commit(last_row(result.accept_len, result.accept_nodes if proposal.tree is not None else None))
 
-        new_kv = self._context_kv(feats, positions)
-        batch.ctx_kv = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2))
-                        for (k, v), (nk, nv) in zip(batch.ctx_kv, new_kv)]
+        if defer:  # (one row, always kept: nothing to compact, and the drafter's upkeep waits)
+            batch.pending.append((feats, positions))
+        else:
+            self._append_context(batch, feats, positions)
         batch.valid = torch.cat([batch.valid, keep], dim=1)
         batch.pos = torch.cat([batch.pos, positions], dim=1)
         batch.seq_len = batch.seq_len + result.accept_len + 1
         batch.bonus = result.bonus
-        # the kept rows of a tree are root + accepted path, which node order already lists parent-first,
-        # so the stable compaction leaves them in sequence order
-        self._compact(batch)
+        if not defer:
+            # the kept rows of a tree are root + accepted path, which node order already lists parent-first,
+            # so the stable compaction leaves them in sequence order
+            self._compact(batch)
         if times is not None:
             times.draft += t1 - t0
             times.verify += t3 - t2
@@ -378,6 +393,23 @@ class ReferenceDecoder:
             feats.append(target_layer_features(out.hidden_states, self.cfg.target_layer_ids))
         return torch.cat(logits, 1), torch.cat(feats, 1), states
 
+    def _catch_up(self, batch: _Batch) -> None:
+        """The pending plain steps' drafter context K/V, in one pass over their features (the same values per token as
+        one pass per step: every op of `context_kv` is per token), appended where they belong: the cache's last
+        columns."""
+        if not batch.pending:
+            return
+        feats = torch.cat([f for f, _ in batch.pending], dim=1)
+        positions = torch.cat([p for _, p in batch.pending], dim=1)
+        batch.pending = []
+        self._append_context(batch, feats, positions)
+
+    def _append_context(self, batch: _Batch, feats: Tensor, positions: Tensor) -> None:
+        """Target features [bs, T, F] at positions [bs, T] -> drafter context K/V appended on the time axis."""
+        new_kv = self._context_kv(feats, positions)
+        batch.ctx_kv = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2))
+                        for (k, v), (nk, nv) in zip(batch.ctx_kv, new_kv)]
+
     def _context_kv(self, feats: Tensor, positions: Tensor) -> list[KV]:
         dtype = self.drafter.fc.weight.dtype
         return self.drafter.context_kv(self.drafter.fuse(feats.to(dtype)), positions)
@@ -392,6 +424,7 @@ class ReferenceDecoder:
     # ------------------------------------------------------------------ bookkeeping
     def _compact(self, batch: _Batch) -> None:
         """Right-align each row's valid entries and trim columns that are padding in every row."""
+        assert not batch.pending, "the drafter's context caught up before the cache moves"
         length = batch.valid.shape[1]
         width = int(batch.valid.sum(1).max())
         # stable sort on validity puts padding first and keeps the time order of valid entries
@@ -411,6 +444,7 @@ class ReferenceDecoder:
         rows = (~done).nonzero().squeeze(1).to(self._device)
         if len(rows) == 0:
             return None
+        self._catch_up(batch)  # (the compaction below moves the drafter's context with the cache)
         batch.rid, batch.valid, batch.pos = batch.rid[rows], batch.valid[rows], batch.pos[rows]
         batch.seq_len, batch.bonus = batch.seq_len[rows], batch.bonus[rows]
         select_rows(batch.cache, rows)

@@ -1,10 +1,12 @@
-"""`dflash-sglang demo`: speculative decoding on the SmolLM2 testbed, on CPU, with the core reference decoder.
+"""`dflash-sglang demo`: speculative decoding on the SmolLM2 testbed, on CPU. By default served through SGLang
+(`--backend sglang`, testbed/demo_sglang.py: CPU Engines, one at a time); where SGLang cannot run, or with
+`--backend reference`, with the core reference decoder in this process, as below.
 
-Sets up the target (converting the packaged GGUF on first use), loads the shipped drafter, and decodes held-out
-ShareGPT prompts one at a time three ways: plainly, with a fixed chain of the drafter's block every step (no
-controller), and with the goodput controller (core/goodput.py, the server's default: each step's chain or tree, a
-chain of 1 = a plain step, from measured acceptance and step cost). One controller serves the warm-up and every
-decode, as in a server, so it learns over the run.
+The reference backend sets up the target (converting the packaged GGUF on first use), loads the shipped drafter, and
+decodes held-out ShareGPT prompts one at a time three ways: plainly, with a fixed chain of the drafter's block every
+step (no controller), and with the goodput controller (core/goodput.py, the server's default: each step's chain or
+tree, a chain of 1 = a plain step, from measured acceptance and step cost). One controller serves the warm-up and
+every decode, as in a server, so it learns over the run.
 
 What is repeated: `--repeats` (6) repeats, repeat r decoding prompt r mod `--num-prompts` (3) for up to
 `--max-new-tokens` (48) tokens with each way in turn (plain, fixed, controller, plain, fixed, controller, ...), so a
@@ -39,17 +41,56 @@ from ..core.goodput import DEFAULT_TREE_TOPK, Decision, GoodputConfig, GoodputCo
 BUSY_SHARE = 0.15  # other processes' share of the machine's CPU above which timings are not reported as results
 
 
+BACKENDS = ("sglang", "reference")
+# (repeats, max new tokens) when not given: the reference decoder's 6 x 48 (52 s of decoding on a quiet 2-core machine);
+# SGLang's 3 x 32, as 9 Engine starts of ~15-25 s each dominate its run (testbed/demo_sglang.py)
+DEFAULTS = {"reference": (6, 48), "sglang": (3, 32)}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=BACKENDS, default="sglang",
+                   help="sglang (default): CPU SGLang Engines, one at a time, plain / DFLASH with no shape flag (the "
+                        "controller) / a pinned chain; reference: the core reference decoder in this process (also "
+                        "what runs where SGLang cannot)")
     p.add_argument("--target", type=Path, default=None, help="HF target dir (default: the testbed target)")
     p.add_argument("--draft", type=Path, default=None, help="draft dir (default: the shipped testbed drafter)")
-    p.add_argument("--num-prompts", type=int, default=3)
-    p.add_argument("--max-new-tokens", type=int, default=48, help="per repeat and way")
-    p.add_argument("--repeats", type=int, default=6,
-                   help="each decodes the next prompt (cycling) plainly, with the fixed chain and with the controller, "
-                        "in turn; the speed ratios' median and 95%% interval come from them")
-    p.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
+    p.add_argument("--num-prompts", type=int, default=3, help="eval prompts the repeats cycle through")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="per repeat and way (default: sglang 32, every arm decoding all 32; reference 48, up to EOS)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="each decodes the next prompt (cycling) with every way in turn (sglang: a fresh Engine per "
+                        "way); the speed ratios' median and 95%% interval come from them (default: sglang 3, "
+                        "reference 6)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="the fixed / pinned chain's rows (default: the drafter's block)")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="reference: torch threads; sglang: OpenMP threads per Engine process (default 1)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="sglang: each Engine's job, result and log (default: $DFLASH_SGLANG_HOME/demo)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """The chosen backend; SGLang where it can run, else one line saying why and the reference decoder."""
+    if (args.repeats is not None and args.repeats < 1) or args.num_prompts < 1:
+        raise ValueError("--repeats and --num-prompts must be >= 1")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise ValueError("--max-new-tokens must be >= 1")
+    backend = args.backend
+    if backend == "sglang":
+        from . import demo_sglang
+
+        why = demo_sglang.unavailable()
+        if why is not None:
+            print(f"demo: SGLang cannot run here ({why}); running the reference decoder instead (--backend reference)",
+                  flush=True)
+            backend = "reference"
+    repeats, tokens = DEFAULTS[backend]
+    args.repeats = args.repeats or repeats
+    args.max_new_tokens = args.max_new_tokens or tokens
+    if backend == "sglang":
+        return demo_sglang.run(args)
+    return run_reference(args)
 
 
 @dataclass
@@ -110,14 +151,19 @@ def _priced(summary: dict) -> bool:
     return "1" in pred and len(pred) > 1 and sum(summary["steps"].values()) > 0
 
 
+# What the controller chose, in a user's words (both backends' reports start with one of these)
+PLAIN_CHOICE = "drafting does not pay on this machine with this drafter: ran plain steps"
+DRAFT_CHOICE = "drafting pays on this machine with this drafter: drafted"
+
+
 def controller_choice(summary: dict) -> str:
     """What the goodput controller chose, in a user's words: the clause `controller_verdict` and the demo's headline
     start with."""
     if not _priced(summary):
         return "no verdict yet: too few steps to price plain and drafted steps"
     if summary["best"] == "1":
-        return "drafting does not pay on this machine with this drafter: ran plain steps"
-    return f"drafting pays on this machine with this drafter: drafted (best a {spoken(summary['best'])})"
+        return PLAIN_CHOICE
+    return f"{DRAFT_CHOICE} (best a {spoken(summary['best'])})"
 
 
 def controller_verdict(summary: dict, reasons: Counter | None = None) -> str:
@@ -177,15 +223,13 @@ class Way:
         return f"{self.name:{width}}  {tps}  {spread.median:7.2f}x  {interval:>12}  {tau}  {spread.verdict}"
 
 
-def run(args: argparse.Namespace) -> int:
+def run_reference(args: argparse.Namespace) -> int:
     from ..core.checkpoint import load_drafter
     from ..core.reference import ReferenceDecoder, StepTimes
     from . import DRAFT_ASSET, convert_target, default_pair
     from .data import eval_prompts
     from .target import load_target
 
-    if args.repeats < 1 or args.num_prompts < 1:
-        raise ValueError("--repeats and --num-prompts must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.draft is None and args.target is None:

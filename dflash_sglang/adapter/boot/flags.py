@@ -28,7 +28,7 @@ from ..settings import DRAFT_GRAPHS
 
 @dataclass(frozen=True)
 class Setting:
-    """One row of the settings table (docs/sglang.md prints it)."""
+    """One row of the settings table (docs/serving-flags.md prints it)."""
 
     name: str  # ServerArgs field (SGLang's flags) or Engine keyword (ours)
     flag: str
@@ -70,7 +70,7 @@ SETTINGS: tuple[Setting, ...] = (
             "(not yet validated on a GPU)", ours=True),
     Setting("speculative_dflash_experimental", "--speculative-dflash-experimental", bool, False,
             "serve what is not yet validated end to end on a GPU: hybrid Gated DeltaNet targets (Qwen3.5 / Qwen3.6 / "
-            "Qwen3-Next), soft-capped Gemma 4 drafts and DFlash2 drafts (docs/sglang.md)", ours=True),
+            "Qwen3-Next), soft-capped Gemma 4 drafts and DFlash2 drafts (docs/models.md)", ours=True),
     Setting("speculative_token_map", "--speculative-token-map", str, None,
             "a reduced draft vocabulary: token_map.safetensors (one int64 tensor 'token_map' of target ids, as "
             "`dflash-sglang train --draft-vocab K` writes); default: the checkpoint's own, if it has one"),
@@ -148,4 +148,4 @@ def refuse_retired_env(env: Mapping[str, str] | None = None) -> None:
     for name, flag in RETIRED_ENV.items():
         if env.get(name, "").strip():
             raise ValueError(f"{name}={env[name]!r}: this variable is no longer read; use the server flag {flag} "
-                             f"(docs/sglang.md, Settings)")
+                             f"(docs/serving-flags.md, Settings)")

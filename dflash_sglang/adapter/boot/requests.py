@@ -14,7 +14,7 @@ Refused:
   request down with it: upstream's plain path crashes the same way);
 - custom logit processors: SGLang calls a processor with the request itself (`__req__`), whose output it reads;
   at a verify row the output would have to include the drafts before that row, which the processor interface has
-  no way to say (docs/sglang.md, "Request options");
+  no way to say (docs/request-options.md, "Request options");
 Frequency / presence / repetition penalties and min_new_tokens are served exactly (adapter/step/penalties.py), hidden
 states too (adapter/step/hidden.py).
 """

@@ -3,7 +3,10 @@
 Our pool (adapter/draft/model.py `DraftKVPool`) keeps, for every target KV slot, K and V of every draft layer: 2 x
 layers x kv_heads x head_dim elements in the draft KV dtype (the model dtype, or fp8: core/draft_kv.py), on every TP
 rank (the drafter is replicated; only its vocabulary is split). Past the mirrored slots it has one block of scratch rows
-per request-pool slot (+ one for graph padding), which scales with the request pool, not the context, and is logged.
+per request-pool slot (+ one for graph padding), which scales with the request pool, not the context. SGLang's sizing
+is per token, so it cannot count them: over the slot rows they come out of the memory SGLang leaves outside its KV
+pools (--mem-fraction-static's headroom), as the builtin's draft activations do, and both start-up lines say so and how
+much (`scratch_words`); with a window's ring they are allocated with the rings, before the sizing, which counts them.
 
 SGLang sizes the target's token capacity (max_total_num_tokens, and from it max_running_requests) from the bytes one
 token costs; for DFLASH it adds the draft pool's share through `dflash_utils.scale_kv_cell_size_per_token_for_dflash`
@@ -104,9 +107,26 @@ def cell_size_hook(original, *args, **kwargs) -> int:
         return estimate
     target = int(kwargs["target_cell_size_per_token"] if "target_cell_size_per_token" in kwargs else args[0])
     cell = target + settings.draft_memory.bytes_per_token
-    logger.info("DFLASH (dflash-sglang): KV sizing at %d B/token = target %d + %s (SGLang's estimate: %d)", cell,
-                target, settings.draft_memory.describe(settings.context_len), estimate)
+    logger.info("DFLASH (dflash-sglang): %s", sizing_line(target, estimate, settings))
     return cell
+
+
+def sizing_line(target: int, estimate: int, settings) -> str:
+    """The KV sizing's start-up line: the bytes per token it is told (the target's `target` + our pool row), SGLang's
+    own `estimate`, and the block scratch it does not count per token (settings: the resolved DFlashSettings)."""
+    memory = settings.draft_memory
+    return (f"KV sizing at {target + memory.bytes_per_token} B/token = target {target} + "
+            f"{memory.describe(settings.context_len)} (SGLang's estimate: {estimate}); "
+            f"{scratch_words(memory, settings.block_size)}")
+
+
+def scratch_words(memory: DraftMemory, block: int) -> str:
+    """What the pool's block scratch costs per request slot (`block` rows) and whether SGLang's KV sizing counts it."""
+    per_slot = f"block scratch {block} rows = {human_bytes(block * memory.bytes_per_row)} per request slot"
+    if memory.ring:  # (a window over the slot rows holds target slots, as the whole context does)
+        return f"{per_slot}, allocated with the rings before SGLang's KV sizing, which counts both"
+    return (f"{per_slot}, not in SGLang's per-token KV sizing: allocated with the pool from the memory SGLang leaves "
+            f"outside its KV pools (--mem-fraction-static)")
 
 
 def check_pool_memory(pool, memory: DraftMemory, slots: int, context_len: int) -> str:
@@ -118,8 +138,11 @@ def check_pool_memory(pool, memory: DraftMemory, slots: int, context_len: int) -
         raise RuntimeError(f"DFLASH (dflash-sglang): a draft KV pool row costs {row} B, but the KV sizing counted "
                            f"{memory.bytes_per_row} B/row ({memory.dtype}): the drafter's dtype differs from the "
                            f"target model config's")
-    scratch = (pool.rows - slots) * row
-    held = (f"{slots // memory.ring} request slots x {memory.ring} ring rows, allocated before SGLang's KV sizing"
-            if memory.ring else f"{slots} target slots")
-    return (f"{memory.describe(context_len)}, pool {human_bytes(pool.nbytes())} "
-            f"({held} + {human_bytes(scratch)} block scratch)")
+    scratch = human_bytes((pool.rows - slots) * row)
+    if memory.ring:  # (a window over the slot rows holds target slots, as the whole context does)
+        held = (f"{slots // memory.ring} request slots x {memory.ring} ring rows, allocated before SGLang's KV sizing "
+                f"with their {scratch} block scratch: all counted by it")
+    else:
+        held = (f"{slots} target slots, counted by SGLang's KV sizing per token, + {scratch} block scratch, not "
+                f"counted: from the memory SGLang leaves outside its KV pools")
+    return f"{memory.describe(context_len)}, pool {human_bytes(pool.nbytes())} ({held})"

@@ -75,9 +75,14 @@ def prefill_rows(hidden: Tensor, extend_lens: list[int], full: bool) -> Tensor:
 
 
 def decode_rows(hidden: Tensor, accept_nodes: Tensor | None, bs: int, stride: int) -> Tensor:
-    """hidden [bs * n, H] (verify rows) -> [bs * stride, H]: per request the committed tokens' predicting rows (then
-    row 0 again: slots the scheduler never reads)."""
+    """hidden [bs * n, H] (verify rows) -> [bs * stride, H]: per request the committed tokens' predicting rows, then
+    zeros in the slots the scheduler never reads. A step commits at most n tokens per request, so only m = min(n,
+    stride) rows per request are gathered (a plain step under the goodput controller: one, not the stride), as
+    logprobs.attach_logprobs computes only m distributions."""
     n = hidden.shape[0] // bs
-    rows = predicting_rows(accept_nodes, bs, n, stride, hidden.device)  # [bs, stride]
+    m = min(n, stride)
+    rows = predicting_rows(accept_nodes, bs, n, m, hidden.device)  # [bs, m]
     flat = rows + torch.arange(bs, device=hidden.device)[:, None] * n
-    return hidden[flat.reshape(-1)]
+    out = hidden.new_zeros(bs, stride, hidden.shape[1])
+    out[:, :m] = hidden[flat.reshape(-1)].view(bs, m, -1)
+    return out.view(bs * stride, -1)

@@ -31,6 +31,7 @@ batch sizes (adapter/draft/graphs.py).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field, replace
 
@@ -69,9 +70,11 @@ from .metrics import GoodputMetrics
 from .penalties import RequestPenalties
 from .shapes import ShapeSchedule
 from .tree import compact_path_slots, fit_rows
+from .upkeep import PlainUpkeep
 from .verify import masked_verify_graphs, run_target_verify, sampling_params
 
 logger = logging.getLogger(__name__)
+DEFER_ENV = "DFLASH_DEFER_PLAIN_UPKEEP"
 _MIN_FREE_FOR_GRAPHS = 1 << 30  # bytes free after the target's setup below which the draft stays eager
 _TREE_BACKEND_CLASSES = ("TorchNativeAttnBackend", "FlashInferAttnBackend", "TritonAttnBackend")
 
@@ -137,6 +140,10 @@ def _extend_positions(batch: ScheduleBatch, device) -> Tensor:
 class DFlashWorker(BaseSpecWorker):
     """DFlash speculative decoding: one drafter pass per block, chain verify, lossless accept."""
 
+    # False (or DFLASH_DEFER_PLAIN_UPKEEP=0, an implementation switch for before/after timings, not a serving
+    # setting): every plain step writes its draft K/V at once (adapter/step/upkeep.py)
+    defer_plain_upkeep = os.environ.get(DEFER_ENV, "1").strip() != "0"
+
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker, ps=None) -> None:
         super().__init__()
         self.server_args = server_args
@@ -177,6 +184,12 @@ class DFlashWorker(BaseSpecWorker):
         self.simulation = self.settings.simulation  # SGLANG_SIMULATE_ACC_LEN: forced commit lengths (chain only)
         self.masked_graphs = masked_verify_graphs(self.settings)  # tree verifies replay masked verify graphs
         self.penalties = RequestPenalties()  # frequency / presence / repetition / min_new_tokens, per request
+        # Plain steps' draft K/V written when the drafter next needs them (adapter/step/upkeep.py): not where HiCache
+        # or a PD decode server's retraction backup copies draft rows between steps, nor into a window's rings (a
+        # window over the slot rows defers as the whole context does)
+        self.upkeep = PlainUpkeep(enabled=self.defer_plain_upkeep and self.window is None
+                                  and not getattr(server_args, "enable_hierarchical_cache", False)
+                                  and self.settings.disaggregation != "decode")
         # A hybrid target's recurrent state: committed per verify through SGLang's machinery (adapter/step/hybrid.py).
         self.hybrid = HybridTarget.of(self.model_runner, self.settings.topk) if self.settings.hybrid else None
         # return_hidden_states (adapter/step/hidden.py), with the pool
@@ -351,6 +364,7 @@ class DFlashWorker(BaseSpecWorker):
     def _prefill(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
         """Target prefill with feature capture; the prompt's draft K/V are written right away (a radix-cache
         hit of this prompt may be scheduled before this request decodes)."""
+        self._catch_up()  # (before this prompt's rows: it may reuse a finished request's slots)
         self._interval_clean = False
         if self.dp is not None:
             self.dp.apply(batch, self.dp.plan(EXTEND, None))
@@ -374,6 +388,7 @@ class DFlashWorker(BaseSpecWorker):
     def _idle(self, batch: ScheduleBatch, on_publish) -> GenerationBatchResult:
         """No request here this step (only under DP attention): the target's IDLE forward, which the other groups'
         collectives wait for, unless every group is idle."""
+        self._catch_up()
         self._interval_clean = False
         if self.dp is not None:
             plan = self.dp.plan(IDLE, None)
@@ -407,6 +422,9 @@ class DFlashWorker(BaseSpecWorker):
             plan = self.dp.plan(DECODE, shape)
             shape, eager = plan.shape, not plan.uniform
             self.dp.apply(batch, plan)
+        requests = tuple(r.rid for r in batch.reqs)  # (the batch whose plain steps may wait: adapter/step/upkeep.py)
+        if self.upkeep.due(requests, drafted=shape.nodes > 1):
+            self._catch_up()  # before the drafter reads the pool, or another batch writes its rows
         step = self._step(batch, state.bonus_tokens, shape, grammar_barrier, eager)
         if self.schedule.controller is not None:  # the drafts' real acceptance, before any max_new_tokens cut
             self._last_step = (shape, step.accept_len, step.ranks, self._step_start)
@@ -432,7 +450,10 @@ class DFlashWorker(BaseSpecWorker):
         # committed length (rows the next step rewrites), so none is filtered out (a boolean gather = a host sync).
         rows = (logits_output.hidden_states, step.positions.reshape(-1),
                 self.drafter.context_rows.decode(step.positions, step.slots, batch.req_pool_indices))
-        if self.graphs is None or not self.graphs.commit(*rows, bs=seq_lens.numel(), nodes=step.positions.shape[1]):
+        if shape.nodes == 1 and self.upkeep.enabled:  # a plain step: written when the drafter next needs it
+            if self.upkeep.defer(requests, *rows, copy=step.can_run_cuda_graph):
+                self._catch_up()
+        elif self.graphs is None or not self.graphs.commit(*rows, bs=seq_lens.numel(), nodes=step.positions.shape[1]):
             self.drafter.commit(*rows)
         logits_output.hidden_states = (None if step.final_hidden is None else
                                        decode_rows(step.final_hidden, accept_nodes, seq_lens.numel(), self.stride))
@@ -446,6 +467,12 @@ class DFlashWorker(BaseSpecWorker):
             speculative_num_draft_tokens=self.stride,
             new_seq_lens=new_seq_lens,
         )
+
+    def _catch_up(self) -> None:
+        """Write the pending plain steps' draft K/V (adapter/step/upkeep.py) in one commit."""
+        pending = self.upkeep.take()
+        if pending is not None:
+            self.drafter.commit(*pending)
 
     def _within_max_new_tokens(self, batch: ScheduleBatch, step: _Accepted, n: int) -> _Accepted:
         """The step with no request committing past its max_new_tokens. SGLang trims such a run when the request

@@ -1,0 +1,69 @@
+"""The drafter's upkeep of plain steps, deferred: a plain step's draft K/V written when the drafter next needs them.
+
+A plain step (one verify row, no drafter pass; what the goodput controller runs wherever drafting does not pay)
+still produces the target features the drafter will read as context K/V at its next pass. Writing them at every step
+(fc + hidden_norm, then each draft layer's k/v projections, norm and RoPE, and the pool scatter: dozens of small ops)
+is upkeep a plain decoding step does not pay. So a plain step only keeps its features, positions and pool rows, and
+the next step that needs the pool writes them all in one commit (`take`):
+- before a drafted step's pass reads the pool;
+- before a step over other requests than the pending ones' (a request finished or joined: its slots may be freed
+  and given to new tokens, whose rows must be written after the old ones), before a prefill (a prompt may reuse a
+  finished request's cached prefix and slots) and before an idle step;
+- when the pending steps reach `max_steps` or `max_bytes` (the features of a large batch are large).
+The values written are the same per token as one commit per step (every op of a commit is per token), so acceptance
+after the catch-up is what it would have been; greedy and sampled outputs are lossless either way (the verify decides).
+
+Not deferred where something outside the worker reads the pool between steps: HiCache backs up a finished request's
+draft rows asynchronously, a PD decode server backs up a retracted request's rows, and a draft window's ring rows are
+rewritten in place (`enabled` False there: every step commits, as before).
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+MAX_STEPS = 16  # plain steps kept pending at most (each is one commit's fixed cost saved)
+MAX_BYTES = 64 << 20  # pending features at most (bs x F per step: a large batch flushes sooner)
+
+
+@dataclass
+class PlainUpkeep:
+    """Pending plain steps of one decode batch (`key`: its requests, in order) and when they must be written."""
+
+    enabled: bool
+    max_steps: int = MAX_STEPS
+    max_bytes: int = MAX_BYTES
+    _pending: list[tuple[Tensor, Tensor, Tensor]] = field(default_factory=list)  # (features [bs, F], positions
+    # [bs] int64, pool rows [bs] int64) per plain step
+    _key: Hashable | None = None
+    _bytes: int = 0
+
+    @property
+    def steps(self) -> int:
+        return len(self._pending)
+
+    def due(self, key: Hashable, drafted: bool) -> bool:
+        """Whether the pending steps must be written before this decode step (a drafted one, or another batch)."""
+        return bool(self._pending) and (drafted or key != self._key)
+
+    def defer(self, key: Hashable, features: Tensor, positions: Tensor, rows: Tensor, copy: bool = False) -> bool:
+        """Keep a plain step's features [bs, F], positions [bs] and pool rows [bs] of the batch `key` (copy: the
+        features live in a buffer the next step overwrites, a replayed CUDA graph's output). Returns whether the
+        pending steps reached a cap and must be written now."""
+        assert self.enabled and (not self._pending or key == self._key), "written before another batch's steps"
+        self._pending.append((features.clone() if copy else features, positions, rows))
+        self._key = key
+        self._bytes += features.numel() * features.element_size()
+        return len(self._pending) >= self.max_steps or self._bytes >= self.max_bytes
+
+    def take(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The pending steps as one commit's (features [T, F], positions [T], rows [T]), step after step (T = the
+        pending steps' rows), or None; nothing is pending afterwards."""
+        if not self._pending:
+            return None
+        features, positions, rows = (torch.cat(parts) for parts in zip(*self._pending))
+        self._pending, self._key, self._bytes = [], None, 0
+        return features, positions, rows
