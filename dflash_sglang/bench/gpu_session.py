@@ -1,0 +1,246 @@
+"""The GPU session's budgeted stage runner: every stage in order, each timed, its table written the moment it ends.
+
+A lent GPU machine gives 15 minutes in all (docs/gpu_session.md), so one call runs every stage within `--budget-s`
+(default 480 s): a stage starts only if its smallest useful part (`Stage.min_s`) fits what is left; inside a stage each
+cell (an Engine, a test file) checks the budget again, and a stage's optional cells also leave room for the later
+stages' smallest parts (`Context.reserve_s`). What is skipped says why, in the table. After every stage (and every cell
+a stage publishes) `session.md` and `session.json` in `--out` are rewritten, so a call killed at its timeout still
+returns everything done before it; the device returns at most 8 files from $OUT, hence one markdown and one JSON file
+for all stages, plus `logs.tar.gz`.
+
+`--device cpu` is the rehearsal CI runs (`bash scripts/gpu_session.sh --device cpu`): the same stages at tiny sizes,
+the CUDA-only cells skipped as such. The stages themselves: `gpu_stages.py`.
+
+  python -m dflash_sglang.bench.gpu_session --device cuda --budget-s 480 --out "$OUT"
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+import tarfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+DEVICES = ("cuda", "cpu")
+LOG_TAIL = 200_000  # bytes of each log kept in logs.tar.gz (the device returns at most 16 MiB a file)
+
+
+@dataclass
+class Table:
+    """One stage's result table: rows of column -> value; `verdict` says pass / FAIL: ... / skipped: ... per row."""
+
+    title: str
+    columns: list[str]
+    rows: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, **row) -> dict:
+        self.rows.append(row)
+        return row
+
+    def markdown(self) -> str:
+        lines = [f"### {self.title}", "", "| " + " | ".join(self.columns) + " |",
+                 "|" + "---|" * len(self.columns)]
+        lines += ["| " + " | ".join(_cell(r.get(c)) for c in self.columns) + " |" for r in self.rows]
+        return "\n".join(lines + [""] + [f"- {n}" for n in self.notes])
+
+    def status(self) -> str:
+        """failed (a row failed), partial (a row skipped), passed, or empty."""
+        verdicts = [str(r.get("verdict", "")) for r in self.rows]
+        if any(v.startswith("FAIL") for v in verdicts):
+            return "failed"
+        if any(v.startswith("skipped") for v in verdicts):
+            return "partial"
+        return "passed" if verdicts else "empty"
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value).replace("|", "/").replace("\n", " ")
+
+
+class Budget:
+    """Seconds left of the session's budget (a clock that tests replace)."""
+
+    def __init__(self, total_s: float, clock: Callable[[], float] = time.monotonic):
+        self.total_s, self.clock, self.start = float(total_s), clock, clock()
+
+    def left(self) -> float:
+        return self.total_s - (self.clock() - self.start)
+
+    def fits(self, estimate_s: float, reserve_s: float = 0.0) -> bool:
+        return estimate_s + reserve_s <= self.left()
+
+    def skip_reason(self, estimate_s: float, reserve_s: float = 0.0) -> str:
+        later = f" + {reserve_s:.0f} s kept for later stages" if reserve_s else ""
+        return f"skipped: budget (needs ~{estimate_s:.0f} s{later}, {max(self.left(), 0):.0f} s left)"
+
+
+@dataclass
+class Context:
+    """What a stage gets: the device, where it writes (`out`: returned files; `work`: scratch and logs), the budget,
+    the seconds later stages need at least (`reserve_s`), `publish` (rewrite the session files with a partial table),
+    and `cache` (what earlier stages built: targets, plain Engines' results)."""
+
+    device: str
+    out: Path
+    work: Path
+    budget: Budget
+    publish: Callable[[Table], None] = lambda table: None
+    reserve_s: float = 0.0
+    cache: dict = field(default_factory=dict)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: `run(ctx)` returns its table. min_s / full_s: estimated seconds of its smallest useful part and of
+    all of it, per device (guesses until a GPU session's `session.json` gives measured ones)."""
+
+    number: int
+    key: str
+    title: str
+    decides: str
+    run: Callable[[Context], Table]
+    min_s: dict[str, float]
+    full_s: dict[str, float]
+
+
+@dataclass
+class StageResult:
+    number: int
+    key: str
+    title: str
+    status: str  # passed | failed | partial | skipped | error
+    seconds: float
+    estimate_s: float
+    reason: str = ""
+    table: dict | None = None
+
+
+class Session:
+    """Runs stages in order under one budget; writes session.md / session.json / logs.tar.gz after each."""
+
+    def __init__(self, stages: list[Stage], ctx: Context):
+        self.stages, self.ctx, self.results = stages, ctx, []
+        ctx.out.mkdir(parents=True, exist_ok=True)
+        ctx.work.mkdir(parents=True, exist_ok=True)
+
+    def run(self) -> list[StageResult]:
+        ctx = self.ctx
+        for i, stage in enumerate(self.stages):
+            later = sum(s.min_s.get(ctx.device, 0.0) for s in self.stages[i + 1:])
+            ctx.reserve_s = later
+            need = stage.min_s.get(ctx.device)
+            t0 = time.monotonic()
+            if need is None:
+                result = StageResult(stage.number, stage.key, stage.title, "skipped", 0.0, 0.0,
+                                     f"skipped: needs {'a GPU' if ctx.device == 'cpu' else 'the CPU'}")
+            elif not ctx.budget.fits(need):
+                result = StageResult(stage.number, stage.key, stage.title, "skipped", 0.0, need,
+                                     ctx.budget.skip_reason(need))
+            else:
+                print(f"=== stage {stage.number} {stage.key}: {stage.title} ({ctx.budget.left():.0f} s left, "
+                      f"~{stage.full_s.get(ctx.device, need):.0f} s estimated)", flush=True)
+                ctx.publish = lambda table, s=stage, t=t0: self._write(
+                    StageResult(s.number, s.key, s.title, "running", time.monotonic() - t, 0.0, "", asdict(table)))
+                try:
+                    table = stage.run(ctx)
+                    result = StageResult(stage.number, stage.key, stage.title, table.status(),
+                                         time.monotonic() - t0, stage.full_s.get(ctx.device, need), "",
+                                         asdict(table))
+                    print(table.markdown(), flush=True)
+                except Exception as e:  # a broken stage must not cost the stages after it
+                    (ctx.work / f"stage{stage.number}_error.log").write_text(traceback.format_exc())
+                    result = StageResult(stage.number, stage.key, stage.title, "error", time.monotonic() - t0,
+                                         need, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            self.results.append(result)
+            print(f"=== stage {stage.number} {stage.key}: {result.status} in {result.seconds:.0f} s "
+                  f"{result.reason}", flush=True)
+            self._write()
+        return self.results
+
+    def _write(self, running: StageResult | None = None) -> None:
+        results = self.results + ([running] if running is not None else [])
+        ctx = self.ctx
+        head = (f"# GPU session ({ctx.device}, budget {ctx.budget.total_s:.0f} s, {ctx.budget.left():.0f} s left)\n\n"
+                "| stage | status | seconds | estimate | note |\n|---|---|---|---|---|\n")
+        head += "".join(f"| {r.number} {r.key} | {r.status} | {r.seconds:.0f} | {r.estimate_s:.0f} | {r.reason} |\n"
+                        for r in results)
+        tables = [Table(**r.table).markdown() for r in results if r.table]
+        _atomic(ctx.out / "session.md", head + "\n" + "\n\n".join(tables) + "\n")
+        _atomic(ctx.out / "session.json", json.dumps({"device": ctx.device, "budget_s": ctx.budget.total_s,
+                                                      "stages": [asdict(r) for r in results]}, indent=1))
+        pack_logs(ctx.work, ctx.out / "logs.tar.gz")
+
+
+def _atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def pack_logs(work: Path, dest: Path) -> None:
+    """The last LOG_TAIL bytes of every *.log under `work`, in one archive (one file of the 8 $OUT returns)."""
+    tmp = dest.with_suffix(".tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for log in sorted(work.rglob("*.log")):
+            data = log.read_bytes()[-LOG_TAIL:]
+            info = tarfile.TarInfo(str(log.relative_to(work)))
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    tmp.replace(dest)
+
+
+def exit_code(results: list[StageResult]) -> int:
+    """1 if a stage failed or broke, else 0 (skipped stages are reported, not failures)."""
+    return int(any(r.status in ("failed", "error") for r in results))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from . import gpu_stages
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=DEVICES, default="cuda")
+    p.add_argument("--budget-s", type=float, default=480.0, help="seconds for all stages (default 480: 8 minutes)")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or REPO / "work_tmp" / "gpu_session"))
+    p.add_argument("--work", type=Path, help="scratch and logs (default: OUT/../gpu_session_work on CPU, "
+                                             "/tmp/dflash_gpu_session on CUDA)")
+    p.add_argument("--stages", default="1,2,3,4,5", help="comma list of stage numbers, in the order given")
+    p.add_argument("--list", action="store_true", help="print the stages and what each decides")
+    args = p.parse_args(argv)
+    stages = gpu_stages.select(args.stages)
+    if args.list:
+        for s in stages:
+            print(f"{s.number} {s.key}: {s.title}\n    decides: {s.decides}\n    estimate (cuda / cpu): "
+                  f"{s.full_s.get('cuda', '-')} / {s.full_s.get('cpu', '-')} s")
+        return 0
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("gpu_session: --device cuda but torch sees no CUDA device (--device cpu rehearses)")
+    work = args.work or (Path("/tmp/dflash_gpu_session") if args.device == "cuda"
+                         else args.out.parent / "gpu_session_work")
+    ctx = Context(args.device, args.out.resolve(), work.resolve(), Budget(args.budget_s))
+    results = Session(stages, ctx).run()
+    print((ctx.out / "session.md").read_text().split("\n\n")[1] if (ctx.out / "session.md").exists() else "")
+    print(f"gpu_session: {len(results)} stages, session.md / session.json / logs.tar.gz in {ctx.out}", flush=True)
+    return exit_code(results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
