@@ -62,7 +62,9 @@ def arms(tau: float, device: str) -> dict[str, tuple[dict, dict[str, str]]]:
     out = {"ours_chain": ({**draft, "speculative_num_draft_tokens": BLOCK}, rate),
            "ours_controller": (dict(draft), rate)}
     if device == "cuda":
-        out["builtin"] = ({**draft, "speculative_num_draft_tokens": BLOCK},
+        # (its draft attention on FlashInfer: sglang-kernel travels without FA3, gpu_wheels.TRIMS)
+        out["builtin"] = ({**draft, "speculative_num_draft_tokens": BLOCK, "speculative_draft_attention_backend":
+                           "flashinfer"},
                           {IMPL_ENV: "builtin", "SGLANG_SIMULATE_ACC_LEN": str(tau),
                            "SGLANG_SIMULATE_ACC_METHOD": "match-expected"})
     return out
