@@ -587,6 +587,7 @@ def run_children(jobs: list[dict], timeout: float = CHILD_TIMEOUT_S, shims: bool
         "PYTHONPATH": os.pathsep.join(([str(SHIMS)] if shims else []) + paths),
         "OMP_NUM_THREADS": "1",
         "SGLANG_PLUGINS": "dflash_sglang",
+        "TOKENIZERS_PARALLELISM": "false",  # (no tokenizer thread pool in a process that forks: tests/fork_start)
     }
     procs = {}
     # Engines started together each probe for a free torch.distributed port and can pick the same one; hand

@@ -1,0 +1,21 @@
+"""Test processes only: tests/conftest.py puts this folder on PYTHONPATH, and Python imports `sitecustomize` from the
+path at start-up, so every process the tests start (Engine children, servers, scripts) runs this first.
+
+What it does: the SGLang Engine or server such a process starts forks its scheduler and detokenizer processes instead
+of spawning them. Why: SGLang forces the spawn start method (a CUDA context cannot be forked), so each of an Engine's
+processes imports SGLang again, ~14 s of CPU apiece on CI's machine; on the CPU path nothing needs CUDA, and forked
+processes inherit the parent's imports: a tiny Engine starts in ~23 s of CPU instead of ~56 (docs/testing.md, "What
+CI costs"). What runs in the scheduler (SGLang's code and our worker's) is the same either way. The spawn path stays
+tested: the stress test's servers (tests/test_stress.py) start spawned, and DFLASH_TEST_SPAWN=1 starts every test
+Engine spawned. (`.ci/run` puts this folder on the GPU session's CPU rehearsal's path too.)"""
+import os
+
+if os.environ.get("DFLASH_TEST_SPAWN") != "1":
+    import multiprocessing
+
+    _set_start_method = multiprocessing.set_start_method
+
+    def _fork_instead_of_spawn(method, force=False):
+        _set_start_method("fork" if method == "spawn" else method, force=force)
+
+    multiprocessing.set_start_method = _fork_instead_of_spawn
