@@ -579,8 +579,10 @@ def run_children(jobs: list[dict], timeout: float = CHILD_TIMEOUT_S, shims: bool
                  retries: int = 1) -> dict[str, dict]:
     """Run one Engine child per job, in parallel; parsed JSON results by job name (fails with the log tail).
 
-    A child that lost a port race (another process bound its port between our choice and its listen: EADDRINUSE)
-    runs again with fresh ports, up to `retries` times; any other failure fails the test."""
+    CPU jobs are forked from one interpreter that imported SGLang once (`run_zygote`: ~19 s of CPU saved per
+    Engine); a job whose env holds an import-time switch (IMPORT_TIME_ENV), and every CUDA job, runs in its own
+    interpreter. A child that lost a port race (another process bound one of its ports between our choice and its
+    listen) runs again with fresh ports, up to `retries` times; any other failure fails the test."""
     paths = [str(REPO), os.environ.get("PYTHONPATH", "")]
     env = {
         **os.environ,
@@ -589,51 +591,136 @@ def run_children(jobs: list[dict], timeout: float = CHILD_TIMEOUT_S, shims: bool
         "SGLANG_PLUGINS": "dflash_sglang",
         "TOKENIZERS_PARALLELISM": "false",  # (no tokenizer thread pool in a process that forks: tests/fork_start)
     }
-    procs = {}
-    # Engines started together each probe for a free torch.distributed port and can pick the same one; hand
-    # every child distinct free ports instead (all held open while choosing, so no two coincide).
-    ports = _free_ports(2 * len(jobs))
-    for i, job in enumerate(jobs):
+    # Engines started together each probe for free ports and can pick the same ones; hand every child its own
+    # (all held open while choosing, so no two coincide)
+    for job, (port, nccl_port) in zip(jobs, _free_port_pairs(len(jobs))):
         # (data-parallel replicas would all take a given nccl_port: SGLang picks one per replica itself)
-        nccl = {} if job.get("engine_kwargs", {}).get("dp_size", 1) > 1 else {"nccl_port": ports[2 * i + 1]}
-        job["engine_kwargs"] = {**job.get("engine_kwargs", {}), "port": ports[2 * i], **nccl}
-        log_path = Path(job["out"]).with_suffix(".log")
-        log = open(log_path, "w")
-        cmd = [sys.executable, str(Path(__file__)), json.dumps(job)]
-        job_env = {**env, **job.get("env", {})}
-        procs[job["name"]] = (subprocess.Popen(cmd, env=job_env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO), job,
-                              log)
-    results, lost_race = {}, []
-    for name, (proc, job, log) in procs.items():
+        nccl = {} if job.get("engine_kwargs", {}).get("dp_size", 1) > 1 else {"nccl_port": nccl_port}
+        job["engine_kwargs"] = {**job.get("engine_kwargs", {}), "port": port, **nccl}
+        Path(job["out"]).unlink(missing_ok=True)
+        Path(job["out"]).with_suffix(".log").write_text("")
+    forked = [job for job in jobs
+              if job.get("device", "cpu") == "cpu" and not IMPORT_TIME_ENV & set(job.get("env", {}))]
+    procs = []
+    if forked:
+        spec = Path(forked[0]["out"]).with_suffix(".zygote.json")
+        spec.write_text(json.dumps(forked))
+        procs.append(([sys.executable, str(Path(__file__)), ZYGOTE, str(spec)], env, spec.with_suffix(".log"), forked))
+    procs += [([sys.executable, str(Path(__file__)), json.dumps(job)], {**env, **job.get("env", {})},
+               Path(job["out"]).with_suffix(".log"), [job]) for job in jobs if job not in forked]
+    started = []
+    for cmd, cmd_env, log_path, group in procs:
+        with open(log_path, "w") as log:  # (a new session: a timeout kills the child's whole process group)
+            started.append((subprocess.Popen(cmd, env=cmd_env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                             start_new_session=True), group))
+    codes: dict[str, int | str] = {}
+    for proc, group in started:
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, 9)  # (the group: a zygote's children and every Engine's schedulers)
+            proc.wait()
             rc = "timeout"
-        log.close()
-        if rc != 0:
-            tail = Path(job["out"]).with_suffix(".log").read_text()[-4000:]
-            if retries > 0 and "EADDRINUSE" in tail:
+        for job in group:  # (a forked job succeeded when it wrote its result: run_child's last act)
+            ok = rc != "timeout" and Path(job["out"]).exists() and (rc == 0 or len(group) > 1)
+            codes[job["name"]] = 0 if ok else rc or 1
+    results, lost_race = {}, []
+    for job in jobs:
+        tail = Path(job["out"]).with_suffix(".log").read_text()[-4000:]
+        if not tail and job in forked:  # (the zygote failed before it forked this job: its own log says why)
+            tail = Path(forked[0]["out"]).with_suffix(".zygote.log").read_text()[-4000:]
+        if codes[job["name"]] != 0:
+            if retries > 0 and any(mark in tail for mark in PORT_TAKEN):
                 lost_race.append(job)
                 continue
-            pytest.fail(f"engine child {name} failed ({rc}):\n{tail}")
-        results[name] = json.loads(Path(job["out"]).read_text())
+            pytest.fail(f"engine child {job['name']} failed ({codes[job['name']]}):\n{tail}")
+        results[job["name"]] = json.loads(Path(job["out"]).read_text())
     if lost_race:
         results.update(run_children(lost_race, timeout, shims, retries - 1))
     return results
 
 
-def _free_ports(n: int) -> list[int]:
+# how a port another process bound first reads in a child's log (torch.distributed's store; ZMQ's bind)
+PORT_TAKEN = ("EADDRINUSE", "Address already in use")
+ZYGOTE = "--zygote"
+# what a job's env must set before this file is imported (the patches below run at import): its own interpreter
+IMPORT_TIME_ENV = {DP_ATTENTION_ENV, HICACHE_ENV}
+
+
+def run_zygote(spec: Path) -> None:
+    """The zygote: import SGLang and its Engine once, then fork one child per job of the JSON list at `spec` (each
+    with its own env on top, its output in its .log file) and wait for them all. Each child writes its JSON result
+    (run_child); a child that fails exits non-zero. Forking is safe here: the imports start no thread and touch no
+    device, and the Engines in the children fork their own processes (tests/fork_start) as a spawned child's do."""
+    import psutil
+    import sglang.srt.entrypoints.engine  # noqa: F401 (the import every child shares)
+
+    jobs = json.loads(spec.read_text())
+    children = {}
+    for job in jobs:
+        log = os.open(Path(job["out"]).with_suffix(".log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.dup2(log, 1)
+                os.dup2(log, 2)
+                os.environ.update(job.get("env", {}))
+                run_child(job)
+                code = 0
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                for proc in psutil.Process().children(recursive=True):  # (an Engine that failed half-started)
+                    proc.kill()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        os.close(log)
+        children[pid] = job["name"]
+    failed = []
+    while children:
+        pid, status = os.wait()
+        if os.waitstatus_to_exitcode(status) != 0:
+            failed.append(children[pid])
+        children.pop(pid, None)
+    sys.exit(1 if failed else 0)
+
+
+def _free_port_pairs(n: int) -> list[tuple[int, int]]:
+    """n (port, nccl_port) pairs below the kernel's ephemeral range (where no connection's local port can take one
+    between our choice and SGLang's bind), each port also free at +ZMQ_PORT_DELTA .. +ZMQ_PORT_DELTA + 8: SGLang's
+    DP-attention Engines bind their ZMQ sockets there (server_args.py `PortArgs.init_new`)."""
     import socket
 
-    socks = [socket.socket() for _ in range(n)]
+    rng, taken, socks, pairs = random.Random(), set(), [], []
+
+    def grab(port: int) -> bool:
+        sock = socket.socket()
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            sock.close()
+            return False
+        socks.append(sock)
+        return True
+
     try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
+        while len(pairs) < n:
+            port = rng.randrange(10000, 32000 - ZMQ_PORT_DELTA - 16)
+            wanted = [port, port + 1, *range(port + ZMQ_PORT_DELTA, port + ZMQ_PORT_DELTA + 9)]
+            if taken.isdisjoint(wanted) and all(grab(p) for p in wanted):
+                taken.update(wanted)
+                pairs.append((port, port + 1))
+        return pairs
     finally:
         for sock in socks:
             sock.close()
+
+
+ZMQ_PORT_DELTA = 233  # SGLang's ZMQ_TCP_PORT_DELTA (server_args.py)
 
 
 @pytest.fixture(scope="module")
@@ -839,8 +926,6 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
     # the two tiny window Engines over slot rows (all tiny ones at once would outgrow the first wave), then the
     # multi-process Engines (a scheduler per rank or replica, ~2.5 GB each): the TP ones, the DP ones, the
     # DP-attention ones
-    for i, job in enumerate(jobs):  # apart: Engines starting together would race for the same derived ZMQ ports
-        job.setdefault("engine_kwargs", {}).setdefault("port", 21000 + 400 * i)
     testbed = [job for job in jobs if "target" in job or job["name"] in ("window_radix", "window_defaults")]
     tp = [job for job in jobs if job["name"].startswith("tp2_")]
     dp = [job for job in jobs if job["name"].startswith("dp2_")]
@@ -1520,7 +1605,10 @@ def test_qwen3_greedy_with_block_size_flag(runs, qwen3_dir):
 
 
 if __name__ == "__main__":
-    run_child(json.loads(sys.argv[1]))
+    if sys.argv[1] == ZYGOTE:
+        run_zygote(Path(sys.argv[2]))
+    else:
+        run_child(json.loads(sys.argv[1]))
 
 
 def test_simulated_acceptance_commits_the_forced_length(runs):
