@@ -344,3 +344,39 @@ def test_bench_draft_block(pair, tmp_path):
     assert all((r["selector_ms"] is not None and r["selector_ms"] > 0) == (r["draft"] == "dflash2")
                for r in res["rows"])
     assert (tmp_path / "dflash2" / "config.json").is_file()
+
+
+def test_free_ports_lie_below_the_ephemeral_range_with_their_offsets_free(monkeypatch):
+    """A server's port is chosen where no outgoing connection's local port can take it (below the ephemeral range),
+    distinct, and free at every port the server derives from it: a candidate taken at any offset is passed over."""
+    import socket
+
+    from dflash_sglang.bench import server
+    from dflash_sglang.bench.server import ephemeral_low, free_port, free_ports
+
+    offsets = (0, 1, 233, 241)
+    ports = free_ports(20, offsets)
+    assert len(set(ports)) == 20
+    assert all(10000 <= p and p + max(offsets) < ephemeral_low() for p in ports)
+    for p in ports:
+        for off in offsets:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + off))  # (free: raises otherwise)
+    assert free_port() < ephemeral_low()
+    # the candidates come in this order: the first is held at +233, the second itself, the third twice
+    first, second, third = ports[:3]
+    candidates = iter([first, second, third, third, ports[3]])
+
+    class Scripted:
+        def randrange(self, *_):
+            return next(candidates)
+
+    monkeypatch.setattr(server.random, "SystemRandom", Scripted)
+    held = [socket.socket(), socket.socket()]
+    try:
+        held[0].bind(("127.0.0.1", first + 233))
+        held[1].bind(("127.0.0.1", second))
+        assert free_ports(2, offsets) == [third, ports[3]]
+    finally:
+        for sock in held:
+            sock.close()

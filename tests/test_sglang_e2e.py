@@ -591,11 +591,14 @@ def run_children(jobs: list[dict], timeout: float = CHILD_TIMEOUT_S, shims: bool
         "SGLANG_PLUGINS": "dflash_sglang",
         "TOKENIZERS_PARALLELISM": "false",  # (no tokenizer thread pool in a process that forks: tests/fork_start)
     }
-    # Engines started together each probe for free ports and can pick the same ones; hand every child its own
-    # (all held open while choosing, so no two coincide)
-    for job, (port, nccl_port) in zip(jobs, _free_port_pairs(len(jobs))):
+    # Engines started together each probe for free ports and can pick the same ones; hand every child its own, below
+    # the ephemeral range, each with the ports SGLang derives from it free too: its nccl_port here (p + 1) and a
+    # DP-attention Engine's ZMQ ports (p + ZMQ_PORT_DELTA ..)
+    from dflash_sglang.bench.server import free_ports
+
+    for job, port in zip(jobs, free_ports(len(jobs), (0, 1, *range(ZMQ_PORT_DELTA, ZMQ_PORT_DELTA + 9)))):
         # (data-parallel replicas would all take a given nccl_port: SGLang picks one per replica itself)
-        nccl = {} if job.get("engine_kwargs", {}).get("dp_size", 1) > 1 else {"nccl_port": nccl_port}
+        nccl = {} if job.get("engine_kwargs", {}).get("dp_size", 1) > 1 else {"nccl_port": port + 1}
         job["engine_kwargs"] = {**job.get("engine_kwargs", {}), "port": port, **nccl}
         Path(job["out"]).unlink(missing_ok=True)
         Path(job["out"]).with_suffix(".log").write_text("")
@@ -687,37 +690,6 @@ def run_zygote(spec: Path) -> None:
             failed.append(children[pid])
         children.pop(pid, None)
     sys.exit(1 if failed else 0)
-
-
-def _free_port_pairs(n: int) -> list[tuple[int, int]]:
-    """n (port, nccl_port) pairs below the kernel's ephemeral range (where no connection's local port can take one
-    between our choice and SGLang's bind), each port also free at +ZMQ_PORT_DELTA .. +ZMQ_PORT_DELTA + 8: SGLang's
-    DP-attention Engines bind their ZMQ sockets there (server_args.py `PortArgs.init_new`)."""
-    import socket
-
-    rng, taken, socks, pairs = random.Random(), set(), [], []
-
-    def grab(port: int) -> bool:
-        sock = socket.socket()
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            sock.close()
-            return False
-        socks.append(sock)
-        return True
-
-    try:
-        while len(pairs) < n:
-            port = rng.randrange(10000, 32000 - ZMQ_PORT_DELTA - 16)
-            wanted = [port, port + 1, *range(port + ZMQ_PORT_DELTA, port + ZMQ_PORT_DELTA + 9)]
-            if taken.isdisjoint(wanted) and all(grab(p) for p in wanted):
-                taken.update(wanted)
-                pairs.append((port, port + 1))
-        return pairs
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 ZMQ_PORT_DELTA = 233  # SGLang's ZMQ_TCP_PORT_DELTA (server_args.py)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,9 +23,52 @@ class ServerError(RuntimeError):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port for a server to listen on (`free_ports`)."""
+    return free_ports(1)[0]
+
+
+def free_ports(n: int, offsets: tuple[int, ...] = (0,)) -> list[int]:
+    """n distinct ports p, each free at p + every offset, below the kernel's ephemeral port range.
+
+    Why below it: a port from the range (what binding port 0 hands out) can become the local port of any outgoing
+    connection on the machine between this choice and the server's bind; on a busy machine that happens (a CPU server
+    died at start-up with "[Errno 98] address already in use"). offsets: ports the server derives from p and binds
+    too (SGLang's DP-attention Engines bind ZMQ sockets at p + 233 ..). The chosen ports are held open while the
+    others are chosen, so no two coincide."""
+    top = ephemeral_low() - max(offsets) - 1
+    rng, socks, ports = random.SystemRandom(), [], []
+    try:
+        for _ in range(100 * n):
+            if len(ports) == n:
+                return ports
+            base = rng.randrange(10000, top)
+            held = [sock for sock in (_bound(base + off) for off in offsets) if sock is not None]
+            socks += held
+            if len(held) == len(offsets):
+                ports.append(base)
+        raise ServerError(f"no {n} free ports in 10000..{top} (each free at +{offsets})")
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _bound(port: int) -> socket.socket | None:
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (Linux: /proc/sys/net/ipv4/ip_local_port_range; else the
+    IANA range's 49152)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
 
 
 def http_json(url: str, payload: dict | None = None, timeout: float = 600.0) -> dict:
