@@ -1,9 +1,9 @@
 """End to end on a real SGLang Engine (CPU, torch_native attention; 0.5.23 or 0.5.17) with our DFLASH worker.
 
 Tiny random targets + tiny random z-lab drafters (vocab 8, so a random drafter still gets partial and
-multi-token acceptances) are written to a temp dir. Each Engine runs in a child process (this file run as
-a script) with the import shims of tests/sglang_shims on its path, so the pytest process itself never
-imports sglang:
+multi-token acceptances) are written to a temp dir. Each Engine runs in a child process (forked from this file
+run as a script, which imported SGLang once: `run_zygote`) with the import shims of tests/sglang_shims on its
+path, so the pytest process itself never imports sglang:
 - Llama target, DFLASH in three verify modes: chain (the checkpoint's block size 8), tree
   (`speculative_eagle_topk=3`, `speculative_num_draft_tokens=10` nodes from one block-8 drafter pass) and
   adaptive (`speculative_adaptive=True`: a small table and token budget, so the batch size crosses rows and a run
@@ -613,15 +613,19 @@ def run_children(jobs: list[dict], timeout: float = CHILD_TIMEOUT_S, shims: bool
                Path(job["out"]).with_suffix(".log"), [job]) for job in jobs if job not in forked]
     started = []
     for cmd, cmd_env, log_path, group in procs:
-        with open(log_path, "w") as log:  # (a new session: a timeout kills the child's whole process group)
-            started.append((subprocess.Popen(cmd, env=cmd_env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                             start_new_session=True), group))
+        with open(log_path, "w") as log:
+            started.append((subprocess.Popen(cmd, env=cmd_env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT),
+                            group))
     codes: dict[str, int | str] = {}
     for proc, group in started:
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)  # (the group: a zygote's children and every Engine's schedulers)
+            import psutil
+
+            for child in psutil.Process(proc.pid).children(recursive=True):  # (a zygote's children, their schedulers)
+                child.kill()
+            proc.kill()
             proc.wait()
             rc = "timeout"
         for job in group:  # (a forked job succeeded when it wrote its result: run_child's last act)
