@@ -3,9 +3,8 @@ Engines and servers they start fork their processes rather than spawn them (that
 
 Under pytest-xdist (`.ci/run`: two workers on CI's two cores) each worker's own torch runs one thread: with torch's
 default of one thread per core, two busy workers ran four OpenMP threads on two cores, which spin while they wait for
-each other (beside the e2e file's Engines, tests/test_reference.py had used 17 CPU-minutes and was not done;
-alone it takes 4.5 minutes). What the tests start (Engines,
-servers, scripts) is not affected: they set their own threads."""
+each other (beside the e2e file's Engines, tests/test_reference.py had used 17 CPU-minutes and was not done; alone it
+takes 4.5 minutes). What the tests start (Engines, servers, scripts) is not affected: they set their own threads."""
 import os
 from pathlib import Path
 

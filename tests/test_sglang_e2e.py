@@ -652,6 +652,7 @@ PORT_TAKEN = ("EADDRINUSE", "Address already in use")
 ZYGOTE = "--zygote"
 # what a job's env must set before this file is imported (the patches below run at import): its own interpreter
 IMPORT_TIME_ENV = {DP_ATTENTION_ENV, HICACHE_ENV}
+ZMQ_PORT_DELTA = 233  # SGLang's ZMQ_TCP_PORT_DELTA (server_args.py): a DP-attention Engine's ZMQ ports start there
 
 
 def run_zygote(spec: Path) -> None:
@@ -687,16 +688,12 @@ def run_zygote(spec: Path) -> None:
                 os._exit(code)
         os.close(log)
         children[pid] = job["name"]
-    failed = []
+    failed = False
     while children:
         pid, status = os.wait()
-        if os.waitstatus_to_exitcode(status) != 0:
-            failed.append(children[pid])
-        children.pop(pid, None)
+        failed |= os.waitstatus_to_exitcode(status) != 0
+        children.pop(pid)
     sys.exit(1 if failed else 0)
-
-
-ZMQ_PORT_DELTA = 233  # SGLang's ZMQ_TCP_PORT_DELTA (server_args.py)
 
 
 @pytest.fixture(scope="module")
