@@ -171,8 +171,13 @@ def test_field_and_module_probes_agree_with_the_release():
 
     from dflash_sglang.adapter.versions import attention_dp_served
 
+    from sglang.srt.layers import dp_attention
+
     coordinated = "dp_spec_prefill_coordination_applied" in inspect.getsource(ForwardBatch)
-    assert attention_dp_served() == (coordinated and callable(getattr(runtime_context, "get_parallel", None)))
+    # the attention-TP group arrives with 0.5.23 (0.5.21 and 0.5.22 have the coordinated counts and get_parallel,
+    # but their ParallelContext says nothing of whether attention DP is on)
+    assert attention_dp_served() == (coordinated and callable(getattr(runtime_context, "get_parallel", None))
+                                     and callable(getattr(dp_attention, "get_dp_tp_group", None)))
     # HiCache: a draft sidecar's MHA host pool is built from the pool's buffer description (adapter/scale/hicache.py)
     import importlib.util
 
