@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from dflash_sglang.bench.engine import (
-    STATIC_TABLE, build_plan, mismatches, parse_arm, parse_kv, parse_value, plot_switch, summarize, switch_schedule,
+    STATIC_TABLE, build_plan, mismatches, parse_arm, parse_kv, parse_value, plot_switch, split_env, summarize,
+    switch_schedule,
 )
 from dflash_sglang.bench.noise import FASTER, ONE_REPEAT, SAME, SLOWER, RatioSpread
 from dflash_sglang.bench.quiet import SCRIPT, busy_share, cpu_model, training_paused
@@ -47,6 +48,10 @@ def test_custom_arms():
     assert parse_arm("p2:speculative_algorithm=none;speculative_draft_model_path=none;chunked_prefill_size=64",
                      "/d") == ("p2", {"chunked_prefill_size": 64})
     assert parse_arm("x:", "/d") == ("x", SPEC)
+    # env.NAME=value: that arm's child environment, as written, apart from its Engine kwargs
+    name, kw = parse_arm("eager:speculative_adaptive=true;env.DFLASH_DEFER_PLAIN_UPKEEP=0;env.X=true", "/d")
+    assert split_env(kw) == ({**SPEC, "speculative_adaptive": True}, {"DFLASH_DEFER_PLAIN_UPKEEP": "0", "X": "true"})
+    assert split_env(parse_arm("default", "/d")[1]) == (SPEC, {})
 
 
 def test_switch_schedule():
@@ -310,3 +315,32 @@ def test_shape_trace_assigns_steps_to_the_round_that_follows_them(tmp_path):
     assert steps == [TracedStep(1, 1.0, 0), TracedStep(8, 5.5, 1, topk=4)]
     pytest.importorskip("matplotlib")
     assert plot_trace(steps, ["A", "B"], tmp_path / "t.png") == str(tmp_path / "t.png")
+
+
+def test_step_profile_places_each_scheduler_sample_in_its_first_part():
+    """py-spy's raw stacks summed by part of the step (bench/step_profile.py): the scheduler's event loop only (not
+    its start-up, not other processes), the first part
+    a stack names wins (a catch-up's commit is upkeep, not the worker's rest), per timed output token."""
+    from dflash_sglang.bench import step_profile
+
+    sched = ("<module> (<string>:1);run_scheduler_process (scheduler.py:1);Scheduler.event_loop_normal (s.py:2);"
+             "Scheduler.run_batch (scheduler.py:3)")
+    worker = f"{sched};DFlashWorker._decode (dflash_sglang/adapter/step/worker.py:3)"
+    raw = "\n".join([
+        f"{worker};DFlashWorker._catch_up (dflash_sglang/adapter/step/worker.py:4);PagedDrafter.commit (m.py:5) 30",
+        f"{worker};run_target_verify (dflash_sglang/adapter/step/verify.py:6);ModelRunner.forward (mr.py:7) 500",
+        f"{worker};DFlashWorker._draft_pass (dflash_sglang/adapter/step/worker.py:8) 20",
+        f"{worker};DFlashWorker._choose_shape (dflash_sglang/adapter/step/worker.py:9) 7",
+        f"{sched};Scheduler.get_next_batch_to_run (scheduler.py:10) 40",
+        "<module> (<string>:1);TokenizerManager.handle_loop (tokenizer_manager.py:1) 999",
+        "<module> (<string>:1);run_scheduler_process (scheduler.py:1);Scheduler.__init__ (scheduler.py:4) 999",
+        "not a stack line",
+    ])
+    counts = step_profile.parts(raw)
+    assert counts == {"draft K/V upkeep": 30, "target forward": 500, "drafter pass": 20, "our worker, rest": 7,
+                      "SGLang scheduler, rest": 40}
+    row = step_profile.ms_per_token(raw, tokens=100)  # 10 ms a sample at 100 Hz, over 100 tokens
+    assert list(row) == [name for name, _ in step_profile.PARTS] + ["all"]
+    assert row["target forward"] == 50.0 and row["draft K/V upkeep"] == 3.0 and row["all"] == 59.7
+    cmd = step_profile.command(Path("/o/x.pyspy.txt"), ["python", "-m", "m"])
+    assert cmd[:2] == ["py-spy", "record"] and "--subprocesses" in cmd and cmd[-4:] == ["--", "python", "-m", "m"]

@@ -855,6 +855,11 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
         # a new user's Engine: a window of 32 and SGLang's defaults otherwise (the goodput controller, trees included)
         dict(name="window_defaults", root=str(pair_dir), spec=True, full=False, multiturn=True,
              env={**debug_env(pair_dir), **FIXED_COST}, engine_kwargs={"speculative_draft_window_size": 32}),
+        # the ring under the goodput controller: its plain steps' draft K/V deferred (at most R steps), caught up
+        # before a drafted step (adapter/step/upkeep.py)
+        dict(name="window_ring_goodput", root=str(pair_dir), spec=True, full=False,
+             env={**debug_env(pair_dir), **FIXED_COST},
+             engine_kwargs={"speculative_draft_window_size": BLOCK, "disable_radix_cache": True}),
         dict(name="token_map", root=str(pair_dir), spec=True, full=False,
              engine_kwargs={"speculative_token_map": str(write_token_map(pair_dir)), **STATIC_GRAPHS}),
         *[dict(name=f"tp2_{mode}", root=str(pair_dir), spec=mode != "plain", full=False,
@@ -896,10 +901,11 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
         job["out"] = str(Path(job["root"]) / f"{job['name']}.json")
     # Five waves, so that the machine's memory (24 GB on CI's 2-core machine) holds one wave's processes: the tiny
     # pairs' one-process Engines (~1.5 GB each with their scheduler), the testbed pair's (SmolLM2: ~2 GB each) with
-    # the two tiny window Engines over slot rows (all tiny ones at once would outgrow the first wave), then the
+    # three tiny window Engines (all tiny ones at once would outgrow the first wave), then the
     # multi-process Engines (a scheduler per rank or replica, ~2.5 GB each): the TP ones, the DP ones, the
     # DP-attention ones
-    testbed = [job for job in jobs if "target" in job or job["name"] in ("window_radix", "window_defaults")]
+    testbed = [job for job in jobs
+               if "target" in job or job["name"] in ("window_radix", "window_defaults", "window_ring_goodput")]
     tp = [job for job in jobs if job["name"].startswith("tp2_")]
     dp = [job for job in jobs if job["name"].startswith("dp2_")]
     attn_dp = [job for job in jobs if job["name"].startswith("attn_dp2_")]
@@ -1747,6 +1753,19 @@ def test_draft_window_with_sglangs_defaults_matches_plain(runs, pair_dir):
         assert [r["ids"] for r in spec["multiturn"][turn]] == [r["ids"] for r in plain["multiturn"][turn]], turn
     log = (pair_dir / "window_defaults.log").read_text()
     assert "draft window 32 over context rows at the target KV slots (the radix cache is on" in log, log[-3000:]
+
+
+def test_draft_window_ring_under_the_controller_matches_plain(runs, pair_dir):
+    """The ring with the goodput controller: plain steps (their draft K/V deferred into the ring, at most R steps at a
+    time) and drafted chains after them (the catch-up first), token-identical to the plain Engine."""
+    import re
+
+    spec = runs["window_ring_goodput"]
+    assert [r["ids"] for r in spec["greedy"]] == [r["ids"] for r in runs["plain"]["greedy"]]
+    log = (pair_dir / "window_ring_goodput.log").read_text()
+    assert f"draft window {BLOCK} in a ring of {WINDOW_RING} rows per request slot" in log, log[-3000:]
+    shapes = re.findall(r"DFLASH goodput step: shape=(\d+) ", log)
+    assert "1" in shapes and any(int(n) > 1 for n in shapes), sorted(set(shapes))
 
 
 def test_draft_window_pool_is_sized_per_request_slot(runs, pair_dir):

@@ -6,7 +6,7 @@ import torch
 from factories import draft_config_for, tiny_drafter, tiny_target
 from sglang_support import requires_sglang
 
-from dflash_sglang.adapter.step.upkeep import PlainUpkeep
+from dflash_sglang.adapter.step.upkeep import MAX_STEPS, PlainUpkeep, upkeep_steps
 
 BLOCK, REQ_SLOTS, SLOTS = 4, 6, 96
 
@@ -40,6 +40,37 @@ def test_deferred_plain_steps_write_what_a_commit_per_step_writes():
     torch.testing.assert_close(deferred.pool.k, eager.pool.k, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(deferred.pool.v, eager.pool.v, rtol=1e-5, atol=1e-6)
     assert eager.pool.k[:, slots.reshape(-1)].abs().sum() > 0  # (the rows were written at all)
+
+
+@requires_sglang
+def test_a_rings_deferred_steps_write_what_a_commit_per_step_writes():
+    """A draft window's ring (R rows per request, position p at row r*R + p % R): plain steps deferred at most R at a
+    time (`upkeep_steps`), three requests over 2R + 3 steps that wrap their rings, each cap's catch-up and the last
+    one's, leave the pool as a commit at every step does; past R pending, one request's rows would repeat."""
+    from dflash_sglang.adapter.draft.context_rows import WindowRows
+
+    torch.manual_seed(1)
+    ring = WindowRows(window=4, ring=5, req_slots=REQ_SLOTS)
+    assert upkeep_steps(None) == MAX_STEPS == upkeep_steps(10 * MAX_STEPS) and upkeep_steps(ring.ring) == 5
+    eager, deferred = _drafter(), _drafter()
+    upkeep = PlainUpkeep(enabled=True, max_steps=upkeep_steps(ring.ring))
+    n_feat = eager.drafter.fc.in_features
+    req_pool, positions, key = torch.tensor([4, 0, 2]), torch.tensor([7, 2, 11]), ("a", "b", "c")
+    catch_ups = 0
+    for s in range(2 * ring.ring + 3):
+        features, rows = torch.randn(3, n_feat), ring.ring_rows(req_pool, positions + s)
+        eager.commit(features, positions + s, rows)
+        if upkeep.defer(key, features, positions + s, rows):
+            pending = upkeep.take()
+            assert pending[2].unique().numel() == pending[2].numel()  # (no row twice in one scatter)
+            deferred.commit(*pending)
+            catch_ups += 1
+    deferred.commit(*upkeep.take())
+    assert catch_ups == 2
+    torch.testing.assert_close(deferred.pool.k, eager.pool.k, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(deferred.pool.v, eager.pool.v, rtol=1e-5, atol=1e-6)
+    wrapped = ring.ring_rows(req_pool[:1], positions[:1] + torch.arange(ring.ring + 1))
+    assert wrapped.unique().numel() == ring.ring  # R + 1 steps of one request: a row written twice
 
 
 def test_caps_ask_for_a_commit_and_another_batch_must_be_written_first():

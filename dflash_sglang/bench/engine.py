@@ -4,7 +4,8 @@ Measured: each arm is a child process running one Engine (never two at once); pe
 greedy `engine.generate` call with c prompts (all concurrent, N new tokens, `ignore_eos`): wall seconds, output
 tokens, tokens/s, per request `spec_accept_length` / `spec_verify_ct`. Arms: `plain`, DFLASH `default`, `chain16`,
 `static` (the static adaptive table), `floor` (adaptive `inf:1x1`: every step a plain step through our worker),
-`adaptive`, or `name:key=value;...` (DFLASH plus those Engine kwargs; `none` drops a key).
+`adaptive`, or `name:key=value;...` (DFLASH plus those Engine kwargs; `none` drops a key; `env.NAME=value` sets
+NAME in that arm's child only, e.g. an implementation switch's before and after interleaved).
 Repeats are interleaved: repeat r is a pass over every arm in turn (plain, default, ..., plain, default, ...), each
 arm's Engine starting, decoding round r (eval: its own c prompts per concurrency; switch: the whole stream) and
 stopping before the next arm's, so slow drift of the shared machine hits every arm alike (the price: an Engine
@@ -41,6 +42,7 @@ from .plotting import pyplot
 from .quiet import busy_share, cpu_model, training_paused
 from .server import cpu_env
 from .shape_trace import logging_config, parse_trace, plot_trace
+from . import step_profile
 
 REPO = Path(__file__).resolve().parents[2]
 STATIC_TABLE = "1:64x4,4:32x2,8:16x2,32:16x1,64:8x1,inf:4x1"
@@ -71,6 +73,7 @@ class RunSettings:
     sampling: list[str] = field(default_factory=list)  # KEY=VALUE sampling params added to every request
     env: dict[str, str] = field(default_factory=dict)  # the children's environment beyond cpu_env's
     child_timeout: float = 3600.0
+    profile: bool = False  # each child under py-spy (bench/step_profile.py): <stem>.pyspy.txt
 
 
 def parse_value(text: str) -> Any:
@@ -99,8 +102,21 @@ def parse_arm(spec: str, draft: str) -> tuple[str, dict[str, Any]]:
     if base is None:
         return name, {}
     kw = {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": str(draft), **base}
-    kw.update(parse_kv(extra.split(";")))
-    return name, {k: v for k, v in kw.items() if v is not None}
+    items = [item for item in extra.split(";") if item]
+    kw.update(parse_kv([item for item in items if not item.startswith(ENV_KEY)]))
+    kw = {k: v for k, v in kw.items() if v is not None}
+    # env.NAME=value: the arm's child environment (kept as written: an environment holds strings)
+    kw.update({k.strip(): v.strip() for k, _, v in (item.partition("=") for item in items if item.startswith(ENV_KEY))})
+    return name, kw
+
+
+def split_env(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """An arm's (Engine kwargs, child environment): its `env.NAME` entries are the environment."""
+    return ({k: v for k, v in kwargs.items() if not k.startswith(ENV_KEY)},
+            {k[len(ENV_KEY):]: str(v) for k, v in kwargs.items() if k.startswith(ENV_KEY)})
+
+
+ENV_KEY = "env."  # an arm spec's `env.NAME=value`: set in that arm's child only
 
 
 def switch_schedule(phases: str, rounds: int) -> list[tuple[int, str]]:
@@ -245,13 +261,16 @@ def run_arm(name: str, kwargs: dict, plan: list[dict], args: RunSettings | argpa
     """One arm's child process (its own session, killed as a group on timeout / Ctrl-C) on the plan's steps; its
     result or None. Its job, result and log files are `<stem>.*` in --out (default stem: the arm's name)."""
     stem = stem or name
+    kwargs, arm_env = split_env(kwargs)
     job = {"arm": name, "plan": plan, "new_tokens": args.new_tokens, "engine_kwargs": {**common, **kwargs},
            "sampling": parse_kv(args.sampling),
            "result": str(args.out / f"{stem}.result.json")}
     (args.out / f"{stem}.job.json").write_text(json.dumps(job))
     Path(job["result"]).unlink(missing_ok=True)
-    env = {**os.environ, **cpu_env(REPO), **args.env}
+    env = {**os.environ, **cpu_env(REPO), **args.env, **arm_env}
     cmd = [sys.executable, "-m", "dflash_sglang.bench.engine", "--child", str(args.out / f"{stem}.job.json")]
+    if getattr(args, "profile", False):
+        cmd = step_profile.command(args.out / f"{stem}.pyspy.txt", cmd)
     with open(args.out / f"{stem}.log", "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
         try:
@@ -301,6 +320,19 @@ def run_passes(arms: dict[str, dict], plan: list[dict], args: RunSettings | argp
     return results, info
 
 
+def profile_rows(info: dict[str, dict], out: Path) -> list[dict]:
+    """Per arm: each part's sampled ms per timed output token (bench/step_profile.py), the mean over its passes."""
+    rows = []
+    for name, arm in info.items():
+        per_pass = [step_profile.ms_per_token((out / f"{name}.p{k}.pyspy.txt").read_text(),
+                                              sum(r["tokens"] for r in seen["rounds"]))
+                    for k, seen in enumerate(arm["passes"]) if (out / f"{name}.p{k}.pyspy.txt").is_file()]
+        if per_pass:
+            rows.append({"arm": name, "passes": len(per_pass),
+                         **{part: round(statistics.fmean(p[part] for p in per_pass), 2) for part in per_pass[0]}})
+    return rows
+
+
 def plot_switch(rows: list[dict], path: Path) -> str | None:
     plt = pyplot()
     arms = list(dict.fromkeys(r["arm"] for r in rows))
@@ -340,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="switch: log the goodput controller's every step and plot its choices (<arm>.trace.png); "
                         "the logging costs a little, so do not quote a traced run's timings; the plot is the first "
                         "pass's")
+    p.add_argument("--profile", action="store_true",
+                   help="each child under py-spy: where its scheduler's time went per output token, by part of the "
+                        "step (bench/step_profile.py); a profiled run is slower, so do not quote its timings")
     p.add_argument("--child-timeout", type=float, default=3600.0)
     p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     return p
@@ -398,6 +433,10 @@ def main(argv: list[str] | None = None) -> int:
                "engine_kwargs": common, "env": args.env, "sampling": parse_kv(args.sampling),
                "arms": info, "rows": rows, "mismatches": total, "failed": failed, "out": str(args.out),
                "png": plot_switch(rows, args.out / "switch.png") if args.workload == "switch" else None}
+    if args.profile:
+        summary["profile"] = profile_rows(info, args.out)
+        for row in summary["profile"]:
+            print("profile " + " ".join(f"{k}={v}" for k, v in row.items()))
     if args.trace and args.workload == "switch":
         phases = [phase for _, phase in switch_schedule(args.phases, args.phase_rounds)]
         summary["traces"] = {name: plot_trace(parse_trace((args.out / f"{name}.p0.log").read_text()), phases,

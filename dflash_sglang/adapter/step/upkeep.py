@@ -14,8 +14,10 @@ The values written are the same per token as one commit per step (every op of a 
 after the catch-up is what it would have been; greedy and sampled outputs are lossless either way (the verify decides).
 
 Not deferred where something outside the worker reads the pool between steps: HiCache backs up a finished request's
-draft rows asynchronously, a PD decode server backs up a retracted request's rows, and a draft window's ring rows are
-rewritten in place (`enabled` False there: every step commits, as before).
+draft rows asynchronously and a PD decode server backs up a retracted request's rows (`enabled` False there: every
+step commits, as before). A draft window's ring (R rows per request, position p at row p % R of its ring) defers at
+most R steps (`upkeep_steps`): one request's pending rows are then distinct, and one scatter writes what R commits
+in order would (more would write one row twice in one scatter, in no defined order).
 """
 from __future__ import annotations
 
@@ -27,6 +29,11 @@ from torch import Tensor
 
 MAX_STEPS = 16  # plain steps kept pending at most (each is one commit's fixed cost saved)
 MAX_BYTES = 64 << 20  # pending features at most (bs x F per step: a large batch flushes sooner)
+
+
+def upkeep_steps(ring: int | None) -> int:
+    """Plain steps kept pending at most: `MAX_STEPS`, and no more than a draft window's ring rows per request."""
+    return MAX_STEPS if ring is None else min(MAX_STEPS, ring)
 
 
 @dataclass

@@ -70,7 +70,7 @@ from .metrics import GoodputMetrics
 from .penalties import RequestPenalties
 from .shapes import ShapeSchedule
 from .tree import compact_path_slots, fit_rows
-from .upkeep import PlainUpkeep
+from .upkeep import PlainUpkeep, upkeep_steps
 from .verify import masked_verify_graphs, run_target_verify, sampling_params
 
 logger = logging.getLogger(__name__)
@@ -185,11 +185,13 @@ class DFlashWorker(BaseSpecWorker):
         self.masked_graphs = masked_verify_graphs(self.settings)  # tree verifies replay masked verify graphs
         self.penalties = RequestPenalties()  # frequency / presence / repetition / min_new_tokens, per request
         # Plain steps' draft K/V written when the drafter next needs them (adapter/step/upkeep.py): not where HiCache
-        # or a PD decode server's retraction backup copies draft rows between steps, nor into a window's rings (a
-        # window over the slot rows defers as the whole context does)
-        self.upkeep = PlainUpkeep(enabled=self.defer_plain_upkeep and self.window is None
+        # or a PD decode server's retraction backup copies draft rows between steps. A window's ring defers at most
+        # R steps (R rows per request: the pending rows of one request stay distinct, so one commit writes what a
+        # commit per step would); a window over the slot rows defers as the whole context does.
+        self.upkeep = PlainUpkeep(enabled=self.defer_plain_upkeep
                                   and not getattr(server_args, "enable_hierarchical_cache", False)
-                                  and self.settings.disaggregation != "decode")
+                                  and self.settings.disaggregation != "decode",
+                                  max_steps=upkeep_steps(None if self.window is None else self.window.rows.ring))
         # A hybrid target's recurrent state: committed per verify through SGLang's machinery (adapter/step/hybrid.py).
         self.hybrid = HybridTarget.of(self.model_runner, self.settings.topk) if self.settings.hybrid else None
         # return_hidden_states (adapter/step/hidden.py), with the pool
