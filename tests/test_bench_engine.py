@@ -52,6 +52,8 @@ def test_custom_arms():
     name, kw = parse_arm("eager:speculative_adaptive=true;env.DFLASH_DEFER_PLAIN_UPKEEP=0;env.X=true", "/d")
     assert split_env(kw) == ({**SPEC, "speculative_adaptive": True}, {"DFLASH_DEFER_PLAIN_UPKEEP": "0", "X": "true"})
     assert split_env(parse_arm("default", "/d")[1]) == (SPEC, {})
+    with pytest.raises(ValueError, match="expected KEY=VALUE"):
+        parse_arm("x:env.NOVALUE", "/d")
 
 
 def test_switch_schedule():
@@ -319,8 +321,8 @@ def test_shape_trace_assigns_steps_to_the_round_that_follows_them(tmp_path):
 
 def test_step_profile_places_each_scheduler_sample_in_its_first_part():
     """py-spy's raw stacks summed by part of the step (bench/step_profile.py): the scheduler's event loop only (not
-    its start-up, not other processes), the first part
-    a stack names wins (a catch-up's commit is upkeep, not the worker's rest), per timed output token."""
+    its start-up, not other processes), the first part a stack names wins (a catch-up's commit is upkeep, not the
+    worker's rest), per timed output token."""
     from dflash_sglang.bench import step_profile
 
     sched = ("<module> (<string>:1);run_scheduler_process (scheduler.py:1);Scheduler.event_loop_normal (s.py:2);"

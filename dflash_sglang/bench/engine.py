@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import step_profile
 from .noise import RatioSpread
 from .plotting import pyplot
 from .quiet import busy_share, cpu_model, training_paused
 from .server import cpu_env
 from .shape_trace import logging_config, parse_trace, plot_trace
-from . import step_profile
 
 REPO = Path(__file__).resolve().parents[2]
 STATIC_TABLE = "1:64x4,4:32x2,8:16x2,32:16x1,64:8x1,inf:4x1"
@@ -53,6 +53,7 @@ ARMS: dict[str, dict[str, Any] | None] = {  # None: no speculation; a dict: DFLA
     "adaptive": {"speculative_adaptive": True},
     "chains": {"speculative_adaptive": True, "speculative_eagle_topk": 1},  # the controller without trees
 }
+ENV_KEY = "env."  # an arm spec's `env.NAME=value`: set in that arm's child only
 PREDICTABLE = (
     "Count from 1 to 300, separated by commas.", "Repeat the word 'apple' 200 times.",
     "Count down from 500 to 1, separated by commas.", "Write 'hello world' 100 times, one per line.",
@@ -86,11 +87,16 @@ def parse_value(text: str) -> Any:
     return text
 
 
-def parse_kv(items: list[str]) -> dict[str, Any]:
+def kv_pairs(items: list[str]) -> dict[str, str]:
+    """['k=v', ...] -> {'k': 'v'} (stripped, as written); an item without a key or '=' is an error."""
     pairs = [item.partition("=") for item in items if item]
     if bad := [k for k, eq, _ in pairs if not eq or not k]:
         raise ValueError(f"expected KEY=VALUE, got {bad}")
-    return {k.strip(): parse_value(v.strip()) for k, _, v in pairs}
+    return {k.strip(): v.strip() for k, _, v in pairs}
+
+
+def parse_kv(items: list[str]) -> dict[str, Any]:
+    return {k: parse_value(v) for k, v in kv_pairs(items).items()}
 
 
 def parse_arm(spec: str, draft: str) -> tuple[str, dict[str, Any]]:
@@ -102,12 +108,11 @@ def parse_arm(spec: str, draft: str) -> tuple[str, dict[str, Any]]:
     if base is None:
         return name, {}
     kw = {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": str(draft), **base}
-    items = [item for item in extra.split(";") if item]
-    kw.update(parse_kv([item for item in items if not item.startswith(ENV_KEY)]))
+    pairs = kv_pairs(extra.split(";"))
+    kw.update({k: parse_value(v) for k, v in pairs.items() if not k.startswith(ENV_KEY)})
     kw = {k: v for k, v in kw.items() if v is not None}
     # env.NAME=value: the arm's child environment (kept as written: an environment holds strings)
-    kw.update({k.strip(): v.strip() for k, _, v in (item.partition("=") for item in items if item.startswith(ENV_KEY))})
-    return name, kw
+    return name, {**kw, **{k: v for k, v in pairs.items() if k.startswith(ENV_KEY)}}
 
 
 def split_env(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -115,8 +120,6 @@ def split_env(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     return ({k: v for k, v in kwargs.items() if not k.startswith(ENV_KEY)},
             {k[len(ENV_KEY):]: str(v) for k, v in kwargs.items() if k.startswith(ENV_KEY)})
 
-
-ENV_KEY = "env."  # an arm spec's `env.NAME=value`: set in that arm's child only
 
 
 def switch_schedule(phases: str, rounds: int) -> list[tuple[int, str]]:
@@ -324,9 +327,9 @@ def profile_rows(info: dict[str, dict], out: Path) -> list[dict]:
     """Per arm: each part's sampled ms per timed output token (bench/step_profile.py), the mean over its passes."""
     rows = []
     for name, arm in info.items():
-        per_pass = [step_profile.ms_per_token((out / f"{name}.p{k}.pyspy.txt").read_text(),
-                                              sum(r["tokens"] for r in seen["rounds"]))
-                    for k, seen in enumerate(arm["passes"]) if (out / f"{name}.p{k}.pyspy.txt").is_file()]
+        raws = [(out / f"{name}.p{seen['pass']}.pyspy.txt", seen) for seen in arm["passes"]]
+        per_pass = [step_profile.ms_per_token(path.read_text(), sum(r["tokens"] for r in seen["rounds"]))
+                    for path, seen in raws if path.is_file()]
         if per_pass:
             rows.append({"arm": name, "passes": len(per_pass),
                          **{part: round(statistics.fmean(p[part] for p in per_pass), 2) for part in per_pass[0]}})
