@@ -7,7 +7,9 @@ on the SmolLM2 testbed pair, one Engine at a time, outputs checked identical to 
 
 `--repeats R` (3) interleaves: each repeat is a pass over the arms in turn, a fresh Engine per arm, and each ratio to
 plain is the median of the repeats' with a 95% interval, called a speedup or slower only when the interval excludes
-1.0 ("same as plain within noise" otherwise; one repeat: no interval, no verdict). See `dflash_sglang/bench/engine.py`
+1.0 ("same as plain within noise" otherwise; one repeat: no interval, no verdict). `--resident`: each arm's Engine
+started once and kept for every pass (many cheap passes, seconds apart: tighter intervals); `--baseline ARM`: ratios
+against another arm than plain. See `dflash_sglang/bench/engine.py`
 (what is measured and why). Writes CSV + JSON (+ PNG for `switch`) and a log per arm and pass to --out; last stdout
 line: JSON. Exit 1 on any output differing from plain or a failed arm.
 """

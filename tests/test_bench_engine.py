@@ -3,6 +3,7 @@
 with their interval and wording, and mismatches vs plain. No Engine starts, nothing is timed."""
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from dflash_sglang.bench.engine import (
 from dflash_sglang.bench.noise import FASTER, ONE_REPEAT, SAME, SLOWER, RatioSpread
 from dflash_sglang.bench.quiet import SCRIPT, busy_share, cpu_model, training_paused
 
+REPO = Path(__file__).resolve().parents[1]
 SPEC = {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": "/d"}
 
 
@@ -188,7 +190,8 @@ def test_repeats_run_as_passes_over_the_arms(monkeypatch):
     monkeypatch.setattr(engine, "busy_share", lambda seconds: 0.0)
     monkeypatch.setattr(engine, "training_paused", lambda: contextlib.nullcontext(SimpleNamespace(pause=lambda: None)))
     plan = build_plan("eval", [1, 2], 3, EVALS, PRED)
-    results, info = engine.run_passes({"plain": {}, "spec": SPEC, "bad": SPEC}, plan, SimpleNamespace(repeats=3), {})
+    results, info = engine.run_passes({"plain": {}, "spec": SPEC, "bad": SPEC}, plan,
+                                      SimpleNamespace(repeats=3, out=Path("out")), {})
     assert calls == [("plain.p0", [0]), ("spec.p0", [0]), ("bad.p0", [0]), ("plain.p1", [1]), ("spec.p1", [1]),
                      ("bad.p1", [1]), ("plain.p2", [2]), ("spec.p2", [2])]
     assert results["bad"] is None and [p["failed"] for p in info["bad"]["passes"]] == [False, True]
@@ -196,6 +199,65 @@ def test_repeats_run_as_passes_over_the_arms(monkeypatch):
         (k, f"c{c}.r{k}") for k in range(3) for c in (1, 2)]
     rows = summarize(plan, results)
     assert {(r["arm"], r["repeats"], r["verdict"]) for r in rows if r["arm"] == "spec"} == {("spec", 3, SAME)}
+
+
+FAKE_RESIDENT_CHILD = """
+import json, os, sys
+from dflash_sglang.bench import resident
+job = json.load(open(sys.argv[1]))
+def run_pass(k):
+    if job["arm"] == "bad" and k == 1:
+        sys.exit(3)  # dies mid-run: the parent must say so and carry on without it
+    return [{"key": s["key"], "pass": k, "wall_s": 1.0 + k, "ids": [[1]],
+             "accept": [None], "verify_ct": [None]} for s in job["plan"] if s["pass"] == k and not s.get("warmup")]
+assert job["resident"] and job["engine_kwargs"]["sleep_on_idle"] is True
+with os.fdopen(job["answer_fd"], "w") as answer:
+    resident.serve_commands(run_pass, sys.stdin, answer, startup_s=2.5)
+"""
+
+
+def test_resident_engines_start_once_and_serve_every_pass_in_alternating_order(tmp_path):
+    """--resident: one child per arm, started one after another (each answers `ready` first), SGLang's
+    sleep_on_idle on; pass k asks the arms in turn, reversed on odd passes; a child that dies is reported failed and
+    not asked again; every child is gone afterwards; the results merge like run_passes'."""
+    import sys
+    from types import SimpleNamespace
+
+    from dflash_sglang.bench import resident
+
+    children, order = [], []
+
+    def spawn(name, kwargs, stem):
+        job = {"arm": name, "plan": plan, "engine_kwargs": kwargs}
+        return resident.ChildSpec([sys.executable, "-c", FAKE_RESIDENT_CHILD, str(tmp_path / f"{stem}.job.json")],
+                                  job, tmp_path / f"{stem}.job.json", {**os.environ, "PYTHONPATH": str(REPO)},
+                                  tmp_path / f"{stem}.log", REPO)
+
+    real_start = resident.ResidentChild.start
+
+    def start(name, spec, timeout):
+        children.append(real_start(name, spec, timeout))
+        return children[-1]
+
+    plan = build_plan("eval", [1, 2], 3, EVALS, PRED)
+    args = SimpleNamespace(repeats=3, out=tmp_path, child_timeout=60.0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(resident.ResidentChild, "start", staticmethod(start))
+        results, info = resident.run_resident(
+            {"plain": {}, "spec": SPEC, "bad": SPEC}, plan, args, spawn, lambda seconds: 0.0,
+            SimpleNamespace(pause=lambda: None), 0.0, lambda line: None, lambda name, seen: order.append(
+                (name, seen["pass"], seen["failed"])))
+    assert order == [("plain", 0, False), ("spec", 0, False), ("bad", 0, False),
+                     ("bad", 1, True), ("spec", 1, False), ("plain", 1, False),
+                     ("plain", 2, False), ("spec", 2, False)]
+    assert all(c.proc.poll() is not None for c in children) and len(children) == 3
+    assert results["bad"] is None and results["spec"] is not None
+    assert [(r["pass"], r["key"]) for r in results["spec"]["rounds"]] == [
+        (k, f"c{c}.r{k}") for k in range(3) for c in (1, 2)]
+    assert [p["startup_s"] for p in info["spec"]["passes"]] == [2.5, None, None]
+    assert info["spec"]["resident"] and info["spec"]["passes"][0]["log"] == str(tmp_path / "spec.resident.log")
+    rows = summarize(plan, results)
+    assert {(r["arm"], r["repeats"]) for r in rows if r["arm"] == "spec"} == {("spec", 3)}
 
 
 @pytest.mark.parametrize("arm,base,head", [

@@ -247,7 +247,10 @@ def run_child(job: dict) -> None:
         attention_backend=job.get("attention_backend", "torch_native"), log_level="warning", random_seed=0,
         max_total_tokens=job.get("max_total_tokens", 16384), chunked_prefill_size=job.get("chunk", CHUNK), **spec,
         **({"enable_return_hidden_states": True} if job["full"] else {}),  # (the hidden-states scenario)
-        **{"decode_log_interval": 1, **job.get("engine_kwargs", {})},  # every decode batch reaches the metrics
+        # decode_log_interval: every decode batch reaches the metrics; sleep_on_idle: an idle scheduler (a DP replica
+        # done before the other, an Engine between scenarios) waits on its sockets instead of spinning a core that
+        # the wave's other Engines need
+        **{"decode_log_interval": 1, "sleep_on_idle": True, **job.get("engine_kwargs", {})},
     )
     res: dict = {"timings": {"startup_s": time.perf_counter() - t0}}
     try:

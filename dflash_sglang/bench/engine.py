@@ -9,9 +9,11 @@ NAME in that arm's child only, e.g. an implementation switch's before and after 
 Repeats are interleaved: repeat r is a pass over every arm in turn (plain, default, ..., plain, default, ...), each
 arm's Engine starting, decoding round r (eval: its own c prompts per concurrency; switch: the whole stream) and
 stopping before the next arm's, so slow drift of the shared machine hits every arm alike (the price: an Engine
-start per arm and repeat). Each row reports the median of the per-repeat ratios to plain (same round, same prompts)
-and a 95% interval (`RatioSpread`): a ratio is called a speedup or slower only when the interval excludes 1.0, else
-"same as plain within noise"; one repeat gives no interval and no such word.
+start per arm and repeat). `--resident` starts each arm's Engine once and keeps it for every pass
+(bench/resident.py): no start-up per pass, passes seconds apart, so many more fit. Each row reports the median of the
+per-repeat ratios to plain (same round, same prompts; `--baseline ARM` another arm) and a 95% interval
+(`RatioSpread`): a ratio is called a speedup or slower only when the interval excludes 1.0, else "same as plain
+within noise"; one repeat gives no interval and no such word.
 Why: where speculation stops paying over plain decoding as the batch grows, what our worker's floor costs against
 plain SGLang, and what the adaptive policy recovers: the adaptive tables come from this. Every arm decodes the same
 prompts and must be token-identical to plain (lossless): a mismatch is printed loudly and exits 1. `--workload
@@ -37,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import step_profile
+from . import resident, step_profile
 from .noise import RatioSpread
 from .plotting import pyplot
 from .quiet import busy_share, cpu_model, training_paused
@@ -75,6 +77,7 @@ class RunSettings:
     env: dict[str, str] = field(default_factory=dict)  # the children's environment beyond cpu_env's
     child_timeout: float = 3600.0
     profile: bool = False  # each child under py-spy (bench/step_profile.py): <stem>.pyspy.txt
+    resident: bool = False  # each arm's Engine started once, kept for every pass (bench/resident.py)
 
 
 def parse_value(text: str) -> Any:
@@ -160,30 +163,67 @@ def round_id(x: dict) -> tuple[int, str]:
 
 
 def run_child(job_path: Path) -> None:
-    """Child body: one Engine, the plan's generate calls, the result JSON (written even if a call fails)."""
+    """Child body: one Engine, the plan's generate calls, the result JSON (written even if a call fails); a resident
+    job (bench/resident.py) instead serves the passes its parent asks for, one at a time."""
     import sglang as sgl
 
     job = json.loads(Path(job_path).read_text())
     t0 = time.perf_counter()
     engine = sgl.Engine(**job["engine_kwargs"])
-    res: dict = {"startup_s": time.perf_counter() - t0, "rounds": []}
-    print(f"[{job['arm']}] Engine up in {res['startup_s']:.1f}s", file=sys.stderr, flush=True)
+    startup_s = time.perf_counter() - t0
+    print(f"[{job['arm']}] Engine up in {startup_s:.1f}s", file=sys.stderr, flush=True)
+    if job.get("resident"):
+        try:
+            with os.fdopen(job["answer_fd"], "w") as answer:
+                resident.serve_commands(lambda k: run_steps(engine, job, [s for s in job["plan"]
+                                                                          if s.get("pass", 0) == k]),
+                                        sys.stdin, answer, startup_s)
+        finally:
+            engine.shutdown()
+        return
+    res: dict = {"startup_s": startup_s, "rounds": []}
     try:
-        for step in job["plan"]:
-            new = WARMUP_NEW if step.get("warmup") else job["new_tokens"]
-            t0 = time.perf_counter()
-            outs = engine.generate(input_ids=step["ids"], sampling_params={
-                "temperature": 0, "max_new_tokens": new, "ignore_eos": True, **job.get("sampling", {})})
-            wall, metas = time.perf_counter() - t0, [o["meta_info"] for o in outs]
-            print(f"[{job['arm']}] {step.get('key', 'warmup')} c={step['c']} {wall:.2f}s", file=sys.stderr, flush=True)
-            if not step.get("warmup"):
-                res["rounds"].append({"key": step["key"], "pass": step.get("pass", 0), "wall_s": wall,
-                                      "ids": [o["output_ids"] for o in outs],
-                                      "accept": [m.get("spec_accept_length") for m in metas],
-                                      "verify_ct": [m.get("spec_verify_ct") for m in metas]})
+        res["rounds"] = run_steps(engine, job, job["plan"], into=res["rounds"])
     finally:
         engine.shutdown()
         Path(job["result"]).write_text(json.dumps(res))
+
+
+def run_steps(engine: Any, job: dict, steps: list[dict], into: list[dict] | None = None) -> list[dict]:
+    """The steps' greedy generate calls on `engine`, each timed; the timed rounds (appended to `into` as they end,
+    so that a failing call keeps the rounds before it)."""
+    rounds = [] if into is None else into
+    for step in steps:
+        new = WARMUP_NEW if step.get("warmup") else job["new_tokens"]
+        t0, cpu0 = time.perf_counter(), engine_cpu_s()
+        outs = engine.generate(input_ids=step["ids"], sampling_params={
+            "temperature": 0, "max_new_tokens": new, "ignore_eos": True, **job.get("sampling", {})})
+        wall, cpu, metas = time.perf_counter() - t0, engine_cpu_s() - cpu0, [o["meta_info"] for o in outs]
+        print(f"[{job['arm']}] {step.get('key', 'warmup')} c={step['c']} {wall:.2f}s (CPU {cpu:.2f}s)",
+              file=sys.stderr, flush=True)
+        if not step.get("warmup"):
+            rounds.append({"key": step["key"], "pass": step.get("pass", 0), "wall_s": wall, "cpu_s": cpu,
+                           "ids": [o["output_ids"] for o in outs],
+                           "accept": [m.get("spec_accept_length") for m in metas],
+                           "verify_ct": [m.get("spec_verify_ct") for m in metas]})
+    return rounds
+
+
+def engine_cpu_s() -> float:
+    """CPU seconds (user + system) used so far by this process and every process under it: the Engine's tokenizer
+    side here, its scheduler(s) and detokenizer. A round's CPU time counts the work done, not the waits between the
+    processes, so it varies less from round to round than its wall time on a shared CPU."""
+    import psutil
+
+    total = 0.0
+    me = psutil.Process()
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:  # (a process that ended meanwhile)
+            continue
+        total += times.user + times.system
+    return total
 
 
 def mismatches(arm: dict | None, base: dict | None, ids: list[tuple[int, str]]) -> int | None:
@@ -194,20 +234,22 @@ def mismatches(arm: dict | None, base: dict | None, ids: list[tuple[int, str]]) 
     return sum(x != y for k in ids if k in a and k in b for x, y in zip(a[k], b[k]))
 
 
-def _tps(rounds: list[dict]) -> float | None:
-    tokens, wall = sum(len(i) for r in rounds for i in r["ids"]), sum(r["wall_s"] for r in rounds)
-    return tokens / wall if wall and tokens else None
+def _tps(rounds: list[dict], measure: str = "wall_s") -> float | None:
+    """Output tokens per second of `measure`: wall time, or the Engine's CPU time (`cpu_s`, engine_cpu_s)."""
+    tokens, seconds = sum(len(i) for r in rounds for i in r["ids"]), sum(r.get(measure) or 0.0 for r in rounds)
+    return tokens / seconds if seconds and tokens and all(r.get(measure) for r in rounds) else None
 
 
-def ratio_spread(steps: list[dict], mine: dict, base: dict | None) -> RatioSpread | None:
-    """The arm's per-pass tokens/s over the baseline's on the same steps (`round_id` -> round), passes both ran."""
+def ratio_spread(steps: list[dict], mine: dict, base: dict | None, measure: str = "wall_s") -> RatioSpread | None:
+    """The arm's per-pass tokens per second (of `measure`) over the baseline's on the same steps (`round_id` ->
+    round), passes both ran."""
     if base is None:
         return None
     arm_tps, base_tps = [], []
     for k in sorted({s.get("pass", 0) for s in steps}):
         ids = [round_id(s) for s in steps if s.get("pass", 0) == k]
         if all(i in mine for i in ids) and all(i in base for i in ids):
-            a, b = _tps([mine[i] for i in ids]), _tps([base[i] for i in ids])
+            a, b = _tps([mine[i] for i in ids], measure), _tps([base[i] for i in ids], measure)
             if a and b:
                 arm_tps.append(a)
                 base_tps.append(b)
@@ -231,6 +273,9 @@ def summarize(plan: list[dict], results: dict[str, dict | None], baseline: str =
             steps_per_round = [max(v or 0 for v in r["verify_ct"]) for r in rounds]  # (decode steps of the round)
             spread = ratio_spread(steps, mine, by_arm.get(baseline))
             ci = spread.interval if spread is not None and arm != baseline else None  # (plain over itself: 1.0)
+            # the same over the Engine's CPU time: the work per token, without the waits between its processes
+            cpu = ratio_spread(steps, mine, by_arm.get(baseline), "cpu_s") if arm != baseline else None
+            cpu_tps = _tps(rounds, "cpu_s") if rounds else None
             rows.append({"arm": arm, "group": g, "c": steps[0]["c"] if steps else None,
                          "phase": steps[0]["phase"] if steps else None, "rounds": len(rounds),
                          "tokens": sum(len(i) for r in rounds for i in r["ids"]), "wall_s": _r(wall),
@@ -240,6 +285,10 @@ def summarize(plan: list[dict], results: dict[str, dict | None], baseline: str =
                          "ratio_max": _r(max(spread.ratios)) if spread else None,
                          "ratio_ci95": list(ci) if ci else None, "repeats": len(spread.ratios) if spread else 0,
                          "verdict": spread.verdict if spread and arm != baseline else None,
+                         "cpu_ms_per_token": _r(1e3 / cpu_tps, 2) if cpu_tps else None,
+                         "cpu_ratio": _r(cpu.median) if cpu else None,
+                         "cpu_ratio_ci95": list(cpu.interval) if cpu and cpu.interval else None,
+                         "cpu_verdict": cpu.verdict if cpu else None,
                          "accept_mean": _r(statistics.fmean(acc)) if acc else None,
                          "ms_per_step": _r(1e3 * wall / sum(steps_per_round), 1) if all(steps_per_round) else None,
                          "mismatches": mismatches(results[arm], results.get(baseline), [round_id(s) for s in steps])})
@@ -259,23 +308,31 @@ def cpu_engine_kwargs(target: Path | str, plan: list[dict], new_tokens: int, max
             "chunked_prefill_size": 512, "max_running_requests": max_running}
 
 
+def child_command(name: str, kwargs: dict, plan: list[dict], args: RunSettings | argparse.Namespace, common: dict,
+                  stem: str) -> resident.ChildSpec:
+    """An arm's child process, its files `<stem>.*` in --out (absolute: the child runs in the checkout)."""
+    kwargs, arm_env = split_env(kwargs)
+    out = Path(args.out).resolve()
+    job = {"arm": name, "plan": plan, "new_tokens": args.new_tokens, "engine_kwargs": {**common, **kwargs},
+           "sampling": parse_kv(args.sampling), "result": str(out / f"{stem}.result.json")}
+    cmd = [sys.executable, "-m", "dflash_sglang.bench.engine", "--child", str(out / f"{stem}.job.json")]
+    if getattr(args, "profile", False):
+        cmd = step_profile.command(out / f"{stem}.pyspy.txt", cmd)
+    env = {**os.environ, **cpu_env(REPO), **args.env, **arm_env}
+    return resident.ChildSpec(cmd, job, out / f"{stem}.job.json", env, out / f"{stem}.log", REPO)
+
+
 def run_arm(name: str, kwargs: dict, plan: list[dict], args: RunSettings | argparse.Namespace, common: dict,
             stem: str | None = None) -> dict | None:
     """One arm's child process (its own session, killed as a group on timeout / Ctrl-C) on the plan's steps; its
     result or None. Its job, result and log files are `<stem>.*` in --out (default stem: the arm's name)."""
-    stem = stem or name
-    kwargs, arm_env = split_env(kwargs)
-    job = {"arm": name, "plan": plan, "new_tokens": args.new_tokens, "engine_kwargs": {**common, **kwargs},
-           "sampling": parse_kv(args.sampling),
-           "result": str(args.out / f"{stem}.result.json")}
-    (args.out / f"{stem}.job.json").write_text(json.dumps(job))
-    Path(job["result"]).unlink(missing_ok=True)
-    env = {**os.environ, **cpu_env(REPO), **args.env, **arm_env}
-    cmd = [sys.executable, "-m", "dflash_sglang.bench.engine", "--child", str(args.out / f"{stem}.job.json")]
-    if getattr(args, "profile", False):
-        cmd = step_profile.command(args.out / f"{stem}.pyspy.txt", cmd)
-    with open(args.out / f"{stem}.log", "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    spec = child_command(name, kwargs, plan, args, common, stem or name)
+    spec.job_path.write_text(json.dumps(spec.job))
+    result = Path(spec.job["result"])
+    result.unlink(missing_ok=True)
+    with open(spec.log, "w") as log:
+        proc = subprocess.Popen(spec.cmd, env=spec.env, stdout=log, stderr=subprocess.STDOUT, cwd=spec.cwd,
+                                start_new_session=True)
         try:
             rc = proc.wait(timeout=args.child_timeout)
         except subprocess.TimeoutExpired:
@@ -283,11 +340,11 @@ def run_arm(name: str, kwargs: dict, plan: list[dict], args: RunSettings | argpa
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)  # the Engine's scheduler / detokenizer, if left behind
-    if rc != 0 or not Path(job["result"]).is_file():
-        tail = (args.out / f"{stem}.log").read_text()[-3000:]
-        print(f"[{name}] FAILED ({rc}), log {args.out / f'{stem}.log'}:\n{tail}", file=sys.stderr, flush=True)
+    if rc != 0 or not result.is_file():
+        tail = spec.log.read_text()[-3000:]
+        print(f"[{name}] FAILED ({rc}), log {spec.log}:\n{tail}", file=sys.stderr, flush=True)
         return None
-    return json.loads(Path(job["result"]).read_text())
+    return json.loads(result.read_text())
 
 
 def run_passes(arms: dict[str, dict], plan: list[dict], args: RunSettings | argparse.Namespace, common: dict,
@@ -296,7 +353,13 @@ def run_passes(arms: dict[str, dict], plan: list[dict], args: RunSettings | argp
     """Every repeat a pass over the arms in turn, one Engine at a time (the training job paused before each): the
     arms' results, their rounds merged over passes (None: an arm that failed in any pass, not run after), and per
     arm what each pass's child did (busy share over `busy_probe_s` before it, startup, child seconds, rounds).
-    `say` gets the progress lines; `on_engine(arm, what its pass's child did)` is called after each Engine."""
+    `say` gets the progress lines; `on_engine(arm, what its pass's child did)` is called after each Engine.
+    `args.resident`: each arm's Engine started once and kept for every pass (bench/resident.py)."""
+    if getattr(args, "resident", False):
+        with training_paused() as job:
+            return resident.run_resident(
+                arms, plan, args, lambda name, kwargs, stem: child_command(name, kwargs, plan, args, common, stem),
+                busy_share, job, busy_probe_s, say, on_engine)
     results: dict[str, dict | None] = {name: {"rounds": []} for name in arms}
     info: dict[str, dict] = {name: {"kwargs": kwargs, "passes": []} for name, kwargs in arms.items()}
     with training_paused() as job:
@@ -306,7 +369,8 @@ def run_passes(arms: dict[str, dict], plan: list[dict], args: RunSettings | argp
                 if results[name] is None:
                     continue
                 job.pause()
-                seen = {"pass": k, "busy_share_before": _r(busy_share(busy_probe_s))}
+                seen = {"pass": k, "busy_share_before": _r(busy_share(busy_probe_s)),
+                        "log": str(args.out / f"{name}.p{k}.log")}
                 say(f"[{name}] pass {k + 1}/{args.repeats}: starting Engine {kwargs} (machine busy "
                     f"{seen['busy_share_before']})")
                 t0 = time.perf_counter()
@@ -324,11 +388,13 @@ def run_passes(arms: dict[str, dict], plan: list[dict], args: RunSettings | argp
 
 
 def profile_rows(info: dict[str, dict], out: Path) -> list[dict]:
-    """Per arm: each part's sampled ms per timed output token (bench/step_profile.py), the mean over its passes."""
+    """Per arm: each part's sampled ms per timed output token (bench/step_profile.py), the mean over its passes (a
+    resident Engine: one profile over all of them)."""
     rows = []
     for name, arm in info.items():
-        raws = [(out / f"{name}.p{seen['pass']}.pyspy.txt", seen) for seen in arm["passes"]]
-        per_pass = [step_profile.ms_per_token(path.read_text(), sum(r["tokens"] for r in seen["rounds"]))
+        raws = ([(out / f"{name}.resident.pyspy.txt", arm["passes"])] if arm.get("resident") else
+                [(out / f"{name}.p{seen['pass']}.pyspy.txt", [seen]) for seen in arm["passes"]])
+        per_pass = [step_profile.ms_per_token(path.read_text(), sum(r["tokens"] for s in seen for r in s["rounds"]))
                     for path, seen in raws if path.is_file()]
         if per_pass:
             rows.append({"arm": name, "passes": len(per_pass),
@@ -363,6 +429,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="interleaved passes over the arms (a fresh Engine per arm and pass): the ratios' median "
                         "and 95%% interval come from them; 1 reports a ratio with no interval, never a speedup or "
                         "slower")
+    p.add_argument("--resident", action="store_true",
+                   help="start each arm's Engine once and keep it for every pass (bench/resident.py): passes cost "
+                        "no start-up and sit seconds apart, so many more fit and the interval tightens")
+    p.add_argument("--baseline", default="plain",
+                   help="the arm every ratio is taken against (default plain), e.g. the same KV budget without a "
+                        "window; outputs are always checked against it")
     p.add_argument("--workload", choices=("eval", "switch"), default="eval")
     p.add_argument("--phases", default="ABA", help="switch: phase order (A eval chat, B predictable)")
     p.add_argument("--phase-rounds", type=int, default=2, help="switch: rounds per phase")
@@ -398,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
 
     target, draft = default_pair()
     arms = dict(parse_arm(s, str(draft)) for s in args.arms.split(",") if s)
+    if args.baseline not in arms:
+        parser.error(f"--baseline {args.baseline!r} is not one of --arms ({', '.join(arms)})")
     concurrency = [int(c) for c in args.concurrency.split(",")]
     args.env = {k: str(v) for k, v in parse_kv(args.env).items()}
     tok = AutoTokenizer.from_pretrained(target)
@@ -411,23 +485,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.trace:
         args.env["SGLANG_LOGGING_CONFIG_PATH"] = str(logging_config(args.out / "trace_logging.json"))
     results, info = run_passes(arms, plan, args, common)
-    rows = summarize(plan, results)
+    rows = summarize(plan, results, args.baseline)
     cols = ["arm", "group", "c", "phase", "rounds", "tokens", "wall_s", "tok_s", "ratio", "ratio_min", "ratio_max",
-            "ratio_ci95", "repeats", "verdict", "accept_mean", "ms_per_step", "mismatches"]
-    print(f"\n{'arm':<12}{'group':>8}{'tok/s':>9}{'ratio':>7}{'95% interval':>14}{'accept':>8}{'ms/step':>9}"
-          f"{'mism':>6}  verdict (ratio: median of {args.repeats} interleaved repeats)")
+            "ratio_ci95", "repeats", "verdict", "cpu_ms_per_token", "cpu_ratio", "cpu_ratio_ci95", "cpu_verdict",
+            "accept_mean", "ms_per_step", "mismatches"]
+    print(f"\n{'arm':<12}{'group':>8}{'tok/s':>9}{'ratio':>7}{'95% interval':>14}{'CPU ratio':>10}"
+          f"{'95% interval':>14}{'accept':>8}{'ms/step':>9}{'mism':>6}  verdict (ratio: median of {args.repeats} "
+          f"interleaved repeats; CPU: per the Engine's CPU seconds)")
     for r in rows:
-        ci = "-" if not r["ratio_ci95"] else "{:.2f}-{:.2f}x".format(*r["ratio_ci95"])
+        ci, cpu_ci = ("-" if not c else "{:.2f}-{:.2f}x".format(*c) for c in (r["ratio_ci95"], r["cpu_ratio_ci95"]))
         print(f"{r['arm']:<12}{r['group']:>8}{r['tok_s'] or '-':>9}{r['ratio'] or '-':>7}{ci:>14}"
-              f"{r['accept_mean'] or '-':>8}{r['ms_per_step'] or '-':>9}"
-              f"{'-' if r['mismatches'] is None else r['mismatches']:>6}  {r['verdict'] or '-'}")
+              f"{r['cpu_ratio'] or '-':>10}{cpu_ci:>14}{r['accept_mean'] or '-':>8}{r['ms_per_step'] or '-':>9}"
+              f"{'-' if r['mismatches'] is None else r['mismatches']:>6}  {r['verdict'] or '-'}"
+              + (f"; CPU: {r['cpu_verdict']}" if r["cpu_verdict"] else ""))
     with open(args.out / "bench_engine.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols)
         w.writeheader()
         w.writerows({k: r[k] for k in cols} for r in rows)
     total = sum(r["mismatches"] or 0 for r in rows)
     if total:
-        print(f"\n{'!' * 80}\nWARNING: {total} request(s) NOT identical to plain (lossless broken)\n{'!' * 80}",
+        bar = "!" * 80
+        print(f"\n{bar}\nWARNING: {total} request(s) NOT identical to {args.baseline} (lossless broken)\n{bar}",
               file=sys.stderr, flush=True)
     failed = [a for a, res in results.items() if res is None]
     summary = {"script": "bench_engine", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),

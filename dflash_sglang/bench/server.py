@@ -106,6 +106,7 @@ def cpu_env(repo: Path | None = None) -> dict[str, str]:
             "OMP_NUM_THREADS": "1"}
 
 
+SGLANG = "sglang.launch_server"  # a server: `Server` adds --sleep-on-idle
 ROUTER = "sglang_router.launch_router"  # PyPI sglang-router: the load balancer in front of SGLang servers
 
 
@@ -128,11 +129,15 @@ class Server:
     `module=ROUTER` runs sglang-router instead (argv: e.g. `--worker-urls URL URL --policy round_robin`)."""
 
     def __init__(self, argv: list[str], env: dict[str, str], log: Path, startup_timeout: float = 900.0,
-                 python: str | None = None, module: str = "sglang.launch_server") -> None:
+                 python: str | None = None, module: str = SGLANG) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        # python: another interpreter (e.g. a virtualenv with another SGLang version); default this one
-        self.argv = [python or sys.executable, "-m", module, *argv, "--host", "127.0.0.1", "--port", str(self.port)]
+        # python: another interpreter (e.g. a virtualenv with another SGLang version); default this one.
+        # --sleep-on-idle: an idle SGLang scheduler otherwise spins a core (its idle checks in a loop), taken from
+        # whatever runs beside it (the other server of a PD pair, a client, another test)
+        idle = ["--sleep-on-idle"] if module == SGLANG and "--sleep-on-idle" not in argv else []
+        self.argv = [python or sys.executable, "-m", module, *argv, *idle, "--host", "127.0.0.1", "--port",
+                     str(self.port)]
         self.env = {**os.environ, **env}
         self.log = Path(log)
         self.timeout = startup_timeout

@@ -43,8 +43,8 @@ BUSY_SHARE = 0.15  # other processes' share of the machine's CPU above which tim
 
 BACKENDS = ("sglang", "reference")
 # (repeats, max new tokens) when not given: the reference decoder's 6 x 48 (52 s of decoding on a quiet 2-core machine);
-# SGLang's 3 x 32, as 9 Engine starts of ~15-25 s each dominate its run (testbed/demo_sglang.py)
-DEFAULTS = {"reference": (6, 48), "sglang": (3, 32)}
+# SGLang's 8 x 32 on Engines started once each (~20 s a pass after the start-ups, testbed/demo_sglang.py)
+DEFAULTS = {"reference": (6, 48), "sglang": (8, 32)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,9 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="per repeat and way (default: sglang 32, every arm decoding all 32; reference 48, up to EOS)")
     p.add_argument("--repeats", type=int, default=None,
-                   help="each decodes the next prompt (cycling) with every way in turn (sglang: a fresh Engine per "
-                        "way); the speed ratios' median and 95%% interval come from them (default: sglang 3, "
-                        "reference 6)")
+                   help="each decodes the next prompt (cycling) with every way in turn (sglang: each way's Engine "
+                        "started once and kept); the speed ratios' median and 95%% interval come from them (default: "
+                        "sglang 8, reference 6)")
     p.add_argument("--block-size", type=int, default=None,
                    help="the fixed / pinned chain's rows (default: the drafter's block)")
     p.add_argument("--temperature", type=float, default=0.0)

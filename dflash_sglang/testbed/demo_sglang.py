@@ -1,14 +1,15 @@
 """`dflash-sglang demo` served through SGLang (the default backend): the SmolLM2 testbed pair on CPU `sgl.Engine`s.
 
 Three arms of bench/engine.py, each a CPU Engine (float32, torch_native attention, batch 1) in a child process of its
-own, never two at once: plain decoding, DFLASH with no shape flag (the goodput controller: what a server runs by
-default) and DFLASH with a pinned chain of the drafter's block (`--speculative-num-draft-tokens B`). `--repeats` (3)
-interleaved passes (bench/engine.py `run_passes`), each starting every arm's Engine in turn (plain, controller, chain,
-plain, ...), so a slow spell of the machine hits every arm alike; in pass r each Engine decodes a short warm-up, then
-eval prompt r mod `--num-prompts` (ShareGPT's eval split with the chat template, as the reference demo) greedily for
-`--max-new-tokens` (32) tokens, EOS ignored so that every arm decodes the same count. An Engine start is ~15-25 s on a
-quiet 2-core machine (sglang is imported in three processes), 9 in all, against ~3-10 s of decoding per Engine: 3
-repeats (the fewest that give an interval) x 32 tokens keep the table within ~3-4 minutes.
+own: plain decoding, DFLASH with no shape flag (the goodput controller: what a server runs by default) and DFLASH with
+a pinned chain of the drafter's block (`--speculative-num-draft-tokens B`). Each Engine starts once, one start-up at a
+time (~15-45 s each on a quiet 2-core machine), and is kept for every pass (bench/resident.py: the idle ones sleep on
+their sockets, only one decodes at a time). `--repeats` (8) interleaved passes (bench/engine.py `run_passes`), each
+asking every arm in turn (plain, controller, chain; the next pass in reverse), so a slow spell of the machine hits every
+arm alike; in pass r each Engine decodes a short warm-up, then eval prompt r mod `--num-prompts` (ShareGPT's eval split
+with the chat template, as the reference demo) greedily for `--max-new-tokens` (32) tokens, EOS ignored so that every
+arm decodes the same count. A pass takes ~20 s, so 8 of them (the interval tightens with each) and the three start-ups
+keep the table within ~4-5 minutes.
 
 Reported in a table: each arm's tokens/s over its timed rounds, its ratio to plain (the median of the per-pass ratios)
 with a 95% interval and the verdict (bench/noise.py `RatioSpread`: a speedup or slower only when the interval excludes
@@ -37,7 +38,7 @@ from ..bench.shape_trace import logging_config, parse_trace, shape_mix
 from .demo import BUSY_SHARE, DRAFT_CHOICE, PLAIN_CHOICE, spoken
 
 REPO = Path(__file__).resolve().parents[2]
-BUSY_PROBE_S = 0.5  # the machine's busy share is sampled this long before each Engine (9 Engines: 4.5 s in all)
+BUSY_PROBE_S = 0.5  # the machine's busy share is sampled this long before each arm's round (24 rounds: 12 s in all)
 
 
 @dataclass(frozen=True)
@@ -172,14 +173,14 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
     settings = RunSettings(out=out, new_tokens=args.max_new_tokens, repeats=args.repeats,
-                           sampling=[f"temperature={args.temperature}"], env=env)
+                           sampling=[f"temperature={args.temperature}"], env=env, resident=True)
     greedy = args.temperature == 0
     print(f"dflash-sglang demo: SGLang {version('sglang')}, CPU Engines (float32, torch_native attention), batch 1, "
           f"{'greedy' if greedy else f'temperature {args.temperature}'}; target {target.name}, drafter {draft.name} "
           f"(block {block})")
-    print(f"{args.repeats} repeats x {args.max_new_tokens} tokens over {len(prompts)} ShareGPT eval prompts; each "
-          f"repeat starts a {', '.join(arms)} Engine in turn, one at a time (~15-25 s each to start); logs in {out}",
-          flush=True)
+    print(f"{args.repeats} repeats x {args.max_new_tokens} tokens over {len(prompts)} ShareGPT eval prompts: a "
+          f"{', '.join(arms)} Engine started once each, one at a time (~15-45 s each), then every repeat asks each in "
+          f"turn; logs in {out}", flush=True)
     progress = _Progress(args.repeats)
     with open(out / "demo.log", "w") as log:
         results, info = run_passes(arms, plan, settings, cpu_engine_kwargs(target, plan, args.max_new_tokens, 1),
@@ -195,15 +196,15 @@ def run(args: argparse.Namespace) -> int:
     def arm_report(name: str) -> ArmReport:
         row = rows.get(name)
         if row is None:
-            failed = next((p["pass"] for p in info[name]["passes"] if p["failed"]), 0)
-            return ArmReport(labels[name], None, None, None, None, out / f"{name}.p{failed}.log")
+            log = next((p["log"] for p in info[name]["passes"] if p["failed"]), None)
+            return ArmReport(labels[name], None, None, None, None, None if log is None else Path(log))
         spread = None if name == "plain" or "plain" not in by_arm else ratio_spread(timed, by_arm[name],
                                                                                     by_arm["plain"])
         same = row["mismatches"] if greedy and name != "plain" else None
         return ArmReport(labels[name], row["tok_s"], spread, row["accept_mean"], same)
 
-    ran = [p["pass"] for p in info["controller"]["passes"] if not p["failed"]]
-    mix = shape_mix([s for k in ran for s in parse_trace((out / f"controller.p{k}.log").read_text())])
+    logs = dict.fromkeys(p["log"] for p in info["controller"]["passes"] if not p["failed"])  # (resident: one)
+    mix = shape_mix([s for log in logs for s in parse_trace(Path(log).read_text())])
     busy = max((p["busy_share_before"] for a in info.values() for p in a["passes"]
                 if p["busy_share_before"] is not None), default=None)
     lines, status = report(*(arm_report(name) for name in arms), mix, busy)
