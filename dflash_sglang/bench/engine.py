@@ -194,7 +194,7 @@ def run_steps(engine: Any, job: dict, steps: list[dict], into: list[dict] | None
     so that a failing call keeps the rounds before it)."""
     rounds = [] if into is None else into
     for step in steps:
-        new = WARMUP_NEW if step.get("warmup") else job["new_tokens"]
+        new = step.get("new_tokens") or (WARMUP_NEW if step.get("warmup") else job["new_tokens"])
         t0, cpu0 = time.perf_counter(), engine_cpu_s()
         outs = engine.generate(input_ids=step["ids"], sampling_params={
             "temperature": 0, "max_new_tokens": new, "ignore_eos": True, **job.get("sampling", {})})
