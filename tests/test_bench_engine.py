@@ -199,6 +199,10 @@ def test_repeats_run_as_passes_over_the_arms(monkeypatch):
         (k, f"c{c}.r{k}") for k in range(3) for c in (1, 2)]
     rows = summarize(plan, results)
     assert {(r["arm"], r["repeats"], r["verdict"]) for r in rows if r["arm"] == "spec"} == {("spec", 3, SAME)}
+    # --baseline: the ratios over another arm, its name in the verdict; the baseline itself has none
+    rows = summarize(plan, results, baseline="spec")
+    assert {(r["arm"], r["verdict"]) for r in rows if r["arm"] != "bad"} == {
+        ("plain", "same as spec within noise"), ("spec", None)}
 
 
 FAKE_RESIDENT_CHILD = """

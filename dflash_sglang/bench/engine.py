@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from . import resident, step_profile
-from .noise import RatioSpread
+from .noise import SAME, RatioSpread
 from .plotting import pyplot
 from .quiet import busy_share, cpu_model, training_paused
 from .server import cpu_env
@@ -284,15 +284,20 @@ def summarize(plan: list[dict], results: dict[str, dict | None], baseline: str =
                          "ratio_min": _r(min(spread.ratios)) if spread else None,
                          "ratio_max": _r(max(spread.ratios)) if spread else None,
                          "ratio_ci95": list(ci) if ci else None, "repeats": len(spread.ratios) if spread else 0,
-                         "verdict": spread.verdict if spread and arm != baseline else None,
+                         "verdict": _named(spread.verdict, baseline) if spread and arm != baseline else None,
                          "cpu_ms_per_token": _r(1e3 / cpu_tps, 2) if cpu_tps else None,
                          "cpu_ratio": _r(cpu.median) if cpu else None,
                          "cpu_ratio_ci95": list(cpu.interval) if cpu and cpu.interval else None,
-                         "cpu_verdict": cpu.verdict if cpu else None,
+                         "cpu_verdict": _named(cpu.verdict, baseline) if cpu else None,
                          "accept_mean": _r(statistics.fmean(acc)) if acc else None,
                          "ms_per_step": _r(1e3 * wall / sum(steps_per_round), 1) if all(steps_per_round) else None,
                          "mismatches": mismatches(results[arm], results.get(baseline), [round_id(s) for s in steps])})
     return rows
+
+
+def _named(verdict: str, baseline: str) -> str:
+    """A verdict that names the baseline arm ("same as kv_auto within noise"); plain's words as they are."""
+    return f"same as {baseline} within noise" if verdict == SAME else verdict
 
 
 def _r(x: float | None, nd: int = 3) -> float | None:
