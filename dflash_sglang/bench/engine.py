@@ -183,7 +183,7 @@ def run_child(job_path: Path) -> None:
         return
     res: dict = {"startup_s": startup_s, "rounds": []}
     try:
-        res["rounds"] = run_steps(engine, job, job["plan"], into=res["rounds"])
+        run_steps(engine, job, job["plan"], into=res["rounds"])
     finally:
         engine.shutdown()
         Path(job["result"]).write_text(json.dumps(res))
@@ -195,7 +195,8 @@ def run_steps(engine: Any, job: dict, steps: list[dict], into: list[dict] | None
     rounds = [] if into is None else into
     for step in steps:
         new = step.get("new_tokens") or (WARMUP_NEW if step.get("warmup") else job["new_tokens"])
-        t0, cpu0 = time.perf_counter(), engine_cpu_s()
+        cpu0 = engine_cpu_s()  # (before the clock starts: the probe's own time is not the round's)
+        t0 = time.perf_counter()
         outs = engine.generate(input_ids=step["ids"], sampling_params={
             "temperature": 0, "max_new_tokens": new, "ignore_eos": True, **job.get("sampling", {})})
         wall, cpu, metas = time.perf_counter() - t0, engine_cpu_s() - cpu0, [o["meta_info"] for o in outs]
@@ -236,8 +237,10 @@ def mismatches(arm: dict | None, base: dict | None, ids: list[tuple[int, str]]) 
 
 def _tps(rounds: list[dict], measure: str = "wall_s") -> float | None:
     """Output tokens per second of `measure`: wall time, or the Engine's CPU time (`cpu_s`, engine_cpu_s)."""
-    tokens, seconds = sum(len(i) for r in rounds for i in r["ids"]), sum(r.get(measure) or 0.0 for r in rounds)
-    return tokens / seconds if seconds and tokens and all(r.get(measure) for r in rounds) else None
+    if not all(r.get(measure) for r in rounds):  # (rounds recorded before `cpu_s` existed have none)
+        return None
+    tokens, seconds = sum(len(i) for r in rounds for i in r["ids"]), sum(r[measure] for r in rounds)
+    return tokens / seconds if seconds and tokens else None
 
 
 def ratio_spread(steps: list[dict], mine: dict, base: dict | None, measure: str = "wall_s") -> RatioSpread | None:
@@ -374,16 +377,12 @@ def run_passes(arms: dict[str, dict], plan: list[dict], args: RunSettings | argp
                 if results[name] is None:
                     continue
                 job.pause()
-                seen = {"pass": k, "busy_share_before": _r(busy_share(busy_probe_s)),
-                        "log": str(args.out / f"{name}.p{k}.log")}
-                say(f"[{name}] pass {k + 1}/{args.repeats}: starting Engine {kwargs} (machine busy "
-                    f"{seen['busy_share_before']})")
+                busy = busy_share(busy_probe_s)
+                say(f"[{name}] pass {k + 1}/{args.repeats}: starting Engine {kwargs} (machine busy {_r(busy)})")
                 t0 = time.perf_counter()
                 res = run_arm(name, kwargs, steps, args, common, stem=f"{name}.p{k}")
-                seen.update(child_s=_r(time.perf_counter() - t0), startup_s=_r((res or {}).get("startup_s")),
-                            failed=res is None, rounds=[{"key": r["key"], "wall_s": _r(r["wall_s"]),
-                                                         "tokens": sum(map(len, r["ids"]))}
-                                                        for r in (res or {}).get("rounds", [])])
+                seen = resident.pass_record(k, busy, Path(args.out) / f"{name}.p{k}.log", time.perf_counter() - t0,
+                                            (res or {}).get("startup_s"), None if res is None else res["rounds"])
                 info[name]["passes"].append(seen)
                 say(f"[{name}] Engine startup {seen['startup_s']}s, child {seen['child_s']}s")
                 if on_engine is not None:

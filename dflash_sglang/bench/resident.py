@@ -129,25 +129,21 @@ def run_resident(arms: dict[str, dict], plan: list[dict], args: Any, spawn: Call
             except RuntimeError as err:
                 print(str(err), file=sys.stderr, flush=True)
                 results[name] = None
-                info[name]["passes"].append({"pass": 0, "failed": True, "log": str(spec.log), "rounds": []})
+                info[name]["passes"].append(pass_record(0, None, spec.log, None, None, None))
                 continue
             say(f"[{name}] Engine up in {startup[name]:.1f}s")
         for k in range(args.repeats):
             for name in pass_order([a for a in arms if results[a] is not None], k):
                 job_pause.pause()
-                seen: dict[str, Any] = {"pass": k, "busy_share_before": _round(busy_share(busy_probe_s)),
-                                        "log": str(children[name].log)}
+                busy = busy_share(busy_probe_s)
                 t0 = time.perf_counter()
                 try:
                     rounds = children[name].ask({"pass": k})["rounds"]
                 except RuntimeError as err:
                     print(str(err), file=sys.stderr, flush=True)
                     rounds = None
-                seen.update(child_s=_round(time.perf_counter() - t0),
-                            startup_s=round(startup[name], 3) if k == 0 else None,
-                            failed=rounds is None, rounds=[{"key": r["key"], "wall_s": round(r["wall_s"], 3),
-                                                            "tokens": sum(map(len, r["ids"]))}
-                                                           for r in rounds or []])
+                seen = pass_record(k, busy, children[name].log, time.perf_counter() - t0,
+                                   startup[name] if k == 0 else None, rounds)
                 info[name]["passes"].append(seen)
                 say(f"[{name}] pass {k + 1}/{args.repeats}: {seen['child_s']}s (machine busy "
                     f"{seen['busy_share_before']})")
@@ -158,6 +154,17 @@ def run_resident(arms: dict[str, dict], plan: list[dict], args: Any, spawn: Call
         for child in children.values():
             child.stop()
     return results, info
+
+
+def pass_record(k: int, busy: float | None, log: Path, child_s: float | None, startup_s: float | None,
+                rounds: list[dict] | None) -> dict[str, Any]:
+    """What one arm did in pass k, as `run_passes` / `run_resident` record it (None rounds: it failed): the machine's
+    busy share before it, its log, its child's seconds, the Engine's start-up, each timed round's wall time and
+    tokens."""
+    return {"pass": k, "busy_share_before": _round(busy), "log": str(log), "child_s": _round(child_s),
+            "startup_s": _round(startup_s), "failed": rounds is None,
+            "rounds": [{"key": r["key"], "wall_s": _round(r["wall_s"]), "tokens": sum(map(len, r["ids"]))}
+                       for r in rounds or []]}
 
 
 def _round(x: float | None) -> float | None:
