@@ -67,7 +67,9 @@ for lib in "${SYSTEM_LIBS[@]:-}"; do
   [ -n "$lib" ] || continue
   if ! dpkg -s "$lib" >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "install_sglang: installing the system libraries ${SYSTEM_LIBS[*]} (apt-get)"
-    { apt-get update -qq && apt-get install -y -qq "${SYSTEM_LIBS[@]}" >/dev/null; } || echo "install_sglang: apt-get failed" >&2
+    # (one apt-get at a time: .ci/run's newcomer step installs beside the main one; flock waits for the other)
+    flock /tmp/dflash-ci-apt.lock sh -c 'apt-get update -qq && apt-get install -y -qq "$@" >/dev/null' sh \
+      "${SYSTEM_LIBS[@]}" || echo "install_sglang: apt-get failed" >&2
     break
   fi
 done

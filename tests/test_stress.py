@@ -267,15 +267,18 @@ def test_small_stress_run_passes(tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts" / "stress.py"), "--mode", "goodput,tree", "--requests", "32",
            "--concurrency", "16", "--aborts", "8", "--context-length", "256", "--max-prompt-tokens", "160",
            "--max-new-tokens", "16", "--request-timeout", "600", "--idle-timeout", "300", "--out", str(tmp_path)]
-    # its servers start their processes as SGLang does (spawned): the suite's one check of that path (tests/fork_start)
-    proc = subprocess.run(["nice", *cmd], cwd=ROOT, env={**os.environ, "DFLASH_TEST_SPAWN": "1"}, capture_output=True,
-                          text=True, timeout=1500)
+    # its tree server starts its processes as SGLang does (spawned: our worker loaded in a fresh scheduler process),
+    # the suite's one check of that path; the plain and goodput servers fork them (tests/fork_start)
+    proc = subprocess.run(["nice", *cmd], cwd=ROOT, env={**os.environ, "DFLASH_TEST_SPAWN": "--speculative-eagle-topk"},
+                          capture_output=True, text=True, timeout=1500)
     lines = proc.stdout.strip().splitlines()
     assert lines, proc.stderr[-3000:]
     res = json.loads(lines[-1])
     assert proc.returncode == 0 and not res["failed"], "\n".join(lines[:-1]) + proc.stderr[-3000:]
     rows = {r["server"]: r for r in res["rows"]}
     assert set(rows) == {"plain", "goodput", "tree"}
+    spawned = {name for name in rows if "fork_start: this process spawns" in (tmp_path / f"{name}.log").read_text()}
+    assert spawned == {"tree"}, spawned
     for mode in ("goodput", "tree"):
         r = rows[mode]
         assert r["requests"] == 32 and r["compared"] >= 10 and r["refused"] >= 3, r

@@ -6,11 +6,18 @@ of spawning them. Why: SGLang forces the spawn start method (a CUDA context cann
 processes imports SGLang again, ~14 s of CPU apiece on CI's machine; on the CPU path nothing needs CUDA, and forked
 processes inherit the parent's imports: a tiny Engine starts in ~23 s of CPU instead of ~56 (docs/testing.md, "What
 CI costs"). What runs in the scheduler (SGLang's code and our worker's) is the same either way. The spawn path stays
-tested: the stress test's servers (tests/test_stress.py) start spawned, and DFLASH_TEST_SPAWN=1 starts every test
-Engine spawned. (`.ci/run` puts this folder on the GPU session's CPU rehearsal's path too.)"""
+tested: the stress test's tree server (tests/test_stress.py) starts spawned, with our worker in its scheduler.
+DFLASH_TEST_SPAWN=1 spawns in every test process; any other value spawns in the processes whose command line holds it
+(the stress test: `--speculative-eagle-topk`, its tree server). (`.ci/run` puts this folder on the GPU session's CPU
+rehearsal's path too.)"""
 import os
+import sys
 
-if os.environ.get("DFLASH_TEST_SPAWN") != "1":
+_SPAWN = os.environ.get("DFLASH_TEST_SPAWN", "")
+
+if _SPAWN and _SPAWN != "1" and _SPAWN in sys.argv:  # (said, so that a test can tell that it spawned)
+    print(f"fork_start: this process spawns (DFLASH_TEST_SPAWN={_SPAWN})", file=sys.stderr, flush=True)
+elif _SPAWN != "1":
     import multiprocessing
 
     _set_start_method = multiprocessing.set_start_method
