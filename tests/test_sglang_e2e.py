@@ -86,7 +86,7 @@ SIM_ACC_LEN = 3  # an integer mean: match-expected then commits exactly this man
 # testbed jobs: ShareGPT eval prompts x new tokens (greedy): 15 concurrent prompts of 14 different lengths (33-107
 # tokens), a largest batch that is no draft-graph size (so that its replays are padded); the HiCache jobs build their
 # case from the first SHAREGPT_LOADED
-SHAREGPT_PROMPTS, SHAREGPT_NEW, SHAREGPT_LOADED = 15, 32, 32
+SHAREGPT_PROMPTS, SHAREGPT_NEW, SHAREGPT_LOADED = 15, 16, 32
 CHILD_TIMEOUT_S = 900
 ENGINES_ENV = "DFLASH_E2E_ENGINES"  # comma-separated Engine (job) names to start; default: all
 SERIAL_ENV = "DFLASH_E2E_SERIAL"  # 1: one Engine at a time (a shared machine; scripts/check_sglang.sh); default: waves
@@ -282,6 +282,9 @@ def run_child(job: dict) -> None:
             res["hicache"] = _hicache_scenario(engine, job["hicache"], new_tokens)
         if job.get("engine_kwargs", {}).get("enable_metrics"):
             res["dflash_metrics"] = _dflash_metrics()
+        from dflash_sglang.bench.engine import engine_cpu_s
+
+        res["timings"]["cpu_s"] = engine_cpu_s()  # (this Engine's processes, start-up included: what CI pays for it)
     finally:
         engine.shutdown()
     Path(job["out"]).write_text(json.dumps(res))
