@@ -3,11 +3,12 @@
 Plain `--attn-dp-size 2 --tp 2` does not run on SGLang's CPU path (`device="cpu"` without SGLANG_USE_CPU_ENGINE, the
 torch_native backend) in four places, each a CUDA-only form beside which SGLang has its own CPU form, picked by a
 module-level `_is_cpu`: `forward_batch_info` (pinned memory for the gathered row counts; the padded rows' seq-len fill
-value, which TorchNativeAttnBackend does not define), `dp_attention.memcpy_func` (a Triton copy), and
-`parallel_state` (the `sglang::reg_all_gather_into_tensor` custom op, registered for CUDA only). `patch()` selects
-SGLang's CPU forms there, in every process of an Engine: the spawned schedulers import the test module that applies
-it (tests/test_sglang_e2e.py, when DP_ATTENTION_ENV is set in the job's environment). With it a plain DP-attention
-Engine on the tiny Qwen3 pair gives HF greedy's tokens, the reference our DFLASH Engines are held to.
+value, which TorchNativeAttnBackend does not define), `dp_attention.memcpy_func` (a Triton copy), and `parallel_state`
+(the `sglang::reg_all_gather_into_tensor` custom op, registered for CUDA only). `patch()` selects SGLang's CPU forms
+there, in every process of an Engine (tests/test_sglang_e2e.py `apply_cpu_patches`, when DP_ATTENTION_ENV is set in
+the job's environment: in the Engine's child forked from the zygote, whose processes inherit it, and in spawned
+schedulers, which import that module). With it a plain DP-attention Engine on the tiny Qwen3 pair gives HF greedy's
+tokens, the reference our DFLASH Engines are held to.
 """
 from __future__ import annotations
 

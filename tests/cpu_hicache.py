@@ -9,10 +9,11 @@ places, both in the host pools (`sglang/srt/mem_cache/pool_host/`), and SGLang h
   (line 60), so the first transfer of `--hicache-io-backend direct --hicache-mem-layout layer_first` (the one layout
   whose copies are plain row gathers, `transfer_kv_direct`) raises NameError.
 `patch()` puts a plain (unpinned) allocation and a torch row copy in those two places, in every process of an Engine
-(the spawned schedulers import the test module that applies it: tests/test_sglang_e2e.py, when HICACHE_ENV is set in
-the job's environment). Everything else HiCache does (the radix tree's host tier, write-through backups, loads per
-transfer stage, the draft sidecar of adapter/scale/hicache.py) is SGLang's own code. With it a plain HiCache Engine
-gives the tokens a plain Engine without HiCache gives, on prompts whose prefixes come back from host memory.
+(tests/test_sglang_e2e.py `apply_cpu_patches`, when HICACHE_ENV is set in the job's environment: in the Engine's child
+forked from the zygote, whose processes inherit it, and in spawned schedulers, which import that module). Everything
+else HiCache does (the radix tree's host tier, write-through backups, loads per transfer stage, the draft sidecar of
+adapter/scale/hicache.py) is SGLang's own code. With it a plain HiCache Engine gives the tokens a plain Engine without
+HiCache gives, on prompts whose prefixes come back from host memory.
 """
 from __future__ import annotations
 

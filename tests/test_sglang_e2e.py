@@ -94,10 +94,18 @@ SERIAL_ENV = "DFLASH_E2E_SERIAL"  # 1: one Engine at a time (a shared machine; s
 TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 
 
-if os.environ.get(DP_ATTENTION_ENV) == "1":  # every process of a DP-attention Engine (the schedulers import this file)
-    patch_cpu_dp_attention()
-if os.environ.get(HICACHE_ENV) == "1":  # ... and of a HiCache Engine (tests/cpu_hicache.py)
-    patch_cpu_hicache()
+def apply_cpu_patches() -> None:
+    """The CPU stand-ins a job's env asks for: DP attention's (tests/cpu_dp_attention.py) and HiCache's
+    (tests/cpu_hicache.py). They replace module attributes that SGLang reads when it calls them, so they apply in an
+    interpreter that imported SGLang already (a zygote's child, before its Engine starts: its forked processes inherit
+    them) as at import."""
+    if os.environ.get(DP_ATTENTION_ENV) == "1":
+        patch_cpu_dp_attention()
+    if os.environ.get(HICACHE_ENV) == "1":
+        patch_cpu_hicache()
+
+
+apply_cpu_patches()  # (every process of such an Engine that imports this file: its own interpreter, spawned schedulers)
 
 
 def attn_dp_env() -> dict[str, str]:
@@ -649,10 +657,10 @@ def run_children(jobs: list[dict], timeout: float = CHILD_TIMEOUT_S, shims: bool
     """Run one Engine child per job, in parallel; parsed JSON results by job name (fails with the log tail).
 
     CPU jobs are forked from one interpreter that imported SGLang once (`zygote`, kept by the caller across waves, or
-    one for this call: ~19 s of CPU saved per Engine); a job whose env holds an import-time switch (IMPORT_TIME_ENV),
-    and every CUDA job, runs in its own interpreter. A child that lost a port race (another process bound one of its
-    ports between our choice and its listen) runs again with fresh ports, up to `retries` times; any other failure
-    fails the test."""
+    one for this call: ~19 s of CPU saved per Engine), each applying the CPU stand-ins its env asks for
+    (`apply_cpu_patches`); every CUDA job runs in its own interpreter. A child that lost a port race (another process
+    bound one of its ports between our choice and its listen) runs again with fresh ports, up to `retries` times; any
+    other failure fails the test."""
     if zygote is None:
         with Zygote(Path(jobs[0]["out"]).with_suffix(".zygote.log"), shims) as own:
             return run_children(jobs, timeout, shims, retries, own)
@@ -669,7 +677,7 @@ def run_children(jobs: list[dict], timeout: float = CHILD_TIMEOUT_S, shims: bool
         Path(job["out"]).unlink(missing_ok=True)
         Path(job["out"]).with_suffix(".log").write_text("")
     forked = [job for job in jobs
-              if job.get("device", "cpu") == "cpu" and not IMPORT_TIME_ENV & set(job.get("env", {}))]
+              if job.get("device", "cpu") == "cpu"]
     started = []
     for job in jobs:
         if job not in forked:
@@ -715,8 +723,6 @@ def run_children(jobs: list[dict], timeout: float = CHILD_TIMEOUT_S, shims: bool
 # how a port another process bound first reads in a child's log (torch.distributed's store; ZMQ's bind)
 PORT_TAKEN = ("EADDRINUSE", "Address already in use")
 ZYGOTE = "--zygote"
-# what a job's env must set before this file is imported (the patches below run at import): its own interpreter
-IMPORT_TIME_ENV = {DP_ATTENTION_ENV, HICACHE_ENV}
 ZMQ_PORT_DELTA = 233  # SGLang's ZMQ_TCP_PORT_DELTA (server_args.py): a DP-attention Engine's ZMQ ports start there
 
 
@@ -753,6 +759,7 @@ def fork_wave(spec: Path, answers_fd: int) -> None:
                 os.dup2(log, 1)
                 os.dup2(log, 2)
                 os.environ.update(job.get("env", {}))
+                apply_cpu_patches()
                 run_child(job)
                 code = 0
             except BaseException:
