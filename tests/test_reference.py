@@ -1,5 +1,6 @@
 """The reference decoder is lossless: greedy == plain HF greedy; sampling == the target's distribution."""
 import itertools
+import weakref
 
 import pytest
 import torch
@@ -18,10 +19,19 @@ ADAPTIVE = [dict(block=16, policy=AdaptivePolicy.parse("2:24x3,3:8x2,inf:5x1"))]
 GOODPUT = [dict(block=16, goodput=16), dict(block=8, goodput=16)]  # the second: chains capped to the block
 
 
+# HF greedy continuations per target (a module-scoped pair's target serves every spec of its module: each prompt's
+# continuation computed once, not once per spec), dropped with the target
+_HF_GREEDY: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
 def hf_greedy(target, prompt, n):
-    out = target.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
+    key = (tuple(prompt), n)
+    cache = _HF_GREEDY.setdefault(target, {})
+    if key not in cache:
+        out = target.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
+        cache[key] = out[0, len(prompt):].tolist()
+    return list(cache[key])
 
 
 # A reduced draft vocabulary (core/token_map.py): the 6 ids the llama target emits most often, as build_token_map
