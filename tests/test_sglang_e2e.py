@@ -635,14 +635,10 @@ class Zygote:
         if self.proc is None:
             return
         if kill:
-            import psutil
-
-            for child in psutil.Process(self.proc.pid).children(recursive=True):  # (its children, their schedulers)
-                child.kill()
-            self.proc.kill()
+            kill_tree(self.proc)  # (its children, their schedulers)
         else:
             self.proc.stdin.close()  # (end of input: the zygote exits)
-        self.proc.wait()
+            self.proc.wait()
         self.proc = None
 
     def __enter__(self) -> "Zygote":
@@ -650,6 +646,16 @@ class Zygote:
 
     def __exit__(self, *exc) -> None:
         self.close(kill=exc[0] is not None)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Kill a child process and every process under it (an Engine's schedulers), and reap it."""
+    import psutil
+
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        child.kill()
+    proc.kill()
+    proc.wait()
 
 
 def run_children(jobs: list[dict], timeout: float = CHILD_TIMEOUT_S, shims: bool = True,
@@ -676,8 +682,7 @@ def run_children(jobs: list[dict], timeout: float = CHILD_TIMEOUT_S, shims: bool
         job["engine_kwargs"] = {**job.get("engine_kwargs", {}), "port": port, **nccl}
         Path(job["out"]).unlink(missing_ok=True)
         Path(job["out"]).with_suffix(".log").write_text("")
-    forked = [job for job in jobs
-              if job.get("device", "cpu") == "cpu"]
+    forked = [job for job in jobs if job.get("device", "cpu") == "cpu"]
     started = []
     for job in jobs:
         if job not in forked:
@@ -691,17 +696,12 @@ def run_children(jobs: list[dict], timeout: float = CHILD_TIMEOUT_S, shims: bool
         spec.write_text(json.dumps(forked))
         done = zygote.run(spec, timeout)
         for job in forked:  # (a forked job succeeded when it wrote its result: run_child's last act)
-            codes[job["name"]] = 0 if Path(job["out"]).exists() else 1 if done else "timeout"
+            codes[job["name"]] = 0 if Path(job["out"]).exists() else 1 if done else "no answer from the zygote"
     for proc, job in started:
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            import psutil
-
-            for child in psutil.Process(proc.pid).children(recursive=True):  # (its schedulers)
-                child.kill()
-            proc.kill()
-            proc.wait()
+            kill_tree(proc)
             rc = "timeout"
         codes[job["name"]] = 0 if rc == 0 and Path(job["out"]).exists() else rc or 1
     results, lost_race = {}, []

@@ -193,19 +193,17 @@ class Server:
         """SIGTERM to the server alone, which shuts its schedulers down itself (~3 s on CPU; a SIGTERM to its whole
         session kills a scheduler first, which the server takes for a crash: it logs one and waits 5 s before its
         cleanup), then SIGKILL to whatever is left of the session this class created for it."""
-        if self.proc is None:
-            return self._close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass
             try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # (nothing left)
                 pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:  # (nothing left)
-            pass
-        if self.proc.poll() is None:
             self.proc.wait(timeout=30)
         self._close()
 
