@@ -442,10 +442,9 @@ def test_tree_refuses_attention_backends_without_a_tree_mask(plugin, monkeypatch
         (dict(speculative_num_draft_tokens=5000), r"^--speculative-num-draft-tokens 5000: at most 256 verify tokens"),
         # a draft window (adapter/draft/context_rows.py): W >= the block (6 here, SGLang's rule), with the radix cache
         # on or off (test_draft_window_resolution)
-        (dict(speculative_draft_window_size=4),
-         r"^--speculative-draft-window-size 4: must be an integer >= the draft block size \(6\)"),
-        (dict(speculative_draft_window_size=4, disable_radix_cache=True),
-         r"^--speculative-draft-window-size 4: must be an integer >= the draft block size \(6\)"),
+        *[(dict(speculative_draft_window_size=4, **radix),
+           r"^--speculative-draft-window-size 4: must be an integer >= the draft block size \(6\)")
+          for radix in ({}, {"disable_radix_cache": True})],
         (dict(speculative_num_draft_tokens=4, speculative_dflash_block_size=5),
          r"^--speculative-num-draft-tokens 4 and"),
         (dict(speculative_eagle_topk=0), r"^--speculative-eagle-topk 0: must be >= 1"),

@@ -63,12 +63,17 @@ def build_tree_inputs(
     returns BlockInputs [bs, N]: input_ids = tokens, positions = seq_len + depth,
     out_cache_loc = req_to_token[req, seq_len + node index]
     """
-    if tokens.dim() != 2 or tokens.shape != depth.shape:
-        raise ValueError(f"tokens {tuple(tokens.shape)} and depth {tuple(depth.shape)} must both be [bs, N]")
-    _check_batch(tokens=tokens[:, 0], seq_lens=seq_lens)
+    check_tree_batch(tokens, depth, seq_lens)
     positions = seq_lens.to(torch.int64)[:, None] + depth.to(torch.int64)
     slots = _slots(seq_lens, tokens.shape[1], req_to_token, req_pool_indices)
     return BlockInputs(tokens.to(torch.int64), positions, slots)
+
+
+def check_tree_batch(tokens: Tensor, depth: Tensor, seq_lens: Tensor) -> None:
+    """build_tree_inputs' arguments, checked at the boundary (here and in ops/block.py before a kernel launch)."""
+    if tokens.dim() != 2 or tokens.shape != depth.shape:
+        raise ValueError(f"tokens {tuple(tokens.shape)} and depth {tuple(depth.shape)} must both be [bs, N]")
+    _check_batch(tokens=tokens[:, 0], seq_lens=seq_lens)
 
 
 def _check_batch(**tensors: Tensor) -> None:

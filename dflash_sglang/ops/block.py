@@ -15,20 +15,11 @@ from ..core import block as ref
 from . import _abi, _lib
 
 
-def build_tree_inputs(
-    tokens: Tensor,
-    depth: Tensor,
-    seq_lens: Tensor,
-    req_to_token: Tensor | None = None,
-    req_pool_indices: Tensor | None = None,
-    *,
-    out: ref.BlockInputs | None = None,
-    backend: str = "auto",
-) -> ref.BlockInputs:
+def build_tree_inputs(tokens: Tensor, depth: Tensor, seq_lens: Tensor, req_to_token: Tensor | None = None,
+                      req_pool_indices: Tensor | None = None, *, out: ref.BlockInputs | None = None,
+                      backend: str = "auto") -> ref.BlockInputs:
     """Tree verify rows (tokens, seq_len + depth, slots); argument shapes as in core/block.py build_tree_inputs."""
-    if tokens.dim() != 2 or tokens.shape != depth.shape:
-        raise ValueError(f"tokens {tuple(tokens.shape)} and depth {tuple(depth.shape)} must both be [bs, N]")
-    ref._check_batch(tokens=tokens[:, 0], seq_lens=seq_lens)
+    ref.check_tree_batch(tokens, depth, seq_lens)
     backend = _lib.resolve_backend(backend, tokens.device)
     if backend == "reference":
         return _into(out, ref.build_tree_inputs(tokens, depth, seq_lens, req_to_token, req_pool_indices))
