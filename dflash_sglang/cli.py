@@ -12,12 +12,14 @@ import sys
 import time
 from pathlib import Path
 
+from dflash_sglang.hf_pair import encode, load_pair
+
 EXIT_USAGE = 2
 # Subcommands implemented elsewhere: (module, help). Each module exposes add_arguments(p) and run(args) -> int.
 EXTERNAL = {
     "train": ("dflash_sglang.train.cli", "train a DFlash drafter for a target (z-lab checkpoint out)"),
-    "demo": ("dflash_sglang.testbed.demo", "serve the SmolLM2 testbed pair through SGLang (or the reference decoder): "
-                                           "plain vs DFLASH, interleaved, identical outputs, a table"),
+    "demo": ("dflash_sglang.demo.main", "serve the SmolLM2 testbed pair through SGLang (or the reference decoder): "
+                                        "plain vs DFLASH, interleaved, identical outputs, a table"),
 }
 
 
@@ -158,33 +160,6 @@ def read_prompts(args: argparse.Namespace) -> list:
     return prompts
 
 
-def encode(tokenizer, prompt, chat: bool) -> list[int]:
-    if isinstance(prompt, list) or (chat and getattr(tokenizer, "chat_template", None)):
-        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return tokenizer(prompt, add_special_tokens=True)["input_ids"]
-
-
-def load_pair(target_dir: Path, draft_dir: Path, device: str):
-    """HF target (safetensors only, no remote code), tokenizer and strictly-loaded drafter."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from dflash_sglang.core.checkpoint import check_fit, load_drafter
-    from dflash_sglang.core.config import DraftConfig
-
-    if not (target_dir / "config.json").is_file():
-        raise UsageError(f"--target {target_dir}: not an HF model directory (no config.json)")
-    cfg = DraftConfig.load(draft_dir)
-    check_fit(cfg, json.loads((target_dir / "config.json").read_text()), str(draft_dir / "config.json"))
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, use_safetensors=True).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    drafter = load_drafter(draft_dir, device=device, dtype=dtype)
-    return target, tokenizer, drafter
-
-
 def adaptive_policy(table: str | None):
     from dflash_sglang.core.adaptive import DEFAULT_TABLE, AdaptivePolicy
 
@@ -281,7 +256,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 extra = f"  lossless={record['lossless']}" if plain is not None else ""
                 print(f"[{record['index']}] tau={record['mean_accept_length']:.2f}{extra}\n{record['text']}\n")
     if controller is not None and not args.json:
-        from dflash_sglang.testbed.demo import controller_verdict
+        from dflash_sglang.demo.words import controller_verdict
 
         # What it chose, in words, before its numbers. No speed ratio: generate times one way once, and a single
         # timing is noise as often as speed (`dflash-sglang demo` times ways interleaved, with an interval).

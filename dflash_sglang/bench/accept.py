@@ -92,7 +92,7 @@ def run_reference(args, prompts: list[TextPrompt]) -> tuple[dict, dict]:
     """{(category, arm): [commit length per step]} and timing info, from the reference decoder."""
     import torch
 
-    from dflash_sglang.cli import encode, load_pair
+    from dflash_sglang.hf_pair import encode, load_pair
     from dflash_sglang.core.adaptive import SpecShape
     from dflash_sglang.core.reference import ReferenceDecoder
 
@@ -136,7 +136,7 @@ def run_server(args, prompts: list[TextPrompt]) -> tuple[dict, dict]:
 
     from transformers import AutoTokenizer
 
-    from dflash_sglang.cli import encode
+    from dflash_sglang.hf_pair import encode
 
     # Prompts are templated here with the served model's tokenizer (/generate takes raw ids, no chat template).
     tok_path = str(args.target or http_json(url + "/get_model_info", timeout=30)["model_path"])

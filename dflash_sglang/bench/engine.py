@@ -68,7 +68,7 @@ WARMUP_NEW, WARMUP_PROMPTS, KV_MARGIN = 8, 4, 80  # KV_MARGIN: tokens per reques
 @dataclass
 class RunSettings:
     """What every arm's child shares: `run_arm` and `run_passes` read these (bench_engine's argparse namespace has
-    the same fields; the demo, testbed/demo_sglang.py, builds one)."""
+    the same fields; the demo, demo/engines.py, builds one)."""
 
     out: Path  # each child's job, result and log: <out>/<arm>.p<pass>.*
     new_tokens: int  # per request of a timed round (warm-ups: WARMUP_NEW)

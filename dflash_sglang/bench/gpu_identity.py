@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from .gpu_session import Context, Table
+from .gpu_context import Context, Table
 from .pareto import OURS_LOG_MARKER
 from .gpu_targets import gemma4_draft, tests_importable, tiny_pair
 

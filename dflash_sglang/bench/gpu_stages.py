@@ -20,7 +20,7 @@ import sys
 import xml.etree.ElementTree as ET
 
 from .gpu_identity import stage_experimental, stage_identity
-from .gpu_session import Context, Stage, Table
+from .gpu_context import Context, Stage, Table
 from .gpu_targets import REPO, smollm2_dummy, synthetic_sharegpt, tests_importable
 from .gpu_throughput import stage_throughput
 

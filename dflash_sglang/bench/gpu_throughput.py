@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from .gpu_probe import PROBE_ENV, width_uses
-from .gpu_session import Context, Table
+from .gpu_context import Context, Table
 from .gpu_targets import REPO, SHIPPED_DRAFT, smollm2_dummy
 from .pareto import OURS_LOG_MARKER
 

@@ -4,7 +4,7 @@ reported in.
 One timing of each arm on a shared 2-core machine swings by +-15% from minute to minute; a ratio of such timings is
 noise as often as signal. So arms run in turn, repeat after repeat (plain, arm, plain, arm, ...), each repeat gives
 one ratio, and a ratio is called a speedup or slower only when its 95% interval excludes 1.0 (bench/engine.py and the
-demo, testbed/demo.py, word their results with this).
+demo, demo/main.py, word their results with this).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class RatioSpread:
     """An arm's speed over plain's: one ratio per interleaved repeat (the arm's tok/s / plain's tok/s in the same
     repeat, so drift of a shared machine between repeats cancels), their median, and a 95% interval of the ratio
     (Student t over the log ratios: repeats are few, and timing noise scales a speed rather than adding to it).
-    The demo (testbed/demo.py) words its ratios with this too."""
+    The demo (demo/main.py) words its ratios with this too."""
 
     ratios: tuple[float, ...]  # [repeats] arm tok/s / baseline tok/s
     baseline: str = "plain"  # the arm the ratios are over, as `words` names it (PD's is the whole server, ...)

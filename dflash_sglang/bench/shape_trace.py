@@ -1,5 +1,5 @@
 """The goodput controller's choices over time, from a benchmark Engine's log: what `bench_engine --trace` plots and
-the SGLang demo (testbed/demo_sglang.py) words.
+the SGLang demo (demo/engines.py) words.
 
 With `--trace` a DFLASH arm's child logs the controller's per-step debug line (`adapter/step/shapes.py`: "DFLASH goodput
 step: shape=<rows, or NODESxTOPK for a tree> bs=<batch> accepted=<drafts, summed over the batch> seconds=<wall>") to the

@@ -37,7 +37,7 @@ from ..bench.engine import (
 )
 from ..bench.noise import RatioSpread
 from ..bench.shape_trace import logging_config, parse_trace, shape_mix
-from .demo import BUSY_SHARE, DRAFT_CHOICE, PLAIN_CHOICE, spoken
+from .words import BUSY_SHARE, DRAFT_CHOICE, PLAIN_CHOICE, spoken
 
 REPO = Path(__file__).resolve().parents[2]
 FIRST_WARMUP_NEW = 48  # tokens of each Engine's first (untimed) warm-up request
@@ -157,8 +157,8 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from ..core.config import DraftConfig
-    from . import DRAFT_ASSET, cache_home, convert_target, default_pair
-    from .data import eval_prompts
+    from ..testbed import DRAFT_ASSET, cache_home, convert_target, default_pair
+    from ..testbed.data import eval_prompts
 
     if args.draft is None and args.target is None:
         args.target, args.draft = default_pair()

@@ -1,5 +1,5 @@
 """`dflash-sglang demo`: speculative decoding on the SmolLM2 testbed, on CPU. By default served through SGLang
-(`--backend sglang`, testbed/demo_sglang.py: CPU Engines, one at a time); where SGLang cannot run, or with
+(`--backend sglang`, demo/engines.py: CPU Engines, one at a time); where SGLang cannot run, or with
 `--backend reference`, with the core reference decoder in this process, as below.
 
 The reference backend sets up the target (converting the packaged GGUF on first use), loads the shipped drafter, and
@@ -36,14 +36,12 @@ from pathlib import Path
 import torch
 
 from ..bench.noise import RatioSpread
-from ..core.goodput import DEFAULT_TREE_TOPK, Decision, GoodputConfig, GoodputController, describe
-
-BUSY_SHARE = 0.15  # other processes' share of the machine's CPU above which timings are not reported as results
-
+from ..core.goodput import DEFAULT_TREE_TOPK, Decision, GoodputConfig, GoodputController
+from .words import BUSY_SHARE, controller_choice, controller_verdict
 
 BACKENDS = ("sglang", "reference")
 # (repeats, max new tokens) when not given: the reference decoder's 6 x 48 (52 s of decoding on a quiet 2-core machine);
-# SGLang's 8 x 32 on Engines started once each (~20 s a pass after the start-ups, testbed/demo_sglang.py)
+# SGLang's 8 x 32 on Engines started once each (~20 s a pass after the start-ups, demo/engines.py)
 DEFAULTS = {"reference": (6, 48), "sglang": (8, 32)}
 
 
@@ -78,9 +76,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--max-new-tokens must be >= 1")
     backend = args.backend
     if backend == "sglang":
-        from . import demo_sglang
+        from . import engines
 
-        why = demo_sglang.unavailable()
+        why = engines.unavailable()
         if why is not None:
             print(f"demo: SGLang cannot run here ({why}); running the reference decoder instead (--backend reference)",
                   flush=True)
@@ -89,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     args.repeats = args.repeats or repeats
     args.max_new_tokens = args.max_new_tokens or tokens
     if backend == "sglang":
-        return demo_sglang.run(args)
+        return engines.run(args)
     return run_reference(args)
 
 
@@ -145,55 +143,6 @@ class CountingController(GoodputController):
         return decision
 
 
-def _priced(summary: dict) -> bool:
-    """Whether the controller has priced plain and drafted shapes (its cost model is ready) and took steps."""
-    pred = summary.get("predicted_tps") or {}
-    return "1" in pred and len(pred) > 1 and sum(summary["steps"].values()) > 0
-
-
-# What the controller chose, in a user's words (both backends' reports start with one of these)
-PLAIN_CHOICE = "drafting does not pay on this machine with this drafter: ran plain steps"
-DRAFT_CHOICE = "drafting pays on this machine with this drafter: drafted"
-
-
-def controller_choice(summary: dict) -> str:
-    """What the goodput controller chose, in a user's words: the clause `controller_verdict` and the demo's headline
-    start with."""
-    if not _priced(summary):
-        return "no verdict yet: too few steps to price plain and drafted steps"
-    if summary["best"] == "1":
-        return PLAIN_CHOICE
-    return f"{DRAFT_CHOICE} (best a {spoken(summary['best'])})"
-
-
-def controller_verdict(summary: dict, reasons: Counter | None = None) -> str:
-    """One line: what the goodput controller chose over the run (first, `controller_choice`), how often, and why, from
-    its `summary` (core/goodput.py) and, when known, its decisions by reason."""
-    if not _priced(summary):
-        return f"controller: {describe(summary)}"
-    steps, pred, best = summary["steps"], summary["predicted_tps"], summary["best"]
-    total = sum(steps.values())
-    drafted = {s: g for s, g in pred.items() if s != "1"}
-    top = max(drafted, key=drafted.get)
-    plain_share = steps.get("1", 0) / total
-    how = "" if reasons is None else (f"; {reasons['warmup']} warm-up steps (longest chain, plain, middle chain), "
-                                      f"{reasons['probe']} probes of a longer chain")
-    if best == "1":
-        share = f"{plain_share:.0%} of its {total} steps{how}"
-        why = (f"a plain step is predicted {pred['1']} tok/s, the best drafted shape (a {spoken(top)}) "
-               f"{drafted[top]} tok/s")
-    else:
-        share = f"{1 - plain_share:.0%} of its {total} steps drafted{how}"
-        why = f"a {spoken(best)} is predicted {pred[best]} tok/s vs plain {pred['1']} tok/s"
-    return f"controller: {controller_choice(summary)} ({share}): {why} ({describe(summary)})"
-
-
-def spoken(shape: str) -> str:
-    """'4' -> 'chain of 4 rows', '8x4' -> 'tree of 8 nodes over top-4' (core/goodput.py `label`)."""
-    nodes, _, topk = shape.partition("x")
-    return f"tree of {nodes} nodes over top-{topk}" if topk else f"chain of {nodes} rows"
-
-
 def _step_split(times) -> str:
     per = 1e3 / max(times.steps, 1)
     return (f"per step {times.total * per:.0f} ms = draft {times.draft * per:.0f} + verify {times.verify * per:.0f} + "
@@ -226,9 +175,9 @@ class Way:
 def run_reference(args: argparse.Namespace) -> int:
     from ..core.checkpoint import load_drafter
     from ..core.reference import ReferenceDecoder, StepTimes
-    from . import DRAFT_ASSET, convert_target, default_pair
-    from .data import eval_prompts
-    from .target import load_target
+    from ..testbed import DRAFT_ASSET, convert_target, default_pair
+    from ..testbed.data import eval_prompts
+    from ..testbed.target import load_target
 
     if args.threads:
         torch.set_num_threads(args.threads)
