@@ -40,9 +40,9 @@ def main() -> int:
 
     import torch
 
-    from dflash_sglang.hf_pair import load_pair
     from dflash_sglang.core.accept import SamplingParams
     from dflash_sglang.core.reference import ReferenceDecoder
+    from dflash_sglang.hf_pair import load_pair
 
     if args.threads:
         torch.set_num_threads(args.threads)
