@@ -202,6 +202,7 @@ def test_reference_equals_explicit_softmax(kind):
         torch.testing.assert_close(got[qo[i]:qo[i + 1]], torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv))
 
 
+@pytest.mark.gpu
 @requires_flashinfer_gpu
 @pytest.mark.parametrize("kind", KINDS, ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -222,6 +223,7 @@ def test_flashinfer_matches_reference_on_gpu(dtype, kind):
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.gpu
 @requires_flashinfer_gpu
 @pytest.mark.parametrize("layout", ["full", "gemma4", "dflash2"])
 @pytest.mark.parametrize("kv_dtype", [None, "fp8_e4m3"])

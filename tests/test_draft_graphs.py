@@ -355,6 +355,7 @@ def test_graph_mode_follows_the_target():
     assert default_sizes(10) == [1, 2, 4, 8, 10] and default_sizes(4096)[-1] == 256
 
 
+@pytest.mark.gpu
 @requires_flashinfer_gpu
 @pytest.mark.parametrize("draft", ["dflash", "gemma4"])
 def test_captured_graphs_match_eager_on_gpu(draft):
@@ -382,6 +383,7 @@ def test_captured_graphs_match_eager_on_gpu(draft):
     torch.testing.assert_close(paged.pool.v[:, ctx], eager.pool.v[:, ctx])
 
 
+@pytest.mark.gpu
 @requires_flashinfer_gpu
 @pytest.mark.parametrize("draft", ["dflash2", "dflash2_full"])
 @pytest.mark.parametrize("sampling", ["greedy", "mixed"])

@@ -195,6 +195,7 @@ def test_start_up_lines_account_for_the_block_scratch(window):
 
 # ---------------------------------------------------------------------------------------------- GPU (FlashInfer)
 @requires_sglang
+@pytest.mark.gpu
 @requires_flashinfer_gpu
 @pytest.mark.parametrize("name", FP8)
 def test_flashinfer_reads_an_fp8_pool_as_the_reference(name):

@@ -9,6 +9,12 @@ import csv
 import hashlib
 import io
 import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
 import tomllib
 import zipfile
 from pathlib import Path
@@ -84,7 +90,9 @@ def test_session_files_hold_every_stage_table(tmp_path):
     session, ctx = _session(tmp_path, [_stage(1, 5, 5, clock, seen), _stage(2, 5, 500, clock, seen)], 100, clock)
     session.run()
     md = (ctx.out / "session.md").read_text()
-    assert "| 1 s1 | passed | 0 | 5 |  |" in md and "| 2 s2 | skipped | 0 | 500 | skipped: budget" in md
+    assert "| 1 s1 | passed | 0 | 5 | nothing compiled |  |" in md
+    assert "| 2 s2 | skipped | 0 | 500 | - | skipped: budget" in md
+    assert "**verdict: not run in full: stages 2 s2**" in md
     assert "### stage 1\n\n| what | verdict |\n|---|---|\n| x | pass |" in md
     data = json.loads((ctx.out / "session.json").read_text())
     assert [s["status"] for s in data["stages"]] == ["passed", "skipped"]
@@ -112,8 +120,8 @@ def test_budget_reserve_and_stage_selection():
     assert [s.number for s in select("4,1")] == [4, 1]
     with pytest.raises(SystemExit, match="expected numbers among"):
         select("6")
-    assert [s.number for s in STAGES] == [1, 2, 3, 4, 5] and all(s.min_s.get("cuda") for s in STAGES)
-    assert "cpu" not in STAGES[0].min_s  # the kernels need a GPU
+    assert [s.number for s in STAGES] == [0, 1, 2, 3, 4, 5] and all(s.min_s.get("cuda") for s in STAGES)
+    assert "cpu" not in STAGES[1].min_s  # the kernels need a GPU
 
 
 # ---------------------------------------------------------------------------------------------- the carried wheels
@@ -234,3 +242,237 @@ def test_an_ours_arm_counts_only_with_our_workers_start_line(tmp_path):
     assert not ours_started("ours_chain@2", log) and ours_started("none", log) and ours_started("builtin@2", log)
     log.write_text("[x] dflash_sglang.adapter.step.worker INFO DFLASH (dflash-sglang): block_size=16, chain of 16\n")
     assert ours_started("ours_controller@4", log)
+
+
+# ---------------------------------------------------------------------------------------------- the device path
+def git_trap(tmp_path: Path, monkeypatch) -> Path:
+    """A `git` first on PATH that fails loudly and leaves a mark: the device gets no promise of git."""
+    bin_dir = tmp_path / "trap"
+    bin_dir.mkdir()
+    (bin_dir / "git").write_text(f"#!/bin/sh\necho \"$@\" >> {bin_dir}/called\nexit 97\n")
+    (bin_dir / "git").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    return bin_dir
+
+
+def test_the_device_checks_the_folder_from_its_record_without_git(tmp_path, monkeypatch):
+    folder = tmp_path / "whl"
+    wheels = gpu_wheels.standin(folder)  # (here, where git is: it records the tree)
+    assert len(wheels) == len(gpu_wheels.PINNED) and gpu_wheels.recorded_tree(folder) > 0
+    trap = git_trap(tmp_path, monkeypatch)
+    assert gpu_wheels.check(folder) is None  # the device's check: the recorded size
+    assert not (trap / "called").exists()
+    (folder / gpu_wheels.RECORD).unlink()
+    assert "prepared.json does not say how large the working tree is" in gpu_wheels.check(folder)
+    assert not (trap / "called").exists()
+    with pytest.raises(subprocess.CalledProcessError):  # the trap has teeth: what measures the tree asks git
+        gpu_wheels.tree_bytes()
+    assert (trap / "called").read_text().startswith("-C")
+
+
+def test_stand_in_wheels_install_as_the_device_installs_the_real_ones(tmp_path):
+    folder, site = tmp_path / "whl", tmp_path / "site"
+    gpu_wheels.standin(folder)
+    assert gpu_wheels.install(folder, site) == len(gpu_wheels.PINNED)
+    infos = {p.name for p in site.glob("*.dist-info")}
+    assert "sglang-0.5.17.dist-info" in infos and any(n.startswith("dflash_sglang-") for n in infos)
+    assert not [p for p in site.iterdir() if not p.name.endswith(".dist-info")]  # metadata only: no module shadowed
+
+
+def _prelude_ctx(tmp_path, wheels=None) -> Context:
+    ctx = Context("cpu", tmp_path / "out", tmp_path / "work", Budget(100, Clock()), wheels=wheels,
+                  site=tmp_path / "site")
+    ctx.work.mkdir(parents=True)
+    return ctx
+
+
+def test_stage_0_fails_on_a_refused_folder_and_a_broken_import_chain(tmp_path, monkeypatch):
+    from dflash_sglang.bench import gpu_prelude
+
+    folder = tmp_path / "whl"
+    gpu_wheels.standin(folder)
+    (folder / gpu_wheels.RECORD).unlink()  # a folder not made by --prepare
+    ctx = _prelude_ctx(tmp_path, folder)
+    assert gpu_prelude.install_row(ctx, 60)["verdict"] == "FAIL: the wheel folder was refused"
+    monkeypatch.setitem(gpu_prelude.IMPORTS, "cpu", ("no_such_module_dflash",))
+    row = gpu_prelude.imports_row(ctx, 60)
+    assert row["verdict"] == "FAIL: the import chain exited 1 (imports.log)" and "no_such_module_dflash" in row["note"]
+    monkeypatch.setattr(gpu_prelude, "_run", lambda *a, **k: (3, "plugins []"))  # SGLang up, our plugin not found
+    assert gpu_prelude.imports_row(ctx, 60)["verdict"].startswith("FAIL: our plugin's entry point is not among")
+    table = gpu_prelude.stage_prelude(_prelude_ctx(tmp_path / "again", folder))
+    assert table.status() == "failed"
+
+
+def test_gpu_session_sh_rehearses_the_install_path_from_a_tree_without_git(tmp_path):
+    """The script as the device runs it: a copy of the tree with no .git, a `git` that fails, stand-in wheels carried
+    in .whl; stage 0 alone (`--install`) installs them and checks the import chain (CPU: SGLang beside the shims)."""
+    export = tmp_path / "tree"
+    files = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           capture_output=True, check=True).stdout.decode().split("\0")
+    for rel in filter(None, files):
+        if (REPO / rel).is_file():
+            (export / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, export / rel)
+    gpu_wheels.standin(export / ".whl")
+    trap = tmp_path / "trap"
+    trap.mkdir()
+    (trap / "git").write_text(f"#!/bin/sh\necho \"$@\" >> {trap}/called\nexit 97\n")
+    (trap / "git").chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": f"{trap}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", "scripts/gpu_session.sh", "--device", "cpu", "--install", "--wheels", ".whl",
+                           "--site", str(tmp_path / "site"), "--out", str(out), "--work", str(tmp_path / "work")],
+                          cwd=export, env=env, capture_output=True, text=True, timeout=300)
+    assert not (trap / "called").exists(), (trap / "called").read_text()
+    session = json.loads((out / "session.json").read_text())
+    (stage,) = session["stages"]
+    assert stage["key"] == "install" and stage["status"] == "passed", (stage, proc.stdout[-3000:], proc.stderr[-3000:])
+    assert proc.returncode == 0
+    assert [r["what"] for r in stage["table"]["rows"]] == ["started", "install", "imports"]
+    assert "sglang " in stage["table"]["rows"][2]["note"]  # the versions the import chain found
+    assert (tmp_path / "site" / "sglang-0.5.17.dist-info").is_dir()
+
+
+# ---------------------------------------------------------------------------------------------- verdicts from figures
+def test_a_session_never_reads_passed_over_a_failure_or_a_skip():
+    from dflash_sglang.bench.gpu_context import StageResult
+    from dflash_sglang.bench.gpu_session import verdict_line
+
+    ok = StageResult(1, "kernels", "t", "passed", 1, 1)
+    assert verdict_line([ok]) == "**verdict: passed**"
+    assert "FAILED** (stages 2 identity)" in verdict_line([ok, StageResult(2, "identity", "t", "failed", 1, 1)])
+    assert "FAILED" in verdict_line([ok, StageResult(0, "install", "t", "error", 1, 1)])
+    assert "slower than the builtin in stages 3 throughput" in verdict_line([StageResult(3, "throughput", "t",
+                                                                                          "slower", 1, 1)])
+    assert "not run in full: stages 4 experimental" in verdict_line([ok, StageResult(4, "experimental", "t",
+                                                                                      "skipped", 0, 1)])
+    t = Table("t", ["verdict"])
+    t.add(verdict="slower: 0.61x builtin")
+    assert t.status() == "slower"
+    t.add(note="a row a stage forgot to judge")
+    assert t.status() == "failed"
+
+
+def test_a_cells_timeout_keeps_the_later_stages_reserve():
+    clock = Clock()
+    b = Budget(300, clock)
+    assert b.timeout(60, 100) == 200  # what is left beyond the reserve
+    clock.t = 250
+    assert b.timeout(30, 100) == 30  # its own estimate when the reserve would leave less
+    assert b.timeout(80, 100) == 50  # never more than is left
+    clock.t = 299
+    assert b.timeout(5) == 10.0
+
+
+def test_optional_stages_get_no_reserve(tmp_path):
+    clock, seen = Clock(), []
+    optional = _stage(3, 10, 400, clock, seen)
+    stages = [_stage(1, 10, 10, clock, seen), _stage(2, 10, 10, clock, seen),
+              Stage(**{**optional.__dict__, "optional": True})]
+    session, _ = _session(tmp_path, stages, 100, clock)
+    out = session.run()
+    assert [s[1] for s in seen] == [10.0, 0.0]  # stage 1 keeps stage 2's minimum, nothing for the optional stage 3
+    assert out[2].status == "skipped"
+
+
+def _junit(tmp_path: Path, cases: list[str]) -> Path:
+    xml = tmp_path / "r.xml"
+    xml.write_text('<?xml version="1.0"?><testsuites><testsuite name="pytest">' + "".join(cases)
+                   + "</testsuite></testsuites>")
+    return xml
+
+
+def _case(name: str, inner: str = "") -> str:
+    return f'<testcase classname="tests.test_ops_gpu" name="{name}" time="0.1">{inner}</testcase>'
+
+
+def test_stage_1_passes_only_on_gpu_cases_that_ran(tmp_path):
+    from dflash_sglang.bench.gpu_stages import GPU_LACKS, junit_cases, kernel_verdict, ran_by_test
+
+    ran = [_case("test_block[1-2]"), _case("test_block[99-7]"), _case("test_tree[1]")]
+    cases = junit_cases(_junit(tmp_path, ran))
+    assert kernel_verdict(cases, 0) == "pass" and ran_by_test(cases) == "test_block x2, test_tree x1"
+    lacking = _case("test_fp8[e4m3]", f'<skipped message="{GPU_LACKS} fp8 (sm80)"/>')
+    assert kernel_verdict(junit_cases(_junit(tmp_path, ran + [lacking])), 0) == "pass"
+    all_skipped = [_case(f"test_block[{i}]", '<skipped message="needs a CUDA GPU and flashinfer"/>') for i in range(3)]
+    verdict = kernel_verdict(junit_cases(_junit(tmp_path, all_skipped)), 0)
+    assert verdict.startswith("FAIL: 3 GPU cases skipped for no missing GPU feature") and "flashinfer" in verdict
+    assert kernel_verdict(junit_cases(_junit(tmp_path, ran + all_skipped[:1])), 0).startswith("FAIL: 1 GPU cases")
+    assert kernel_verdict(junit_cases(_junit(tmp_path, [lacking])), 0) == "FAIL: every GPU case was skipped"
+    failed = _case("test_tree[2]", '<failure message="AssertionError: mismatch">tb</failure>')
+    assert kernel_verdict(junit_cases(_junit(tmp_path, ran + [failed])), 1).startswith("FAIL: 1 failed (test_ops_gpu")
+    assert kernel_verdict([], 5).startswith("FAIL: no GPU case ran")
+    assert kernel_verdict(cases, 3).startswith("FAIL: pytest exited 3")
+    assert kernel_verdict(cases, "timeout").startswith("FAIL")
+
+
+def test_every_kernel_file_has_gpu_cases_and_only_they_are_selected():
+    from dflash_sglang.bench.gpu_stages import KERNEL_TESTS
+
+    for _, path, _ in KERNEL_TESTS:
+        out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p",
+                              "no:cacheprovider", path], cwd=REPO, capture_output=True, text=True, timeout=300)
+        ids = [line for line in out.stdout.splitlines() if "::" in line]
+        assert ids and " deselected" in out.stdout or "test_ops_gpu" in path, (path, out.stdout[-2000:])
+        assert not any("host_sync" in i for i in ids)  # CPU (meta-tensor) tests beside them stay out
+
+
+def test_stage_2_fails_on_differing_greedy_or_sampled_figures(tmp_path):
+    from dflash_sglang.bench.gpu_identity import judge, two_sample_pvalue
+    from dflash_sglang.bench.gpu_targets import tests_importable
+
+    tests_importable()
+    import test_sglang_e2e as e2e
+
+    rng = random.Random(0)
+    n = len(e2e.greedy_prompts())
+    greedy = [{"ids": [rng.randrange(8) for _ in range(e2e.GREEDY_NEW)],
+               "meta": {"completion_tokens": e2e.GREEDY_NEW, "spec_verify_ct": e2e.GREEDY_NEW // 3}}
+              for _ in range(n)]
+
+    def draws(weights, count, seed):
+        r = random.Random(seed)
+        return [list(r.choices([(1, 2, 3), (2, 2, 2), (3, 1, 0), (4, 4, 4)], weights)[0]) for _ in range(count)]
+
+    key = e2e.SAMPLED[0][0]
+    plain = {"greedy": greedy, "timings": {"a": 1.0}, f"sampled_{key}": draws([4, 3, 2, 1], 1000, 1)}
+    same = {**plain, f"sampled_{key}": draws([4, 3, 2, 1], 1000, 2)}
+    cuda = Context("cuda", tmp_path, tmp_path, Budget(100, Clock()))
+    assert judge(cuda, same, plain, tmp_path)["verdict"] == "pass"
+    shifted = {**plain, f"sampled_{key}": draws([4, 3, 1, 2], 1000, 2)}  # 10% of the mass moved
+    assert two_sample_pvalue(shifted[f"sampled_{key}"], plain[f"sampled_{key}"]) < 1e-4
+    assert "differs from plain's samples" in judge(cuda, shifted, plain, tmp_path)["verdict"]
+    wrong = [dict(g, ids=[(t + 1) % 8 for t in g["ids"]]) for g in greedy]
+    cpu = Context("cpu", tmp_path, tmp_path, Budget(100, Clock()))
+    verdict = judge(cpu, {"greedy": wrong, "timings": {}}, plain, tmp_path)["verdict"]
+    assert verdict == f"FAIL: greedy: {n} requests differ from plain"
+    unaccepted = [dict(g, meta={"completion_tokens": e2e.GREEDY_NEW, "spec_verify_ct": e2e.GREEDY_NEW}) for g in greedy]
+    assert "no draft was accepted" in judge(cpu, {"greedy": unaccepted, "timings": {}}, plain, tmp_path)["verdict"]
+
+
+def test_stage_5_fails_on_a_run_that_did_not_train():
+    from dflash_sglang.bench.gpu_stages import training_verdict
+
+    assert training_verdict(0, True, [5.0, 4.0, 3.5]) == "pass"
+    assert training_verdict(1, True, [5.0]).startswith("FAIL: train exited 1")
+    assert training_verdict(0, False, [5.0]).startswith("FAIL: train exited 0 without its summary")
+    assert training_verdict(0, True, []) == "FAIL: no optimizer step was logged"
+    assert training_verdict(0, True, [5.0, float("nan")]).startswith("FAIL: the loss went non-finite")
+    assert training_verdict(0, True, [5.0] * 25).startswith("FAIL: the loss did not fall over 25 steps")
+
+
+def test_jit_time_is_read_from_ninja_logs_and_new_artefacts(tmp_path):
+    from dflash_sglang.bench.gpu_jit import jit_since
+
+    build = tmp_path / "flashinfer" / "mod"
+    build.mkdir(parents=True)
+    old, new = build / "old.o", build / "new.o"
+    old.write_text("")
+    os.utime(old, (1000, 1000))
+    new.write_text("")
+    (build / "mod.so").write_text("")
+    (build / ".ninja_log").write_text("# ninja log v5\n0\t2000\t0\told.o\tx\n500\t12500\t0\tnew.o\ty\n")
+    use = jit_since(time.time() - 60, [tmp_path])
+    assert (use.jobs, use.job_s, use.shared_objects) == (1, 12.0, 1)
+    assert "1 compile jobs (12 s of compile-job time)" in use.describe()
+    assert jit_since(time.time() + 60, [tmp_path]).describe() == "nothing compiled"

@@ -14,7 +14,7 @@ from dflash_sglang.core import tree as ref_tree
 from dflash_sglang.core import tree_verify as ref_verify
 from dflash_sglang.ops.tree import _RESULT_FIELDS, _TREE_FIELDS
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 DEV = "cuda"
 
 

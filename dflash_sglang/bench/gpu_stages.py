@@ -1,5 +1,6 @@
-"""The GPU session's five stages, in order, with what each decides (docs/gpu_session.md) and its cost estimates.
+"""The GPU session's stages, in order, with what each decides (docs/gpu_session.md) and its cost estimates.
 
+0. install: the carried wheels, the Engine's import chain, the GPU (gpu_prelude.py);
 1. kernels: our CUDA ops against their core/ references, eagerly and replayed from CUDA graphs, and the FlashInfer
    draft attention per layer kind, over an fp8 pool and inside captured draft graphs, against the torch reference
    (the GPU cases of the test files, by pytest; CUDA only);
@@ -9,67 +10,128 @@
 5. training: `dflash-sglang train` on the device (bf16 autocast, the trainer's loop) on the seeded SmolLM2-shaped
    target with synthetic prompts: that the path runs, and its steps/s; only if time remains.
 
+Stages 4 and 5 are optional: the earlier stages keep no reserve for them, so they run on what is left.
+
 The estimates are guesses from the 2026-11-23 sessions until a session's session.json gives measured seconds.
 """
 from __future__ import annotations
 
 import json
 import os
+import math
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
+from dataclasses import dataclass
 
 from .gpu_identity import stage_experimental, stage_identity
+from .gpu_prelude import stage_prelude
 from .gpu_context import Context, Stage, Table
 from .gpu_targets import REPO, smollm2_dummy, synthetic_sharegpt, tests_importable
 from .gpu_throughput import stage_throughput
 
-KERNEL_TESTS = (  # (what, test file, -k selection, estimated seconds on CUDA: nvcc / FlashInfer JIT builds included)
-    ("CUDA ops vs core references, eager and CUDA-graph replay", "tests/test_ops_gpu.py", None, 70.0),
-    ("FlashInfer draft attention per layer kind vs torch", "tests/test_draft_attention.py", "on_gpu", 60.0),
-    ("FlashInfer over an fp8 draft pool vs torch", "tests/test_draft_kv.py", "flashinfer_reads", 20.0),
-    ("captured draft graphs vs eager (DFlash, DFlash2)", "tests/test_draft_graphs.py", "on_gpu or host_sync", 30.0),
+KERNEL_TESTS = (  # (what, test file, estimated seconds on CUDA: nvcc / FlashInfer JIT builds included)
+    ("CUDA ops vs core references, eager and CUDA-graph replay", "tests/test_ops_gpu.py", 70.0),
+    ("FlashInfer draft attention per layer kind vs torch", "tests/test_draft_attention.py", 60.0),
+    ("FlashInfer over an fp8 draft pool vs torch", "tests/test_draft_kv.py", 20.0),
+    ("captured draft graphs vs eager (DFlash, DFlash2)", "tests/test_draft_graphs.py", 30.0),
 )
+# A GPU case may skip only for a feature this GPU lacks, and says so with these words in its skip reason (e.g. fp8
+# on an sm80 part); any other skip (no flashinfer, no sglang, no CUDA device) means the case did not run where it
+# had to: a failure.
+GPU_LACKS = "this GPU lacks"
 
 
 def pytest_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
 
 
+@dataclass(frozen=True)
+class Case:
+    """One test case of a junit report: its name, and its outcome (passed / failed / skipped) with the message."""
+
+    name: str
+    outcome: str
+    message: str = ""
+
+
+def junit_cases(xml_path) -> list[Case]:
+    """Every test case of a pytest --junitxml report."""
+    cases = []
+    for case in ET.parse(xml_path).getroot().iter("testcase"):
+        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+        child = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
+        if child is None:
+            cases.append(Case(name, "passed"))
+        else:
+            outcome = "skipped" if child.tag == "skipped" else "failed"
+            cases.append(Case(name, outcome, (child.get("message") or child.text or "").strip().splitlines()[0]
+                              if (child.get("message") or child.text) else ""))
+    return cases
+
+
+def kernel_verdict(cases: list[Case], rc: int | str) -> str:
+    """pass only when GPU cases ran and passed, none failed, and every skip names a feature this GPU lacks."""
+    if rc == "timeout":
+        return "FAIL: pytest was killed at its timeout"
+    if not cases:
+        return f"FAIL: no GPU case ran (pytest {rc}: nothing collected under -m gpu, or it broke before)"
+    failed = [c for c in cases if c.outcome == "failed"]
+    wrong_skips = [c for c in cases if c.outcome == "skipped" and GPU_LACKS not in c.message]
+    if failed:
+        return f"FAIL: {len(failed)} failed ({failed[0].name}: {failed[0].message[:100]})"
+    if wrong_skips:
+        return (f"FAIL: {len(wrong_skips)} GPU cases skipped for no missing GPU feature ({wrong_skips[0].name}: "
+                f"{wrong_skips[0].message[:100]})")
+    if not any(c.outcome == "passed" for c in cases):
+        return "FAIL: every GPU case was skipped"
+    if rc != 0:
+        return f"FAIL: pytest exited {rc} with no failed case (kernels log)"
+    return "pass"
+
+
+def ran_by_test(cases: list[Case]) -> str:
+    """The GPU cases that passed, by test function: 'test_a x12, test_b x4'."""
+    counts: dict[str, int] = {}
+    for c in cases:
+        if c.outcome == "passed":
+            fn = c.name.split("::")[-1].split("[")[0]
+            counts[fn] = counts.get(fn, 0) + 1
+    return ", ".join(f"{fn} x{n}" for fn, n in counts.items())
+
+
 def stage_kernels(ctx: Context) -> Table:
-    """Stage 1: each kernel test file's GPU cases, one row per file (pytest's counts)."""
+    """Stage 1: each kernel test file's GPU cases (`-m gpu`), one row per file, naming the cases that ran."""
     table = Table("Stage 1: CUDA kernels vs references", ["what", "file", "passed", "failed", "skipped", "seconds",
-                                                           "verdict"])
-    for i, (what, path, select, est) in enumerate(KERNEL_TESTS):
-        if not ctx.budget.fits(est, 0.0 if i == 0 else ctx.reserve_s):
-            table.add(what=what, file=path, verdict=ctx.budget.skip_reason(est, 0.0 if i == 0 else ctx.reserve_s))
+                                                           "ran", "verdict"])
+    for i, (what, path, est) in enumerate(KERNEL_TESTS):
+        reserve = 0.0 if i == 0 else ctx.reserve_s
+        if not ctx.budget.fits(est, reserve):
+            table.add(what=what, file=path, verdict=ctx.budget.skip_reason(est, reserve))
             continue
         xml = ctx.work / f"kernels_{i}.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", path, f"--junitxml={xml}"]
-        cmd += ["-k", select] if select else []
+        xml.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", path, "-m", "gpu",
+               f"--junitxml={xml}"]
+        t0 = time.monotonic()
         with open(ctx.work / f"kernels_{i}.log", "w") as log:
             try:
                 rc = subprocess.run(cmd, cwd=REPO, env=pytest_env(), stdout=log, stderr=subprocess.STDOUT,
-                                    timeout=max(ctx.budget.left(), 10.0)).returncode
+                                    timeout=ctx.timeout(est)).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
-        counts = junit_counts(xml) if xml.is_file() else {}
-        ok = rc == 0 and counts.get("passed", 0) > 0
-        table.add(what=what, file=path, **counts, verdict="pass" if ok else f"FAIL: pytest {rc} (kernels_{i}.log)")
+        cases = junit_cases(xml) if xml.is_file() else []
+        counts = {k: sum(c.outcome == k for c in cases) for k in ("passed", "failed", "skipped")}
+        table.add(what=what, file=path, **counts, seconds=round(time.monotonic() - t0, 1), ran=ran_by_test(cases),
+                  verdict=kernel_verdict(cases, rc))
         ctx.publish(table)
+    table.notes.append(f"only the files' GPU cases (-m gpu) run; a skip passes only when its reason says "
+                       f"'{GPU_LACKS} ...'")
     return table
 
 
-def junit_counts(xml_path) -> dict:
-    """passed / failed / skipped / seconds of a pytest --junitxml report."""
-    suite = ET.parse(xml_path).getroot()
-    suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
-    total, failed = int(suite.get("tests", 0)), int(suite.get("failures", 0)) + int(suite.get("errors", 0))
-    skipped = int(suite.get("skipped", 0))
-    return {"passed": total - failed - skipped, "failed": failed, "skipped": skipped,
-            "seconds": round(float(suite.get("time", 0.0)), 1)}
-
-
+STAGE_TRAIN_S = {"cuda": 100.0, "cpu": 20.0}  # the training stage's estimate (minutes of steps + generation + start)
 TRAIN = {  # per device: prompts, new tokens regenerated, the time budget (minutes) of the optimizer steps
     "cuda": dict(samples=512, new_tokens=64, minutes=1.0, batch=32),
     "cpu": dict(samples=6, new_tokens=6, minutes=None, batch=2),
@@ -102,7 +164,7 @@ def stage_training(ctx: Context) -> Table:
     with open(ctx.work / "training.log", "w") as log:
         try:
             rc = subprocess.run(cmd, cwd=REPO, env=pytest_env(), stdout=log, stderr=subprocess.STDOUT,
-                                timeout=max(ctx.budget.left(), 10.0)).returncode
+                                timeout=ctx.timeout(STAGE_TRAIN_S[ctx.device])).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
     summary = json.loads((out / "train_summary.json").read_text()) if (out / "train_summary.json").is_file() else {}
@@ -111,15 +173,34 @@ def stage_training(ctx: Context) -> Table:
     timed = [r for r in steps if "loss" in r and "elapsed_s" in r]
     rate = round(len(timed) / (timed[-1]["elapsed_s"] - timed[0]["elapsed_s"]), 2) if len(timed) > 2 and \
         timed[-1]["elapsed_s"] > timed[0]["elapsed_s"] else None
+    losses = [float(r["loss"]) for r in timed]
     table.add(target="SmolLM2-135M shape, seeded" if ctx.cuda else "tiny llama", sequences=summary.get("sequences"),
               steps=summary.get("steps") or (timed[-1]["step"] if timed else None), **{"steps/s": rate},
-              loss=(summary.get("final") or {}).get("loss"), seconds=summary.get("train_time_s"),
-              verdict="pass" if rc == 0 and summary else f"FAIL: train exited {rc} (training.log)")
+              loss=f"{losses[0]:.3g} -> {losses[-1]:.3g}" if losses else None, seconds=summary.get("train_time_s"),
+              verdict=training_verdict(rc, bool(summary), losses))
     table.notes.append("synthetic prompts on a random target: the training path and its speed, not a drafter to ship")
     return table
 
 
+def training_verdict(rc: int | str, summary: bool, losses: list[float]) -> str:
+    """pass when the run ended with its summary, logged optimizer steps, a finite loss throughout and, over 20 steps
+    or more, a last loss below the first (a run that learns nothing is broken: the target is random, but the drafter
+    can still learn its token statistics)."""
+    if rc != 0 or not summary:
+        return f"FAIL: train exited {rc}{'' if summary else ' without its summary'} (training.log)"
+    if not losses:
+        return "FAIL: no optimizer step was logged"
+    if not all(math.isfinite(x) for x in losses):
+        return f"FAIL: the loss went non-finite ({losses[-1]})"
+    if len(losses) >= 20 and losses[-1] >= losses[0]:
+        return f"FAIL: the loss did not fall over {len(losses)} steps ({losses[0]:.3g} -> {losses[-1]:.3g})"
+    return "pass"
+
+
 STAGES = (
+    Stage(0, "install", "the carried wheels installed, the Engine's import chain, the GPU",
+          "the stages after it can start an Engine with our plugin on this machine",
+          stage_prelude, min_s={"cuda": 45.0, "cpu": 10.0}, full_s={"cuda": 60.0, "cpu": 20.0}),
     Stage(1, "kernels", "CUDA ops and FlashInfer draft attention vs references",
           "our kernels and the draft attention are exact on this GPU: the e2e stages' results can be trusted",
           stage_kernels, min_s={"cuda": 70.0}, full_s={"cuda": 180.0}),
@@ -131,10 +212,10 @@ STAGES = (
           stage_throughput, min_s={"cuda": 160.0, "cpu": 120.0}, full_s={"cuda": 440.0, "cpu": 120.0}),
     Stage(4, "experimental", "DFlash2, fp8 draft KV, draft window, GDN hybrid, Gemma 4-style draft vs plain",
           "an identical run lifts that feature's --speculative-dflash-experimental gate (boot/draft_checks.py)",
-          stage_experimental, min_s={"cuda": 60.0, "cpu": 70.0}, full_s={"cuda": 90.0, "cpu": 90.0}),
+          stage_experimental, min_s={"cuda": 60.0, "cpu": 70.0}, full_s={"cuda": 90.0, "cpu": 90.0}, optional=True),
     Stage(5, "training", "a short drafter training run on the device",
           "the training path runs on CUDA and how many steps/s a real run gets",
-          stage_training, min_s={"cuda": 100.0, "cpu": 20.0}, full_s={"cuda": 100.0, "cpu": 20.0}),
+          stage_training, min_s=STAGE_TRAIN_S, full_s=STAGE_TRAIN_S, optional=True),
 )
 
 

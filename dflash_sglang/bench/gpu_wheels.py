@@ -18,8 +18,12 @@ source patch (`PATCHES`): SGLang's config registrations told `exist_ok`, so 0.5.
 transformers 5.17 instead of carrying its own 5.12.1.
 
   python -m dflash_sglang.bench.gpu_wheels prepare [--dir .whl]      # once, on a machine with the registry
-  python -m dflash_sglang.bench.gpu_wheels check [--dir .whl]        # the size refusal (gpu_session.sh runs it first)
+  python -m dflash_sglang.bench.gpu_wheels check [--dir .whl]        # here: the size refusal, the tree re-measured
   python -m dflash_sglang.bench.gpu_wheels install --dir .whl --target /tmp/dflash_site   # on the device, offline
+  python -m dflash_sglang.bench.gpu_wheels standin --dir DIR         # CI: metadata-only wheels, one per pin
+
+Only `prepare`, `check` and `standin` ask git (the tree's size, recorded in the folder's `prepared.json`); what runs
+on the device reads the record.
 """
 from __future__ import annotations
 
@@ -29,11 +33,13 @@ import csv
 import fnmatch
 import hashlib
 import io
+import json
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +49,7 @@ MIB = 1 << 20
 FOLDER_LIMIT = 60 * MIB  # issue 47: the carried folder
 CALL_LIMIT = 64 * MIB  # the device tool: working tree + carried paths, per call
 PYTHON = "3.12"  # the device image's python3
+RECORD = "prepared.json"  # beside the wheels: the working tree's size, measured with git when the folder was made
 PLATFORMS = ("manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64", "any")
 
@@ -183,10 +190,27 @@ def prepare(dest: Path, python: str = PYTHON) -> list[tuple[str, int, int]]:
 
 def tree_bytes(repo: Path = REPO) -> int:
     """What the device tool carries of the checkout besides the folder: tracked files and untracked ones git does not
-    ignore, as they are on disk now."""
+    ignore, as they are on disk now. Asks git, so it runs here only (`prepare`, `check`, `standin`): the device gets a
+    copy of the working tree with no promise of a `.git`, and reads the size this recorded (`recorded_tree`)."""
     out = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                          capture_output=True, check=True).stdout
     return sum((repo / p).stat().st_size for p in out.decode().split("\0") if p and (repo / p).is_file())
+
+
+def record_tree(folder: Path, repo: Path = REPO) -> int:
+    """Measure the working tree (git) and record it in the folder (`RECORD`), which travels with the wheels."""
+    tree = tree_bytes(repo)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / RECORD).write_text(json.dumps({"tree_bytes": tree, "measured": time.strftime("%Y-%m-%d %H:%M:%S %Z")}))
+    return tree
+
+
+def recorded_tree(folder: Path) -> int | None:
+    """The tree's size `record_tree` wrote beside the wheels, or None (no record, or one this code cannot read)."""
+    try:
+        return int(json.loads((folder / RECORD).read_text())["tree_bytes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def size_refusal(folder_bytes: int, tree: int) -> str | None:
@@ -202,7 +226,8 @@ def size_refusal(folder_bytes: int, tree: int) -> str | None:
 
 
 def check(folder: Path, tree: int | None = None) -> str | None:
-    """The refusal for `folder` (None: it may travel). A missing or empty folder says how to prepare it."""
+    """The refusal for `folder` (None: it may travel) beside a tree of `tree` bytes (None: the size recorded in the
+    folder at `prepare` time; nothing here calls git). A missing or empty folder says how to prepare it."""
     wheels = sorted(folder.glob("*.whl")) if folder.is_dir() else []
     if not wheels:
         return (f"no wheels in {folder}: on a machine with the registry run, once, "
@@ -210,8 +235,12 @@ def check(folder: Path, tree: int | None = None) -> str | None:
     missing = [p.name for p in PINNED if not any(_wheel_name(w) == _norm(p.name) for w in wheels)]
     if missing:
         return f"{folder} lacks {', '.join(missing)}: bash scripts/gpu_session.sh --prepare"
+    tree = recorded_tree(folder) if tree is None else tree
+    if tree is None:
+        return (f"{folder}/{RECORD} does not say how large the working tree is: run `bash scripts/gpu_session.sh "
+                f"--prepare` (or `python -m dflash_sglang.bench.gpu_wheels check`) in the checkout, where git is")
     size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-    return size_refusal(size, tree_bytes() if tree is None else tree)
+    return size_refusal(size, tree)
 
 
 def _norm(name: str) -> str:
@@ -251,9 +280,45 @@ def table(rows: list[tuple[str, int, int]]) -> str:
                               f"{total / MIB:.1f} |"])
 
 
+def standin(folder: Path) -> list[Path]:
+    """One stand-in wheel per pin in `folder` (emptied of wheels first): its name and version, metadata only, no
+    module. CI installs them as the device installs the real ones, so the install path (size check from the record,
+    pip into the target, the plugin's entry point) runs on every commit without downloading anything; the packages
+    themselves come from the CPU environment. Records the tree's size as `prepare` does."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("*.whl"):
+        old.unlink()
+    wheels = []
+    for pin in PINNED:
+        name, info = _norm(pin.name), f"{_norm(pin.name)}-{pin.version}.dist-info"
+        members = {f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {pin.name}\nVersion: {pin.version}\n"
+                                       f"Summary: stand-in (gpu_wheels standin): {pin.why}\n",
+                   f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: dflash_sglang\nRoot-Is-Purelib: true\n"
+                                    "Tag: py3-none-any\n"}
+        wheel = folder / f"{name}-{pin.version}-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as z:
+            rows = []
+            for member, text in members.items():
+                digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+                rows.append(f"{member},sha256={digest},{len(text.encode())}\n")
+                z.writestr(member, text)
+            z.writestr(f"{info}/RECORD", "".join(rows) + f"{info}/RECORD,,\n")
+        wheels.append(wheel)
+    record_tree(folder)
+    return wheels
+
+
+def install(folder: Path, target: Path) -> int:
+    """pip install of the folder's wheels into `target` and our plugin's entry point beside them; the number of
+    wheels. Offline; asks no git (the device runs it)."""
+    subprocess.run(install_command(folder, target), check=True)
+    register_plugin(target)
+    return len(list(folder.glob("*.whl")))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("action", choices=("prepare", "check", "install", "list"))
+    p.add_argument("action", choices=("prepare", "check", "install", "list", "standin"))
     p.add_argument("--dir", type=Path, default=REPO / ".whl")
     p.add_argument("--target", type=Path, default=Path("/tmp/dflash_site"))
     p.add_argument("--python-version", default=PYTHON, help="prepare: the interpreter the wheels are for")
@@ -265,16 +330,18 @@ def main(argv: list[str] | None = None) -> int:
         if shutil.which("strip") is None:
             raise SystemExit("gpu_wheels prepare: needs `strip` (binutils) for xgrammar's debug symbols")
         print(table(prepare(args.dir, args.python_version)))
+    if args.action == "standin":
+        print(f"gpu_wheels: {len(standin(args.dir))} stand-in wheels in {args.dir}")
+    if args.action in ("prepare", "check"):  # here, where git is: the tree as it is now, recorded for the device
+        record_tree(args.dir)
     if (why := check(args.dir)) is not None:
         print(f"gpu_wheels: REFUSED: {why}", file=sys.stderr)
         return 2
-    size, tree = sum(f.stat().st_size for f in args.dir.glob("*.whl")), tree_bytes()
-    print(f"gpu_wheels: {args.dir} {size / MIB:.1f} MiB + working tree {tree / MIB:.1f} MiB = "
+    size, tree = sum(f.stat().st_size for f in args.dir.glob("*.whl")), recorded_tree(args.dir)
+    print(f"gpu_wheels: {args.dir} {size / MIB:.1f} MiB + working tree {tree / MIB:.1f} MiB (recorded) = "
           f"{(size + tree) / MIB:.1f} MiB of {CALL_LIMIT // MIB} MiB per call: one call carries both")
     if args.action == "install":
-        subprocess.run(install_command(args.dir, args.target), check=True)
-        register_plugin(args.target)
-        print(f"gpu_wheels: installed {len(list(args.dir.glob('*.whl')))} wheels and our plugin's entry point into "
+        print(f"gpu_wheels: installed {install(args.dir, args.target)} wheels and our plugin's entry point into "
               f"{args.target}")
     return 0
 
