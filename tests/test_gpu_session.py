@@ -476,3 +476,17 @@ def test_jit_time_is_read_from_ninja_logs_and_new_artefacts(tmp_path):
     assert (use.jobs, use.job_s, use.shared_objects) == (1, 12.0, 1)
     assert "1 compile jobs (12 s of compile-job time)" in use.describe()
     assert jit_since(time.time() + 60, [tmp_path]).describe() == "nothing compiled"
+
+
+def test_the_plan_puts_the_8b_headline_inside_the_first_call():
+    """By the estimates, a first call on CUDA ends within 9 minutes with stage 0, the kernels, the identity stage and
+    the throughput stage's must part (the Qwen3-8B-shaped headline at tau 4) planned; the optional stages run on what
+    is left."""
+    from dflash_sglang.bench.gpu_session import BUDGET_S, plan
+
+    planned = {s.key: spend for s, spend in plan(list(STAGES), BUDGET_S, "cuda")}
+    assert sum(v or 0 for v in planned.values()) <= 9 * 60 and BUDGET_S <= 9 * 60
+    for key in ("install", "kernels", "identity", "throughput"):
+        assert planned[key] is not None and planned[key] >= next(s for s in STAGES if s.key == key).min_s["cuda"]
+    cpu = {s.key: spend for s, spend in plan(list(STAGES), 420, "cpu")}
+    assert cpu["kernels"] is None and all(cpu[k] is not None for k in ("install", "identity", "throughput"))

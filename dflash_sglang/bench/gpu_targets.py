@@ -5,6 +5,10 @@ the same weights.
   576, GQA 9 / 3 heads of 64, vocab 49152, tied embeddings) with seeded random weights, the shipped drafter's target
   (dflash_sglang/assets/smollm2_135m_dflash fits it), for throughput at a simulated acceptance and the training run;
   a character tokenizer with a chat template (ids 1..95 of the vocabulary) for what needs text.
+- `qwen3_8b_pair`: a Qwen3-8B target (Qwen/Qwen3-8B's config.json) and a drafter of z-lab/Qwen3-8B-DFlash-b16's
+  config, config files only: SGLang's dummy load format draws both models' weights where they load (no 16 GB
+  checkpoint travels), for throughput at the user's shape; at `QWEN3_TINY` the same two architectures at toy sizes for
+  the CPU rehearsal.
 - `tiny_pair` / `hybrid_pair` / `gemma4_draft`: the CPU e2e tests' tiny pairs (tests/test_sglang_e2e.py
   `write_pair`, vocab 8: the sampled distributions are checked exactly over every continuation), at `hidden` 256 on
   CUDA (FlashInfer needs head_dim 64) and 32 on CPU.
@@ -13,8 +17,14 @@ The tiny pairs come from tests/ (factories, the e2e scenario), so the session ru
 """
 from __future__ import annotations
 
+import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+from dflash_sglang.core.config import build_target_layer_ids
+
+from .window_capacity import QWEN3_8B, QWEN3_8B_DFLASH
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED_DRAFT = REPO / "dflash_sglang" / "assets" / "smollm2_135m_dflash"
@@ -23,7 +33,67 @@ SMOLLM2_135M = dict(  # the testbed target's config.json (testbed/target.py conv
     num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
     bos_token_id=1, eos_token_id=2, pad_token_id=2, rope_parameters={"rope_theta": 100000.0, "rope_type": "default"},
 )
+# Qwen/Qwen3-8B's and z-lab/Qwen3-8B-DFlash-b16's config.json: window_capacity.py's KV-sizing fields plus the rest of
+# what the published files hold (a dummy load builds the model from these alone)
+QWEN3_8B_TARGET = {**QWEN3_8B, "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu",
+                   "initializer_range": 0.02, "max_window_layers": 36, "rope_scaling": None, "sliding_window": None,
+                   "use_sliding_window": False, "use_cache": True}
+QWEN3_8B_DRAFT = {**QWEN3_8B_DFLASH, "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+                  "layer_types": ["full_attention"] * 5, "sliding_window": None, "use_sliding_window": False,
+                  "rope_scaling": None, "attention_bias": False, "hidden_act": "silu", "dtype": "bfloat16",
+                  "bos_token_id": 151643, "eos_token_id": 151645}
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}:{% endif %}")
+
+
+@dataclass(frozen=True)
+class Qwen3Shape:
+    """The sizes a Qwen3 target + DFlash drafter pair is built at; everything else (architectures, norms, RoPE, block
+    16, five target features, the special ids' offsets from the vocabulary's end) stays Qwen3-8B's."""
+
+    hidden: int = 4096
+    intermediate: int = 12288
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    vocab: int = 151936
+    target_layers: int = 36
+    draft_layers: int = 5
+
+
+QWEN3_8B_SHAPE = Qwen3Shape()
+QWEN3_TINY = Qwen3Shape(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=1024, target_layers=8,
+                        draft_layers=2)  # CPU float32: an Engine's forward costs next to nothing
+
+
+def qwen3_configs(shape: Qwen3Shape = QWEN3_8B_SHAPE) -> tuple[dict, dict]:
+    """(target, draft) config.json contents at `shape`: Qwen3-8B's and its z-lab drafter's at the default."""
+    sizes = {"hidden_size": shape.hidden, "intermediate_size": shape.intermediate, "num_attention_heads": shape.heads,
+             "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim, "vocab_size": shape.vocab}
+
+    def special(token_id: int) -> int:  # bos / eos / mask keep their distance from the vocabulary's end
+        return token_id - QWEN3_8B_TARGET["vocab_size"] + shape.vocab
+
+    target = {**QWEN3_8B_TARGET, **sizes, "num_hidden_layers": shape.target_layers,
+              "max_window_layers": shape.target_layers, "bos_token_id": special(QWEN3_8B_TARGET["bos_token_id"]),
+              "eos_token_id": special(QWEN3_8B_TARGET["eos_token_id"])}
+    dc = QWEN3_8B_DRAFT["dflash_config"]
+    features = len(dc["target_layer_ids"])
+    draft = {**QWEN3_8B_DRAFT, **sizes, "num_hidden_layers": shape.draft_layers,
+             "layer_types": ["full_attention"] * shape.draft_layers, "num_target_layers": shape.target_layers,
+             "bos_token_id": target["bos_token_id"], "eos_token_id": target["eos_token_id"],
+             "dflash_config": {**dc, "mask_token_id": special(dc["mask_token_id"]),
+                               "target_layer_ids": list(build_target_layer_ids(shape.target_layers, features))}}
+    return target, draft
+
+
+def qwen3_8b_pair(out: Path, shape: Qwen3Shape = QWEN3_8B_SHAPE) -> tuple[Path, Path]:
+    """out/target and out/draft holding only config.json (`qwen3_configs(shape)`): load both with SGLang's dummy load
+    format (`load_format` / `speculative_draft_load_format` "dummy"). Returns (target dir, draft dir)."""
+    dirs = out / "target", out / "draft"
+    for path, config in zip(dirs, qwen3_configs(shape)):
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(config, indent=1))
+    return dirs
 
 
 def tests_importable() -> None:
