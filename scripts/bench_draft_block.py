@@ -110,7 +110,7 @@ def time_pass(dec, batch, b: int, name: str, median_ms) -> dict:
     if selector is not None:
         greedy = torch.zeros(len(batch.bonus))  # (all greedy, known on the host as the worker knows it)
         walk_ms = median_ms(lambda: SelectorScores.of(selector, hidden[:, 1:], logits, batch.bonus, greedy,
-                                                      None, dec.token_map, sampled=False).argmax(b - 1))
+                                                      None, dec.token_map, any_sampled=False).walk(b - 1))
     return {"draft": name, "bs": len(batch.bonus), "block": b, "layers_ms": median_ms(layers), "head_ms": head_ms,
             "selector_ms": walk_ms}
 

@@ -70,7 +70,7 @@ def test_greedy_drafts_equal_the_authors(authors, tmp_path, layout):
     torch.testing.assert_close(ours_h, theirs_h, rtol=1e-5, atol=1e-5)
     logits = ours.logits(ours_h, target.lm_head.weight)
     torch.testing.assert_close(logits, theirs.compute_logits(theirs_h, target.lm_head), rtol=1e-5, atol=1e-5)
-    walk = SelectorScores.of(ours.candidate_selector, ours_h, logits, anchor, torch.zeros(3)).argmax(7)
+    walk = SelectorScores.of(ours.candidate_selector, ours_h, logits, anchor, torch.zeros(3)).walk(7)
     assert torch.equal(walk, theirs.propose(theirs_h, anchor, target.lm_head, 0.0)[0])
     assert (walk != logits.argmax(-1)).any()  # the pair term decided some drafts
 
@@ -86,7 +86,7 @@ def test_sampled_walk_draws_from_the_authors_q(authors, tmp_path, monkeypatch, t
     logits = ours.logits(ours_h, target.lm_head.weight)
     scores = SelectorScores.of(ours.candidate_selector, ours_h, logits, anchor, torch.full((3,), temperature),
                                torch.Generator().manual_seed(1))
-    drafts, q = scores.argmax(7), scores.chain_q(7)
+    drafts, q = scores.walk(7), scores.chain_q(7)
     slots = torch.topk(theirs.compute_logits(theirs_h, target.lm_head), 4, dim=-1, sorted=False).indices
     draws = []
 
@@ -103,7 +103,7 @@ def test_sampled_walk_draws_from_the_authors_q(authors, tmp_path, monkeypatch, t
     dense[0].scatter_(-1, q.tokens, q.probs)
     dense[1].scatter_(-1, candidates, q_rows)
     torch.testing.assert_close(dense[0], dense[1], rtol=1e-5, atol=1e-6)
-    greedy = SelectorScores.of(ours.candidate_selector, ours_h, logits, anchor, torch.zeros(3)).argmax(7)
+    greedy = SelectorScores.of(ours.candidate_selector, ours_h, logits, anchor, torch.zeros(3)).walk(7)
     assert (drafts != greedy).any()  # the walk did sample
 
 
@@ -205,7 +205,7 @@ def test_selector_ranks_follow_the_path():
     hidden, anchor = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(0)), torch.tensor([3, 5])
     logits = drafter.logits(hidden, target.lm_head.weight)
     scores = SelectorScores.of(drafter.candidate_selector, hidden, logits, anchor, torch.zeros(2))
-    walk = scores.argmax(7)
+    walk = scores.walk(7)
     assert scores.ranks(walk).eq(1).all()
     outsider = logits[:, 2].argmin(-1)  # the least likely token at position 3: never among its 4 candidates
     assert scores.ranks(torch.cat([walk[:, :2], outsider[:, None]], 1))[:, 2].eq(NOT_RANKED).all()
@@ -223,8 +223,8 @@ def test_walk_mixes_greedy_and_sampled_rows():
     mixed = SelectorScores.of(drafter.candidate_selector, hidden, logits, torch.tensor([3, 3]),
                               torch.tensor([0.0, 1.0]), torch.Generator().manual_seed(2))
     greedy = SelectorScores.of(drafter.candidate_selector, hidden, logits, torch.tensor([3]), torch.zeros(1))
-    drafts, q = mixed.argmax(7), mixed.chain_q(7)
-    assert torch.equal(drafts[0], greedy.argmax(7)[0]) and q.probs[0].max(-1).values.eq(1).all()
+    drafts, q = mixed.walk(7), mixed.chain_q(7)
+    assert torch.equal(drafts[0], greedy.walk(7)[0]) and q.probs[0].max(-1).values.eq(1).all()
     torch.testing.assert_close(q.probs[1].sum(-1), torch.ones(7))
     assert (q.of(drafts)[1] > 0).all() and (q.probs[1] < 1).all()
 
@@ -264,14 +264,13 @@ def test_candidates_merged_over_vocab_shards_equal_one_process(ranks, mapped):
     logits = (drafter.logits(hidden, target.lm_head.weight[ids]) * 2).round() / 2  # [3, 7, len(ids)], ties
     per = -(-16 // ranks)
 
-    def merged(_, k):  # what adapter/scale/tp.py DraftVocab.top answers on every rank
+    def merged(_, k):  # what adapter/scale/tp.py DraftVocab.top_logits answers on every rank
         parts = []
         for r in range(ranks):
             inside = (ids >= r * per) & (ids < (r + 1) * per)
             shard = VocabShard(r * per, int(inside.sum()), ids[inside] if mapped else None)
             parts.append(local_top(logits[..., inside], shard, k))
-        tokens, values = merge_top(torch.stack([v for v, _ in parts]), torch.stack([t for _, t in parts]), k)
-        return values, tokens
+        return merge_top(torch.stack([t for t, _ in parts]), torch.stack([v for _, v in parts]), k)
 
     temperature = torch.tensor([0.0, 0.8, 1.5])
     one, split = (SelectorScores.of(drafter.candidate_selector, hidden, logits, anchor, temperature,
@@ -280,6 +279,6 @@ def test_candidates_merged_over_vocab_shards_equal_one_process(ranks, mapped):
     assert torch.equal(one.candidates.tokens, split.candidates.tokens)
     assert torch.equal(one.candidates.unary, split.candidates.unary)
     assert (one.candidates.unary[..., :-1] == one.candidates.unary[..., 1:]).any()  # ties among the candidates
-    assert torch.equal(one.argmax(7), split.argmax(7)) and torch.equal(one.chain_q(7).probs, split.chain_q(7).probs)
+    assert torch.equal(one.walk(7), split.walk(7)) and torch.equal(one.chain_q(7).probs, split.chain_q(7).probs)
     trees = [s.tree(anchor, 10, 3) for s in (one, split)]
     assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].parent, trees[1].parent)

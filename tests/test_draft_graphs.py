@@ -72,12 +72,13 @@ def _setup(device="cpu", dtype=torch.float32, hidden=32, attention="torch", draf
     return cfg, paged, head, req_to_token
 
 
-def _graphs(paged, head, req_to_token, cfg, nodes=(3,), capture=False, top=None, in_graph=True):
+def _graphs(paged, head, req_to_token, cfg, nodes=(3,), capture=False, top_logits=None, in_graph=True):
     from dflash_sglang.adapter.draft.graphs import DraftGraphs
 
     selector = paged.drafter.candidate_selector
     return DraftGraphs(paged, head, req_to_token, SIZES, nodes, cfg.n_features * cfg.hidden_size,
-                       paged.pool.k.dtype, capture=capture, selector=selector, top=top, select_in_graph=in_graph)
+                       paged.pool.k.dtype, capture=capture, selector=selector, top_logits=top_logits,
+                       select_in_graph=in_graph)
 
 
 def _step_inputs(seq_lens, pool_idx, cfg, device="cpu"):
@@ -140,19 +141,18 @@ def test_static_commit_replays_equal_eager(layout):
 
 
 def _top(vocab: int, shards: int):
-    """A DFlash2 selector's candidates over the whole vocabulary (adapter/scale/tp.py DraftVocab.top): one process's, or
-    merged from `shards` vocab shards as the TP ranks merge them (the all-gather done in process)."""
+    """A DFlash2 selector's candidates over the whole vocabulary (adapter/scale/tp.py DraftVocab.top_logits): one
+    process's, or merged from `shards` vocab shards as the TP ranks merge them (the all-gather done in process)."""
     from dflash_sglang.core.vocab_parallel import VocabShard, local_top, merge_top
 
     per = -(-vocab // shards)
 
-    def top(logits, k):
+    def top_logits(logits, k):
         parts = [local_top(logits[..., r * per: (r + 1) * per], VocabShard(r * per, min(per, vocab - r * per)), k)
                  for r in range(shards)]
-        tokens, values = merge_top(torch.stack([v for v, _ in parts]), torch.stack([t for _, t in parts]), k)
-        return values, tokens
+        return merge_top(torch.stack([t for t, _ in parts]), torch.stack([v for _, v in parts]), k)
 
-    return top
+    return top_logits
 
 
 def _same_scores(got, want, bonus, exact=True):
@@ -171,7 +171,7 @@ def _same_scores(got, want, bonus, exact=True):
     for field in ("tokens", "unary", "hidden", "successors"):
         same(getattr(got.candidates, field), getattr(want.candidates, field), field)
     depth = BLOCK - 1
-    assert torch.equal(got.argmax(depth), want.argmax(depth))
+    assert torch.equal(got.walk(depth), want.walk(depth))
     got_q, want_q = got.chain_q(depth), want.chain_q(depth)
     assert (got_q is None) == (want_q is None)
     if got_q is not None:
@@ -187,7 +187,7 @@ def _same_scores(got, want, bonus, exact=True):
         else:
             for field in ("parent", "score", "mask", "retrive_next_token", "retrive_next_sibling"):
                 same(getattr(a.tree, field), getattr(b.tree, field), field)
-    assert torch.equal(got.ranks(got.argmax(depth)), want.ranks(want.argmax(depth)))
+    assert torch.equal(got.ranks(got.walk(depth)), want.ranks(want.walk(depth)))
 
 
 @pytest.mark.parametrize("draft", ["dflash2", "dflash2_full", "dflash2_full_slots", "dflash2_full_ring"])
@@ -206,8 +206,8 @@ def test_static_dflash2_selection_equals_eager(layout, sampling, draft):
     layout = next((w for w in ("slots", "ring") if draft.endswith(f"_{w}")), None)
     cfg, paged, head, r2t = _setup(draft=draft.removesuffix(f"_{layout}"), layout=layout)
     in_graph = layout == "one_process"
-    top = _top(cfg.vocab_size, 1 if in_graph else 2)
-    graphs = _graphs(paged, head, r2t, cfg, top=top, in_graph=in_graph)
+    top_logits = _top(cfg.vocab_size, 1 if in_graph else 2)
+    graphs = _graphs(paged, head, r2t, cfg, top_logits=top_logits, in_graph=in_graph)
     eager = EagerDraftPass(paged, head, r2t)
     selector = paged.drafter.candidate_selector
     assert graphs.selection.in_graph == in_graph and "selector" in graphs.describe()
@@ -219,22 +219,23 @@ def test_static_dflash2_selection_equals_eager(layout, sampling, draft):
         temperature = None  # every request greedy (the worker knows it from SGLang's is_all_greedy)
         if sampling == "mixed" and step % 2 == 0:
             temperature = torch.tensor([(0.7, 0.0, 1.3)[i % 3] for i in range(bs)])
-        sampled = temperature is not None  # (row 0 samples: what HostHints tell the worker)
-        got = graphs.select(bonus, sl, sl_cpu, idx, temperature, sampled, gen_graph)
+        any_sampled = temperature is not None  # (row 0 samples: what HostHints tell the worker)
+        got = graphs.select(bonus, sl, sl_cpu, idx, temperature, any_sampled, gen_graph)
         if bs > max(SIZES):
             assert got is None  # the caller runs the pass and the selection eagerly
             continue
         hidden, logits = eager.with_hidden(bonus, sl, sl_cpu, idx)
-        want = SelectorScores.of(selector, hidden, logits, bonus, temperature, gen_eager, top=top, sampled=sampled)
+        want = SelectorScores.of(selector, hidden, logits, bonus, temperature, gen_eager, top_logits=top_logits,
+                                 any_sampled=any_sampled)
         _same_scores(got, want, bonus)
-        sampled_steps += sampled and bool((got.chain_q(BLOCK - 1).probs[0] < 1).any())  # a real draw happened
+        sampled_steps += any_sampled and bool((got.chain_q(BLOCK - 1).probs[0] < 1).any())  # a real draw happened
         assert torch.equal(gen_graph.get_state(), gen_eager.get_state())
     assert sampled_steps == (2 if sampling == "mixed" else 0)
 
 
 def test_graphs_of_a_dflash2_draft_refuse_the_v1_call():
     cfg, paged, head, r2t = _setup(draft="dflash2")
-    graphs = _graphs(paged, head, r2t, cfg, top=_top(cfg.vocab_size, 1))
+    graphs = _graphs(paged, head, r2t, cfg, top_logits=_top(cfg.vocab_size, 1))
     bonus, sl, sl_cpu, idx = _step_inputs((5, 1), (3, 0), cfg)
     with pytest.raises(AssertionError, match="replays through select"):
         graphs(bonus, sl, sl_cpu, idx)
@@ -274,7 +275,7 @@ def _meta_graphs(dflash2: bool = False, in_graph: bool = True, layout: str | Non
     r2t = torch.empty(REQ_SLOTS, WIDTH, dtype=torch.int32, device="meta")
     selector = paged.drafter.candidate_selector
     graphs = DraftGraphs(paged, head, r2t, SIZES, (3, 1), cfg.n_features * cfg.hidden_size, torch.float32, False,
-                         selector=selector, top=_top(cfg.vocab_size, 1) if selector is not None else None,
+                         selector=selector, top_logits=_top(cfg.vocab_size, 1) if selector is not None else None,
                          select_in_graph=in_graph)
     return graphs, cfg
 
@@ -316,12 +317,12 @@ def test_dflash2_draft_side_of_a_step_does_no_host_sync(layout):
     hints = HostHints(torch.empty(2, dtype=torch.int64, **meta), top_p=False, top_k=0)  # rows 0 and 2 sample
     params = SamplingParams(torch.empty(bs, **meta), torch.empty(bs, dtype=torch.int64, **meta),
                             torch.empty(bs, **meta), hints=hints)
-    sampled = some_row_samples(params)
-    assert sampled is True and some_row_samples(None) is False
+    any_sampled = some_row_samples(params)
+    assert any_sampled is True and some_row_samples(None) is False
     bonus = torch.empty(bs, dtype=torch.int64, **meta)
     seq_lens, seq_lens_cpu = torch.empty(bs, dtype=torch.int64, **meta), torch.tensor([5, 1, 12])
     scores = graphs.select(bonus, seq_lens, seq_lens_cpu, torch.empty(bs, dtype=torch.int64, **meta),
-                           params.temperature, sampled, None)
+                           params.temperature, any_sampled, None)
     chain = propose(bonus, scores, SpecShape(BLOCK, 1))
     assert chain.ids.shape == (bs, BLOCK) and chain.q.probs.shape == (bs, BLOCK - 1, 4)
     tree = propose(bonus, scores, SpecShape(7, 2))
@@ -330,7 +331,8 @@ def test_dflash2_draft_side_of_a_step_does_no_host_sync(layout):
     # the eager path (no captured size fits) with the hints, and without them: the device is read
     selector, logits = graphs.selection.selector, torch.empty(bs, BLOCK - 1, cfg.vocab_size, **meta)
     states = torch.empty(bs, BLOCK - 1, cfg.hidden_size, **meta)
-    SelectorScores.of(selector, states, logits, bonus, params.temperature, None, sampled=sampled).argmax(BLOCK - 1)
+    SelectorScores.of(selector, states, logits, bonus, params.temperature, None,
+                      any_sampled=any_sampled).walk(BLOCK - 1)
     with pytest.raises((RuntimeError, NotImplementedError)):
         SelectorScores.of(selector, states, logits, bonus, params.temperature, None)
 
@@ -396,8 +398,8 @@ def test_captured_dflash2_graphs_match_eager_on_gpu(sampling, draft):
     from dflash_sglang.core.selector import SelectorScores
 
     cfg, paged, head, r2t = _setup("cuda", torch.bfloat16, hidden=256, attention="flashinfer", draft=draft)
-    top = _top(cfg.vocab_size, 1)
-    graphs = _graphs(paged, head, r2t, cfg, capture=True, top=top)
+    top_logits = _top(cfg.vocab_size, 1)
+    graphs = _graphs(paged, head, r2t, cfg, capture=True, top_logits=top_logits)
     eager = EagerDraftPass(paged, head, r2t)
     assert graphs.captured and all(g.graph is not None for g in graphs.drafts.values())
     gen_graph, gen_eager = (torch.Generator("cuda").manual_seed(7) for _ in range(2))
@@ -409,7 +411,7 @@ def test_captured_dflash2_graphs_match_eager_on_gpu(sampling, draft):
         got = graphs.select(bonus, sl, sl_cpu, idx, temperature, temperature is not None, gen_graph)
         s = graphs.drafts[graphs._size_for(bs)]
         want = SelectorScores.of(paged.drafter.candidate_selector, s.selection.states[:bs], s.logits[:bs], bonus,
-                                 temperature, gen_eager, top=top, sampled=temperature is not None)
+                                 temperature, gen_eager, top_logits=top_logits, any_sampled=temperature is not None)
         _same_scores(got, want, bonus, exact=False)
         hidden, logits = eager.with_hidden(bonus, sl, sl_cpu, idx)
         torch.testing.assert_close(s.logits[:bs].float(), logits.float(), rtol=3e-2, atol=3e-2)

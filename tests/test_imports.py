@@ -24,3 +24,24 @@ def test_wheel_lists_every_subpackage_and_the_kernel_sources():
     assert tool["package-dir"]["dflash_sglang._cuda"] == "cuda"
     patterns = tool["package-data"]["dflash_sglang._cuda"]
     assert all(any(p.match(pat) for pat in patterns) for p in (root / "cuda").iterdir() if p.is_file())
+
+
+def test_every_dflash_environment_variable_is_documented():
+    """Every `DFLASH_*` environment variable the package reads (a string constant naming one, as `os.environ.get`
+    and the refusal of retired ones take it) is a row of the serving guide's environment table
+    (docs/serving-flags.md). bench/ is left out: its variables configure the measurements, documented in its modules."""
+    import ast
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    package = root / "dflash_sglang"
+    name = re.compile(r"DFLASH_[A-Z0-9_]+")
+    read = {node.value: path.relative_to(root)
+            for path in package.rglob("*.py") if "bench" not in path.relative_to(package).parts
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and name.fullmatch(node.value)}
+    assert {"DFLASH_SGLANG_IMPL", "DFLASH_DEFER_PLAIN_UPKEEP"} <= set(read)  # (the scan finds what it looks for)
+    table = (root / "docs" / "serving-flags.md").read_text().split("| Environment |", 1)[1].split("\n\n", 1)[0]
+    missing = {v: str(path) for v, path in read.items() if f"`{v}`" not in table}
+    assert not missing, f"read but not in docs/serving-flags.md's environment table: {missing}"

@@ -155,8 +155,8 @@ def _shape(server_args):
     declared = tuple(resolved_value(server_args, f) for f in ("speculative_num_draft_tokens",
                                                                "speculative_dflash_block_size",
                                                                "speculative_eagle_topk", "speculative_num_steps"))
-    assert declared == (s.nodes, s.block_size, s.topk, 1), (declared, s)
-    return s.mode, s.nodes, s.block_size, s.topk
+    assert declared == (s.max_nodes, s.block_size, s.topk, 1), (declared, s)
+    return s.mode, s.max_nodes, s.block_size, s.topk
 
 
 @child_only
@@ -734,7 +734,7 @@ def test_hub_draft_id_resolves_to_its_snapshot(plugin, pair, monkeypatch, tmp_pa
     (repo / "refs" / "main").write_text("0" * 40)
     args = _server_args(pair, speculative_draft_model_path="acme/tiny-dflash", download_dir=str(tmp_path / "hub"))
     assert Path(resolved_value(args, "speculative_draft_model_path")) == snap == Path(settings_of(args).draft_dir)
-    assert settings_of(args).nodes == 6
+    assert settings_of(args).max_nodes == 6
     with pytest.raises(CheckpointError, match=r"^--speculative-draft-model-path acme/missing: not a local directory, "
                                               r"and fetching it as a hub repo failed") as err:
         _server_args(pair, speculative_draft_model_path="acme/missing", download_dir=str(tmp_path / "hub"))
@@ -958,7 +958,7 @@ def test_draft_window_resolution(plugin, pair, monkeypatch, kw, ring, mode, topk
     kv = dict(target_cell_size_per_token=1000, target_num_layers=4, draft_num_layers=2)
     assert s.draft_graphs == kw.get("speculative_dflash_draft_graphs", "auto")
     if ring:
-        assert (memory.window, memory.ring, memory.bytes_per_token) == (16, 16 + s.nodes - 1, 0)
+        assert (memory.window, memory.ring, memory.bytes_per_token) == (16, 16 + s.max_nodes - 1, 0)
         assert memory.bytes_per_request(10) == memory.bytes_per_request(10**6) == memory.ring * memory.bytes_per_row
         assert s.max_running_requests == resolved_value(server_args, "max_running_requests") == 48
         assert dflash_utils.scale_kv_cell_size_per_token_for_dflash(**kv) == 1000
@@ -1345,10 +1345,10 @@ def test_worker_answers_the_draft_runner_members_itself(plugin, pair, monkeypatc
                              primary_draft_kv_pool="target pool")
     worker = DFlashWorker(server_args=args, gpu_id=0, nccl_port=0, target_worker=target)
     assert worker.primary_draft_kv_pool is None and worker.preloaded_weights_bytes == 0
-    assert worker.stride == 6
+    assert worker.max_nodes == 6
     assert worker.schedule.describe() == ("goodput controller over chains of 1/2/3/4/6 rows (1: a plain step) and "
                                           "trees of 4/6 nodes over top-2/4, token budget 288")  # 48 x N
-    assert DFlashWorker(server_args=args, gpu_id=0, nccl_port=0, target_worker=target, ps=object()).stride == 6
+    assert DFlashWorker(server_args=args, gpu_id=0, nccl_port=0, target_worker=target, ps=object()).max_nodes == 6
 
 
 def _req(**kw):

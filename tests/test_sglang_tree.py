@@ -127,7 +127,7 @@ def test_compact_path_slots_matches_brute_force(seed):
         expected[row, s : s + n] = torch.stack([before[row, s + j] for j in order])
         assert len(path) == int(result.accept_len[b]) + 1
     assert torch.equal(req_to_token, expected)
-    rows = fit_rows(result.out_tokens, n)  # D + 1 = 5 columns padded to the stride N = 9
+    rows = fit_rows(result.out_tokens, n)  # D + 1 = 5 columns padded to the row stride N = max_nodes = 9
     assert rows.shape == (bs, n)
     for b in range(bs):
         a = int(result.accept_len[b])
@@ -137,17 +137,17 @@ def test_compact_path_slots_matches_brute_force(seed):
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_decode_hidden_rows_are_the_predicting_verify_rows(tree):
     """return_hidden_states (adapter/step/hidden.py): per request its committed tokens' predicting verify rows at
-    i * stride + j (a chain's row j, a tree path's j-th node) for a step of n = 4 rows under a stride of 8; the slots
-    past n, which a step never commits, stay zero (never read)."""
+    i * N + j (a chain's row j, a tree path's j-th node) for a step of n = 4 rows under a row stride of N = max_nodes
+    = 8; the slots past n, which a step never commits, stay zero (never read)."""
     from dflash_sglang.adapter.step.hidden import decode_rows
 
-    bs, n, stride, width = 3, 4, 8, 5
+    bs, n, max_nodes, width = 3, 4, 8, 5
     hidden = torch.randn(bs * n, width, generator=torch.Generator().manual_seed(0))
     accept_nodes = torch.tensor([[0, 2, 3, -1], [0, -1, -1, -1], [0, 1, -1, -1]]) if tree else None
-    out = decode_rows(hidden, accept_nodes, bs, stride)
-    assert out.shape == (bs * stride, width)
+    out = decode_rows(hidden, accept_nodes, bs, max_nodes)
+    assert out.shape == (bs * max_nodes, width)
     for i in range(bs):
         path = [int(x) for x in accept_nodes[i] if x >= 0] if tree else list(range(n))
         for j, row in enumerate(path):
-            assert torch.equal(out[i * stride + j], hidden[i * n + row]), (i, j)
-        assert not out[i * stride + n:(i + 1) * stride].any()
+            assert torch.equal(out[i * max_nodes + j], hidden[i * n + row]), (i, j)
+        assert not out[i * max_nodes + n:(i + 1) * max_nodes].any()

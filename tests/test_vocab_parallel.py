@@ -54,16 +54,16 @@ def test_merged_top_logits_equal_one_process_including_ties(ranks, k):
     process's top-k over the whole vocabulary, ties to the lowest id, whatever the split."""
     logits = tied_logits((3, 5, 37), seed=ranks + k)
     parts = [local_top(local, shard, k) for local, shard in shards(logits, ranks, pad=3)]
-    ids, values = merge_top(torch.stack([v for v, _ in parts]), torch.stack([i for _, i in parts]), k)
+    ids, values = merge_top(torch.stack([i for i, _ in parts]), torch.stack([v for _, v in parts]), k)
     want_values, want_ids = lowest_id_topk(logits, k)
     assert torch.equal(ids, want_ids) and torch.equal(values, want_values)
-    assert torch.equal(ids, local_top(logits, VocabShard(0, 37), k)[1])  # one process: the shard of everything
+    assert torch.equal(ids, local_top(logits, VocabShard(0, 37), k)[0])  # one process: the shard of everything
 
 
 def merged(logits: torch.Tensor, ranks: int, k: int, pad: int = 3):
     parts = [local_candidates(local, shard, k) for local, shard in shards(logits, ranks, pad)]
-    values, ids, lse = (torch.stack(t) for t in zip(*parts))
-    return merge_candidates(values, ids, lse, k)
+    ids, values, lse = (torch.stack(t) for t in zip(*parts))
+    return merge_candidates(ids, values, lse, k)
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 8])
@@ -91,8 +91,8 @@ def test_shards_past_the_draft_vocabulary_are_never_proposed():
     """A rank whose rows all lie past the draft's vocabulary (size 0) only contributes -inf."""
     logits = torch.randn(2, 3, 8)
     parts = [local_candidates(logits, VocabShard(0, 8), 2), local_candidates(torch.randn(2, 3, 8), VocabShard(8, 0), 2)]
-    values, ids, lse = (torch.stack(t) for t in zip(*parts))
-    tokens, logp = merge_candidates(values, ids, lse, 2)
+    ids, values, lse = (torch.stack(t) for t in zip(*parts))
+    tokens, logp = merge_candidates(ids, values, lse, 2)
     want_tokens, want_logp = draft_topk(logits, 2)
     assert torch.equal(tokens, want_tokens) and (tokens < 8).all()
     torch.testing.assert_close(logp, want_logp)
@@ -112,8 +112,8 @@ def test_merge_with_a_token_map(ranks, k):
         inside = (token_map >= r * per) & (token_map < (r + 1) * per)
         shard = VocabShard(r * per, int(inside.sum()), token_map[inside])
         parts.append(local_candidates(logits[..., inside], shard, k))
-    values, ids, lse = (torch.stack(t) for t in zip(*parts))
-    tokens, logp = merge_candidates(values, ids, lse, k)
+    ids, values, lse = (torch.stack(t) for t in zip(*parts))
+    tokens, logp = merge_candidates(ids, values, lse, k)
     want_tokens, want_logp = draft_topk(logits, k, token_map)
     assert torch.equal(tokens, want_tokens)
     torch.testing.assert_close(logp, want_logp, rtol=1e-5, atol=1e-5)

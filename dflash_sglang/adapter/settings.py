@@ -46,7 +46,7 @@ class DFlashSettings:
     draft: DraftConfig  # the checkpoint's config, checked against the target
     mode: str  # one of MODES
     block_size: int  # B: the drafter block [bonus, MASK x (B-1)], one drafter pass per step
-    nodes: int  # N: the most verify rows per request and step (the result row stride)
+    max_nodes: int  # N: the most verify rows per request and step (the result row stride); a step verifies n <= N
     topk: int  # k: the largest top-k a step uses (1: chain)
     max_running_requests: int | None  # None: SGLang's own, as for plain decoding (the goodput controller, flag unset)
     device: str
@@ -71,7 +71,7 @@ class DFlashSettings:
 
     def __post_init__(self) -> None:
         assert self.mode in MODES and (self.mode == "adaptive") == (self.adaptive_table is not None)
-        assert self.mode != "chain" or (self.nodes == self.block_size and self.topk == 1)
+        assert self.mode != "chain" or (self.max_nodes == self.block_size and self.topk == 1)
         assert self.step_cost is None or self.mode == "goodput"
 
     @property
@@ -84,7 +84,7 @@ class DFlashSettings:
         """Goodput mode's controller: chains of 1..N rows (1 = a plain step, no drafter pass) and, with k > 1, trees
         of up to N nodes over top-2..k."""
         assert self.mode == "goodput"
-        return GoodputConfig(max_nodes=self.nodes, max_depth=self.block_size - 1, max_topk=self.topk)
+        return GoodputConfig(max_nodes=self.max_nodes, max_depth=self.block_size - 1, max_topk=self.topk)
 
     def policy(self) -> AdaptivePolicy:
         """Adaptive mode's per-step shapes (the table capped to this drafter block)."""

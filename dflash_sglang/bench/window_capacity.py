@@ -66,8 +66,9 @@ def write_pair(root: Path, target: dict = QWEN3_8B, draft: dict = QWEN3_8B_DFLAS
 
 
 def capacity_rows(budget: int, target_cell: int, draft_row: int, contexts: list[int], windows: list[int],
-                  nodes: int) -> list[CapacityRow]:
-    """The arithmetic (module docstring): target_cell / draft_row bytes per token, N = nodes verify rows per step."""
+                  max_nodes: int) -> list[CapacityRow]:
+    """The arithmetic (module docstring): target_cell / draft_row bytes per token, N = max_nodes verify rows per
+    step."""
     rows = []
     for context in contexts:
         cell = target_cell + draft_row
@@ -75,7 +76,7 @@ def capacity_rows(budget: int, target_cell: int, draft_row: int, contexts: list[
         rows += [CapacityRow(name, context, cell, 0, tokens, tokens // context)
                  for name in ["whole", *(f"{kind}{w}" for w in windows for kind in ("slots", "builtin"))]]
         for w in windows:
-            ring = (w + nodes - 1) * draft_row
+            ring = (w + max_nodes - 1) * draft_row
             batch = max(0, (budget - ring) // (context * target_cell + ring))
             tokens = max(0, budget - (batch + 1) * ring) // target_cell
             rows.append(CapacityRow(f"ring{w}", context, target_cell, ring, tokens, batch))

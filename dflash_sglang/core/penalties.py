@@ -71,7 +71,7 @@ class Penalties:
 @dataclass
 class OutputPenalties:
     """What the penalizers have accumulated over each request's output: [..., V] float32 each (leading dims [bs], or
-    [bs, T] at verify rows), and the output length [...] int64."""
+    [bs, n] at a step's n verify rows), and the output length [...] int64."""
 
     frequency: Tensor  # frequency_penalty summed per occurrence
     presence: Tensor  # presence_penalty where the token occurred, else 0
@@ -106,14 +106,14 @@ class OutputPenalties:
         return OutputPenalties(self.frequency[rows], self.presence[rows], self.repetition[rows], self.length[rows])
 
     def along_paths(self, penalties: Penalties, ids: Tensor, parent: Tensor | None) -> OutputPenalties:
-        """The state at each verify row: ids [bs, T] int64 (row 0: the root, already in this state), parent
-        [bs, T] int64 (-1 for the root; None: a chain, parent j - 1). Row j adds ids[j] to its parent row's state,
-        so it holds the output plus the drafted tokens from the root to row j. -> [bs, T, V] (length [bs, T])."""
-        bs, t = ids.shape
+        """The state at each verify row: ids [bs, n] int64 (row 0: the root, already in this state), parent
+        [bs, n] int64 (-1 for the root; None: a chain, parent j - 1). Row j adds ids[j] to its parent row's state,
+        so it holds the output plus the drafted tokens from the root to row j. -> [bs, n, V] (length [bs, n])."""
+        bs, n = ids.shape
         rows = torch.arange(bs, device=ids.device)
-        out = OutputPenalties(*(x.unsqueeze(1).repeat(1, t, *([1] * (x.dim() - 1)))
+        out = OutputPenalties(*(x.unsqueeze(1).repeat(1, n, *([1] * (x.dim() - 1)))
                                 for x in (self.frequency, self.presence, self.repetition, self.length)))
-        for j in range(1, t):
+        for j in range(1, n):
             p = parent[:, j] if parent is not None else torch.full((bs,), j - 1, device=ids.device)
             row = OutputPenalties(out.frequency[rows, p], out.presence[rows, p], out.repetition[rows, p],
                                   out.length[rows, p])  # (advanced indexing: copies)
@@ -130,17 +130,17 @@ def scale_logits(logits: Tensor, scaling: Tensor) -> None:
 
 def apply_penalties(logits: Tensor, state: OutputPenalties, penalties: Penalties,
                     scale: Callable[[Tensor, Tensor], None] = scale_logits) -> None:
-    """Penalize logits [bs, T, V] in place (T verify rows, or T = 1) from state [bs, T, V] (`along_paths`) as
+    """Penalize logits [bs, n, V] in place (n verify rows, or n = 1) from state [bs, n, V] (`along_paths`) as
     SGLang's default (overlap) scheduler does: the additive penalties summed into one tensor, `-(frequency +
     presence)` plus the min_new_tokens mask, added, then the repetition scaling. scale: the scaling op (SGLang's own
     `apply_scaling_penalties` in the worker, so its compiled arithmetic is the one used)."""
-    bs, t, vocab = logits.shape
+    bs, n, vocab = logits.shape
     additive = -(state.frequency + state.presence)  # bit-identical to SGLang's (0 - frequency) - presence
     if bool(penalties.min_new_tokens.gt(0).any()):
-        held = state.length < penalties.min_new_tokens[:, None]  # [bs, T]
+        held = state.length < penalties.min_new_tokens[:, None]  # [bs, n]
         stops = torch.zeros(bs, vocab + 1, device=logits.device)
         idx = torch.where(penalties.stop_ids >= 0, penalties.stop_ids, vocab)
         stops.scatter_add_(1, idx, torch.full(idx.shape, float("-inf"), device=logits.device))
         additive = additive + torch.where(held[:, :, None], stops[:, None, :vocab], 0.0)
     logits.add_(additive)
-    scale(logits.view(bs * t, vocab), state.repetition.reshape(bs * t, vocab))
+    scale(logits.view(bs * n, vocab), state.repetition.reshape(bs * n, vocab))

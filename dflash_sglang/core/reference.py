@@ -153,9 +153,9 @@ class ReferenceDecoder:
             raise ValueError(f"a chain of {fixed.nodes} tokens needs block size >= {fixed.nodes}, got {block}")
         if policy is not None and policy.max_depth is None:
             policy = replace(policy, max_depth=block - 1)  # chains never outgrow one drafter block
-        verify_width = max([fixed.nodes] + ([s.nodes for _, s in policy.rows] if policy else [])
-                           + ([controller.cfg.max_nodes] if controller is not None else []))
-        self._check_context(prompts, max_new_tokens, max(block, verify_width))
+        max_nodes = max([fixed.nodes] + ([s.nodes for _, s in policy.rows] if policy else [])
+                        + ([controller.cfg.max_nodes] if controller is not None else []))
+        self._check_context(prompts, max_new_tokens, max(block, max_nodes))
         gen = torch.Generator(device=self._device).manual_seed(seed)
         params = SamplingParams.full(len(prompts), temperature, top_k, top_p, min_p, device=self._device)
         outs = [Generation([]) for _ in prompts]
@@ -174,7 +174,7 @@ class ReferenceDecoder:
             else:
                 shape = policy.choose(len(batch.rid)) if policy is not None else fixed
             result, ranks = self._spec_step(batch, block, shape, params.select(batch.rid), gen, times, pen,
-                                            ranks=controller is not None)
+                                            with_ranks=controller is not None)
             commit = result.accept_len + 1
             if controller is not None:
                 last = (shape, result.accept_len.tolist(), None if ranks is None else rank_paths(ranks.tolist()), start)
@@ -281,8 +281,8 @@ class ReferenceDecoder:
 
     def _spec_step(self, batch: _Batch, block: int, shape: SpecShape, params: SamplingParams, gen,
                    times: StepTimes | None = None, pen: _Penalized | None = None,
-                   ranks: bool = False) -> tuple[AcceptResult, Tensor | None]:
-        """One draft -> verify -> accept -> commit step for every running request; with `ranks`, also the drafter's
+                   with_ranks: bool = False) -> tuple[AcceptResult, Tensor | None]:
+        """One draft -> verify -> accept -> commit step for every running request; with_ranks: also the drafter's
         ranks of the committed tokens (core/speculate.py `committed_ranks`; None on a plain step)."""
         t0 = time.perf_counter()
         plain = shape.nodes == 1
@@ -323,8 +323,8 @@ class ReferenceDecoder:
             times.verify += t3 - t2
             times.other += (t2 - t1) + (time.perf_counter() - t3)
             times.steps += 1
-        measured = committed_ranks(scores, result, shape.nodes, drafted - 1) if ranks and scores is not None else None
-        return result, measured
+        ranks = committed_ranks(scores, result, shape.nodes, drafted - 1) if with_ranks and scores is not None else None
+        return result, ranks
 
     def _scores(self, batch: _Batch, block: int, params: SamplingParams, gen) -> DraftScores:
         """The drafter pass over [bonus, MASK x (block-1)]: its draft logits [bs, block-1, V] (or [bs, block-1, K] over
@@ -366,7 +366,7 @@ class ReferenceDecoder:
         return out.logits.float(), feats
 
     def _verify(self, batch: _Batch, proposal, positions: Tensor) -> tuple[Tensor, Tensor, NodeStates | None]:
-        """The target's verify of `proposal` at `positions` [bs, T]: logits [bs, T, V], features [bs, T, F], and for a
+        """The target's verify of `proposal` at `positions` [bs, n]: logits [bs, n, V], features [bs, n, F], and for a
         hybrid target every node's recurrent state (None otherwise)."""
         if self.recurrent:
             return self._verify_by_node(batch, proposal, positions)
@@ -374,21 +374,21 @@ class ReferenceDecoder:
         return (*self._target_forward(batch, proposal.ids, positions, capture=True, tree_mask=tree_mask), None)
 
     def _verify_by_node(self, batch: _Batch, proposal, positions: Tensor) -> tuple[Tensor, Tensor, NodeStates]:
-        """A hybrid target's verify: node n [bs] of the proposal runs alone, from its parent's recurrent state (a
+        """A hybrid target's verify: node i [bs] of the proposal runs alone, from its parent's recurrent state (a
         chain's previous row, a tree's parent; core/recurrent.py), attending to the committed context and its
-        ancestors. Returns logits [bs, T, V], features [bs, T, F] and every node's state, for the commit."""
-        ids, t = proposal.ids, proposal.ids.shape[1]
-        see = proposal.attention_mask()  # [bs, T, T] bool: ancestors and itself
-        parent = proposal.tree.parent if proposal.tree is not None else torch.arange(t, device=ids.device) - 1
+        ancestors. Returns logits [bs, n, V], features [bs, n, F] and every node's state, for the commit."""
+        ids, n = proposal.ids, proposal.ids.shape[1]
+        see = proposal.attention_mask()  # [bs, n, n] bool: ancestors and itself
+        parent = proposal.tree.parent if proposal.tree is not None else torch.arange(n, device=ids.device) - 1
         parent = parent.expand(ids.shape)
-        states = NodeStates.of(batch.cache, t)
+        states = NodeStates.of(batch.cache, n)
         logits, feats = [], []
-        for n in range(t):
-            states.load(parent[:, n])
-            mask = torch.cat([batch.valid, see[:, n, : n + 1]], dim=1)[:, None, None]  # [bs, 1, 1, L + n + 1]
-            out = self.target(input_ids=ids[:, n: n + 1], attention_mask=mask, position_ids=positions[:, n: n + 1],
+        for i in range(n):
+            states.load(parent[:, i])
+            mask = torch.cat([batch.valid, see[:, i, : i + 1]], dim=1)[:, None, None]  # [bs, 1, 1, L + i + 1]
+            out = self.target(input_ids=ids[:, i: i + 1], attention_mask=mask, position_ids=positions[:, i: i + 1],
                               past_key_values=batch.cache, use_cache=True, output_hidden_states=True)
-            states.record(n)
+            states.record(i)
             logits.append(out.logits.float())
             feats.append(target_layer_features(out.hidden_states, self.cfg.target_layer_ids))
         return torch.cat(logits, 1), torch.cat(feats, 1), states
@@ -481,7 +481,7 @@ class _Penalized:
         return cls(penalties, OutputPenalties.empty(bs, vocab, device))
 
     def penalize(self, logits: Tensor, rid: Tensor, ids: Tensor, parent: Tensor | None) -> None:
-        """logits [bs, T, V] at verify rows ids [bs, T] (row 0: the newest output token, already in the state; T = 1:
+        """logits [bs, n, V] at verify rows ids [bs, n] (row 0: the newest output token, already in the state; n = 1:
         a plain step) of the running requests rid [bs]."""
         pen = self.penalties.select(rid)
         apply_penalties(logits, self.state.select(rid).along_paths(pen, ids, parent), pen)

@@ -35,10 +35,10 @@ from .vocab_parallel import NOT_RANKED, VocabShard, local_top
 if TYPE_CHECKING:
     from .config import DraftConfig
 
-# (draft logits [bs, D, rows], k) -> (values [bs, D, k] float32, target ids [bs, D, k] int64): the k best over the whole
-# draft vocabulary, best first, ties to the lowest id (adapter/scale/tp.py `DraftVocab.top`: merged over TP ranks'
-# shards)
-TopK = Callable[[Tensor, int], tuple[Tensor, Tensor]]
+# (draft logits [bs, D, rows], k) -> (target ids [bs, D, k] int64, logits [bs, D, k] float32): the k best over the whole
+# draft vocabulary, best first, ties to the lowest id (adapter/scale/tp.py `DraftVocab.top_logits`: merged over TP
+# ranks' shards)
+TopLogits = Callable[[Tensor, int], tuple[Tensor, Tensor]]
 
 
 class CandidateSelector(nn.Module):
@@ -60,15 +60,15 @@ class CandidateSelector(nn.Module):
                              f"token map)")
 
     def candidates(self, hidden: Tensor, logits: Tensor, token_map: Tensor | None = None,
-                   top: TopK | None = None) -> Candidates:
+                   top_logits: TopLogits | None = None) -> Candidates:
         """hidden [bs, D, H] drafter states at block positions 1..D, logits [bs, D, V] their draft logits (or [bs, D, K]
-        over token_map's K ids; with `top`, this rank's rows, merged by it) -> the positions' top-k candidates and what
-        scoring them takes."""
-        if top is None:
+        over token_map's K ids; with `top_logits`, this rank's rows, merged by it) -> the positions' top-k candidates
+        and what scoring them takes."""
+        if top_logits is None:
             self.check_proposable(logits.shape[-1])
-            unary, tokens = local_top(logits, VocabShard(0, logits.shape[-1], token_map), self.top_k)
+            tokens, unary = local_top(logits, VocabShard(0, logits.shape[-1], token_map), self.top_k)
         else:
-            unary, tokens = top(logits, self.top_k)
+            tokens, unary = top_logits(logits, self.top_k)
         return Candidates(tokens, unary, self.hidden_projection(hidden).float(),
                           self.successor_codebook[tokens].float(), self.predecessor_codebook)
 
@@ -146,10 +146,10 @@ def some_row_samples(params: SamplingParams | None) -> bool | None:
     return params.hints.sampled is None or params.hints.sampled.numel() > 0
 
 
-def walk_uniforms(bs: int, depth: int, sampled: bool, generator: torch.Generator | None, device) -> Tensor | None:
-    """The walk's uniforms [bs, depth] float32 from `generator` (None: torch's default) where some request samples,
-    else None (nothing drawn: an all-greedy batch leaves the generator where it was)."""
-    return torch.rand((bs, depth), generator=generator, device=device) if sampled else None
+def walk_uniforms(bs: int, depth: int, any_sampled: bool, generator: torch.Generator | None, device) -> Tensor | None:
+    """The walk's uniforms [bs, depth] float32 from `generator` (None: torch's default) where some request samples
+    (`any_sampled`), else None (nothing drawn: an all-greedy batch leaves the generator where it was)."""
+    return torch.rand((bs, depth), generator=generator, device=device) if any_sampled else None
 
 
 @dataclass(frozen=True)
@@ -168,17 +168,19 @@ class SelectorScores:
     @classmethod
     def of(cls, selector: CandidateSelector, hidden: Tensor, logits: Tensor, anchor: Tensor,
            temperature: Tensor | None, generator: torch.Generator | None = None,
-           token_map: Tensor | None = None, top: TopK | None = None, sampled: bool | None = None) -> SelectorScores:
-        """hidden [bs, D, H], logits [bs, D, V | K] of one drafter pass (with `top`: this TP rank's rows, the candidates
-        merged over ranks); temperature [bs] (None: every request greedy); sampled: whether some request samples, as
-        the host knows it (`some_row_samples`; None: read from the temperatures, a host sync); the walk's uniforms come
-        from `generator` (None: torch's default) when some request samples."""
+           token_map: Tensor | None = None, top_logits: TopLogits | None = None,
+           any_sampled: bool | None = None) -> SelectorScores:
+        """hidden [bs, D, H], logits [bs, D, V | K] of one drafter pass (with `top_logits`: this TP rank's rows, the
+        candidates merged over ranks); temperature [bs] (None: every request greedy); any_sampled: whether some request
+        samples, as the host knows it (`some_row_samples`; None: read from the temperatures, a host sync); the walk's
+        uniforms come from `generator` (None: torch's default) when some request samples."""
         if temperature is None:
-            temperature, sampled = torch.zeros(anchor.shape[0], device=logits.device), False
-        elif sampled is None:
-            sampled = bool((temperature > 0).any())
-        u = walk_uniforms(logits.shape[0], logits.shape[1], sampled, generator, logits.device)
-        return cls(selector.candidates(hidden, logits, token_map, top), anchor.to(torch.int64), temperature.float(), u)
+            temperature, any_sampled = torch.zeros(anchor.shape[0], device=logits.device), False
+        elif any_sampled is None:
+            any_sampled = bool((temperature > 0).any())
+        u = walk_uniforms(logits.shape[0], logits.shape[1], any_sampled, generator, logits.device)
+        return cls(selector.candidates(hidden, logits, token_map, top_logits), anchor.to(torch.int64),
+                   temperature.float(), u)
 
     @property
     def positions(self) -> int:
@@ -186,20 +188,22 @@ class SelectorScores:
         return self.candidates.tokens.shape[1]
 
     @cached_property
-    def _walk(self) -> tuple[Tensor, Tensor]:
+    def _path(self) -> tuple[Tensor, Tensor]:
+        """The walk through every position: (tokens [bs, D] int64, q [bs, D, k] float32), run once."""
         if self.walked is not None:
             return self.walked
         return self.candidates.walk(self.anchor, self.temperature, self.uniforms)
 
-    def argmax(self, count: int) -> Tensor:
-        """[bs, count] int64: the walk's first count drafts (a chain's; sampled on sampling rows)."""
-        return self._walk[0][:, :count]
+    def walk(self, count: int) -> Tensor:
+        """[bs, count] int64: the walk's first count drafts (a chain's): the best path on greedy rows, drawn from q at
+        the request's temperature on sampling rows."""
+        return self._path[0][:, :count]
 
     def chain_q(self, count: int) -> DraftQ | None:
         """The distribution each of the first count drafts was drawn from (None: every row greedy, point masses)."""
         if self.uniforms is None:
             return None
-        return DraftQ(self.candidates.tokens[:, :count], self._walk[1][:, :count])
+        return DraftQ(self.candidates.tokens[:, :count], self._path[1][:, :count])
 
     def tree(self, root: Tensor, nodes: int, topk: int) -> DraftTree:
         """The best-first tree of `nodes` nodes under root [bs] (the anchor), each node's `topk` best children."""

@@ -1,12 +1,13 @@
 """One decode step's proposal and acceptance, written once: the reference decoder and the SGLang worker call these.
 
-A step verifies T tokens per request: the root (bonus token) plus drafts. A chain takes the drafter's
-argmax at the first T-1 block positions and verifies causally; a tree (top-k per position, best-first,
-core/tree.py) verifies with an ancestor mask. The caller supplies what differs by where it runs:
+A step verifies n = shape.nodes tokens per request (its verify rows): the root (bonus token) plus drafts. A chain
+takes the drafter's argmax at the first n-1 block positions (a DFlash2 selector's walk) and verifies causally; a tree
+(top-k per position, best-first, core/tree.py) verifies with an ancestor mask. The caller supplies what differs by
+where it runs:
 - the draft scores (`DraftScores`): one process's draft logits (`DraftLogits`, with an optional token map), the
   SGLang worker's vocab-parallel merge over TP ranks (adapter/scale/tp.py), or a DFlash2 drafter's selector
-  (`PathScores`, core/selector.py: its chain is a walk, sampled at the request's temperature with its q, and its
-  tree's children depend on their parent's token);
+  (`PathScores`, core/selector.py: its chain is a walk, `walk`, sampled at the request's temperature with its q,
+  and its tree's children depend on their parent's token);
 - the tree kernels (`TreeKernels`): core's references here, dflash_sglang.ops (CUDA kernels) in the worker;
 - the uniforms' generator (None: torch's default one, seeded by SGLang's --random-seed).
 `kept_rows` marks which verified rows stay committed (root + accepted path), which is all the reference needs to
@@ -37,8 +38,8 @@ class DraftScores(Protocol):
         """[bs, count] int64: the best token at each of the first count positions (a chain's drafts)."""
         ...
 
-    def topk(self, k: int) -> tuple[Tensor, Tensor]:
-        """(tokens [bs, D, k] int64, log-probs [bs, D, k] float32): the inputs of build_tree."""
+    def top_logprobs(self, k: int) -> tuple[Tensor, Tensor]:
+        """(tokens [bs, D, k] int64, log-probs [bs, D, k] float32): each position's k best, the inputs of build_tree."""
         ...
 
     def ranks(self, tokens: Tensor) -> Tensor | None:
@@ -50,10 +51,13 @@ class DraftScores(Protocol):
 @runtime_checkable
 class PathScores(Protocol):
     """Scores whose proposals depend on the path drawn so far (DFlash2's selector, core/selector.py SelectorScores):
-    `argmax` is the chain's walk (sampled where the request samples), `chain_q` the distribution it was drawn from, and
-    a tree grows node by node from its parents' tokens instead of per-position top-k."""
+    `walk` is the chain's walk (the best path on greedy rows, sampled where the request samples; a chain of
+    DraftScores takes `argmax` instead), `chain_q` the distribution it was drawn from, and a tree grows node by node
+    from its parents' tokens instead of per-position top-k."""
 
-    def argmax(self, count: int) -> Tensor: ...
+    def walk(self, count: int) -> Tensor:
+        """[bs, count] int64: the walk's first count drafts (a chain's)."""
+        ...
 
     def chain_q(self, count: int) -> DraftQ | None:
         """The first count drafts' proposal distribution (None: point masses)."""
@@ -75,7 +79,7 @@ class DraftLogits:
     def argmax(self, count: int) -> Tensor:
         return to_target_ids(self.logits[:, :count].argmax(-1), self.token_map)
 
-    def topk(self, k: int) -> tuple[Tensor, Tensor]:
+    def top_logprobs(self, k: int) -> tuple[Tensor, Tensor]:
         return draft_topk(self.logits, k, self.token_map)
 
     def ranks(self, tokens: Tensor) -> Tensor:
@@ -99,17 +103,17 @@ REFERENCE_KERNELS = TreeKernels()
 
 @dataclass(frozen=True)
 class Proposal:
-    ids: Tensor  # [bs, T] int64: root then drafts (chain order, or tree node order)
-    depth: Tensor  # [bs, T] int64: position offset from the root
+    ids: Tensor  # [bs, n] int64: root then drafts (chain order, or tree node order)
+    depth: Tensor  # [bs, n] int64: position offset from the root
     tree: DraftTree | None  # None for a chain (plain causal verify)
     q: DraftQ | None = None  # a sampled chain's proposal distribution (PathScores); None: point masses
 
     def attention_mask(self) -> Tensor:
-        """[bs, T, T] bool: row i may attend to verify row j (ancestors and itself)."""
+        """[bs, n, n] bool: row i may attend to verify row j (ancestors and itself)."""
         if self.tree is not None:
             return self.tree.mask
-        bs, t = self.ids.shape
-        return torch.ones(t, t, dtype=torch.bool, device=self.ids.device).tril().expand(bs, t, t)
+        bs, n = self.ids.shape
+        return torch.ones(n, n, dtype=torch.bool, device=self.ids.device).tril().expand(bs, n, n)
 
 
 def draft_block(shape: SpecShape, block: int) -> int:
@@ -121,7 +125,7 @@ def draft_block(shape: SpecShape, block: int) -> int:
     return min(shape.nodes, block) if shape.is_chain and shape.nodes > 1 else block
 
 
-def propose(bonus: Tensor, scores: DraftScores | None, shape: SpecShape,
+def propose(bonus: Tensor, scores: DraftScores | PathScores | None, shape: SpecShape,
             kernels: TreeKernels = REFERENCE_KERNELS) -> Proposal:
     """bonus [bs] int64, scores over block positions 1..B-1 (None when shape.nodes == 1: no drafter pass).
 
@@ -137,7 +141,7 @@ def propose(bonus: Tensor, scores: DraftScores | None, shape: SpecShape,
         drafts, q = bonus.new_zeros(bs, 0), None
         if n > 1:
             assert scores is not None, "a chain of more than one row needs draft scores"
-            drafts = scores.argmax(n - 1)
+            drafts = scores.walk(n - 1) if path else scores.argmax(n - 1)
             q = scores.chain_q(n - 1) if path else None
             assert drafts.shape[1] == n - 1, "block too short for the chain"
         ids = torch.cat([bonus[:, None], drafts], dim=1)
@@ -147,7 +151,7 @@ def propose(bonus: Tensor, scores: DraftScores | None, shape: SpecShape,
     if path:  # (no kernel of its own yet: the children of a node are found when the node is)
         tree = scores.tree(bonus, n, shape.topk)
     else:
-        topk_tokens, topk_logp = scores.topk(shape.topk)
+        topk_tokens, topk_logp = scores.top_logprobs(shape.topk)
         tree = kernels.build_tree(bonus, topk_tokens.contiguous(), topk_logp.contiguous(), n)
     return Proposal(tree.tokens, tree.depth, tree)
 
@@ -164,26 +168,26 @@ def draft_topk(draft_logits: Tensor, k: int, token_map: Tensor | None = None) ->
 
 def accept(proposal: Proposal, logits: Tensor, params: SamplingParams | None, generator: torch.Generator | None = None,
            slots: Tensor | None = None, kernels: TreeKernels = REFERENCE_KERNELS) -> AcceptResult:
-    """logits [bs, T, V] from the target at the verify rows (row i predicts the token after row i) -> the step's
+    """logits [bs, n, V] from the target at the verify rows (row i predicts the token after row i) -> the step's
     AcceptResult (a TreeAcceptResult for a tree).
 
     params None: every request greedy (longest matching prefix / path). Otherwise lossless rejection sampling of
     the drafts (point masses, or a sampled chain's proposal.q) against target_probs (temperature, top-k, top-p,
-    min-p; greedy rows one-hot), uniforms drawn from `generator` (None: torch's default). slots [bs, T] int64: each
+    min-p; greedy rows one-hot), uniforms drawn from `generator` (None: torch's default). slots [bs, n] int64: each
     tree node's KV slot, split by the verify into commit_loc / free_loc (trees only).
     """
-    bs, t = proposal.ids.shape
+    bs, n = proposal.ids.shape
     if proposal.tree is None:
         draft = proposal.ids[:, 1:]
         if params is None:
             return greedy_accept(draft, logits.argmax(-1))
-        coins, u = draw_uniforms(bs, t - 1, generator, logits.device)
+        coins, u = draw_uniforms(bs, n - 1, generator, logits.device)
         if params.hints is None or params.hints.sampled is None:
             return rejection_accept(draft, target_probs(logits, params), coins, u, proposal.q)
         return _mixed_chain_accept(draft, logits, params, coins, u, proposal.q)
     if params is None:
         return kernels.verify_tree_greedy(proposal.tree, logits.argmax(-1), slots)
-    coins, u = draw_uniforms(bs, t, generator, logits.device)
+    coins, u = draw_uniforms(bs, n, generator, logits.device)
     probs = target_probs(logits, params).contiguous()
     return kernels.verify_tree_sampling(proposal.tree, probs, coins.contiguous(), u.contiguous(), slots)
 
@@ -193,7 +197,7 @@ def _mixed_chain_accept(draft: Tensor, logits: Tensor, params: SamplingParams, c
     """A chain's acceptance when the host knows which rows sample (params.hints.sampled [m]): the greedy rows by
     greedy acceptance, the m sampling rows by rejection sampling on their own target distribution, with the uniforms
     they would draw in the whole batch. The same result as rejection sampling every row against target_probs'
-    one-hot greedy rows (which accepts a draft iff it is the argmax and then draws the argmax), without a [bs, T, V]
+    one-hot greedy rows (which accepts a draft iff it is the argmax and then draws the argmax), without a [bs, n, V]
     distribution for the greedy rows."""
     result = greedy_accept(draft, logits.argmax(-1))
     rows = params.hints.sampled
@@ -208,9 +212,8 @@ def _mixed_chain_accept(draft: Tensor, logits: Tensor, params: SamplingParams, c
 
 
 def kept_rows(proposal: Proposal, result: AcceptResult) -> Tensor:
-    """[bs, T] bool: the verify rows the step commits (the root and the accepted drafts or path)."""
-    bs, t = proposal.ids.shape
-    rows = torch.arange(t, device=proposal.ids.device)
+    """[bs, n] bool: the verify rows the step commits (the root and the accepted drafts or path)."""
+    rows = torch.arange(proposal.ids.shape[1], device=proposal.ids.device)
     if proposal.tree is None:
         return rows[None] <= result.accept_len[:, None]
     return (result.accept_nodes[:, :, None] == rows[None, None, :]).any(1)

@@ -8,7 +8,8 @@ full-vocabulary result: the argmax (a chain's drafts), the top-k tokens with the
 candidates, normalised by the global log-sum-exp) or with their logits (`merge_top`: a DFlash2 selector's candidates,
 core/selector.py). Ties go to the lowest id, as `argmax` does over the whole vocabulary, for k > 1 too (`ordered_topk`:
 torch's topk leaves which of tied values it keeps unspecified), so the merge over any split equals one process's
-top-k exactly; in bf16 draft logits ties are common.
+top-k exactly; in bf16 draft logits ties are common. Every function here that returns token ids with their scores
+returns the ids first, (ids, values); `ordered_topk`, torch's topk with a tie rule, keeps torch's (values, indices).
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def ordered_topk(values: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 
 def local_top(logits: Tensor, shard: VocabShard, k: int) -> tuple[Tensor, Tensor]:
-    """logits [..., V_local] over this rank's rows -> (values [..., k] float32, token ids [..., k] int64): the shard's
+    """logits [..., V_local] over this rank's rows -> (token ids [..., k] int64, values [..., k] float32): the shard's
     k best, best first, ties to the lowest id. A shard with fewer than k rows pads with -inf values (ids of padding:
     -1). One process's whole vocabulary is the shard VocabShard(0, V) (or VocabShard(0, K, token_map))."""
     valid = logits[..., : shard.size].float()
@@ -55,20 +56,20 @@ def local_top(logits: Tensor, shard: VocabShard, k: int) -> tuple[Tensor, Tensor
     else:
         values, rows = valid.max(dim=-1, keepdim=True)  # the first maximum: the lowest id among ties
     if shard.ids is None:
-        return values, rows + shard.start
+        return rows + shard.start, values
     ids = torch.cat([shard.ids, shard.ids.new_full((max(k - shard.size, 0),), -1)])  # ids of the padded rows
-    return values, ids[rows]
+    return ids[rows], values
 
 
 def local_candidates(logits: Tensor, shard: VocabShard, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """logits [..., V_local] over this rank's rows -> `local_top`'s (values, ids) and the shard's log-sum-exp [...]
+    """logits [..., V_local] over this rank's rows -> `local_top`'s (ids, values) and the shard's log-sum-exp [...]
     float32 (what normalises the merged values to log-probabilities)."""
-    values, ids = local_top(logits, shard, k)
-    return values, ids, torch.logsumexp(logits[..., : shard.size].float(), dim=-1)
+    ids, values = local_top(logits, shard, k)
+    return ids, values, torch.logsumexp(logits[..., : shard.size].float(), dim=-1)
 
 
-def merge_top(values: Tensor, ids: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Every rank's `local_top`, stacked in rank order (values / ids [R, ..., k]) -> (token ids [..., k] int64, values
+def merge_top(ids: Tensor, values: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Every rank's `local_top`, stacked in rank order (ids / values [R, ..., k]) -> (token ids [..., k] int64, values
     [..., k] float32): the k best over the whole vocabulary, best first, ties to the lowest id."""
     flat_values = values.movedim(0, -2).flatten(-2)  # [..., R*k], rank-major: lower ids first, and so within a rank
     flat_ids = ids.movedim(0, -2).flatten(-2)
@@ -80,10 +81,10 @@ def merge_top(values: Tensor, ids: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return flat_ids.gather(-1, best), top_values
 
 
-def merge_candidates(values: Tensor, ids: Tensor, lse: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Every rank's candidates, stacked in rank order (values / ids [R, ..., k], lse [R, ...]) -> (token ids [..., k]
-    int64, log-probabilities [..., k] float32) over the whole vocabulary, best first."""
-    tokens, top_values = merge_top(values, ids, k)
+def merge_candidates(ids: Tensor, values: Tensor, lse: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Every rank's `local_candidates`, stacked in rank order (ids / values [R, ..., k], lse [R, ...]) -> (token ids
+    [..., k] int64, log-probabilities [..., k] float32) over the whole vocabulary, best first."""
+    tokens, top_values = merge_top(ids, values, k)
     total = torch.logsumexp(lse, dim=0) if lse.shape[0] > 1 else lse[0]
     return tokens, top_values - total[..., None]
 

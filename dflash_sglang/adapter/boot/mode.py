@@ -47,7 +47,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_RUNNING_REQUESTS = 48
 
 
-def running_limits(mode: str, nodes: int, requested: int | None, budget: int | None) -> tuple[int | None, int | None]:
+def running_limits(mode: str, max_nodes: int, requested: int | None,
+                   budget: int | None) -> tuple[int | None, int | None]:
     """(--max-running-requests to declare, the verify token budget per step) of a resolved mode.
 
     Pinned shapes verify N rows for every running request, so they keep the builtin's default of 48 requests. The
@@ -56,7 +57,7 @@ def running_limits(mode: str, nodes: int, requested: int | None, budget: int | N
     bounds the rows a step verifies by what 48 requests of N rows would (the verify's logits and buffers stay the
     size the builtin's default allows) unless the operator set a budget or the cap."""
     if mode == "goodput" and requested is None:
-        return None, budget if budget is not None else DEFAULT_MAX_RUNNING_REQUESTS * nodes
+        return None, budget if budget is not None else DEFAULT_MAX_RUNNING_REQUESTS * max_nodes
     return (requested if requested is not None else DEFAULT_MAX_RUNNING_REQUESTS), (budget if mode != "chain" else None)
 
 
@@ -76,12 +77,12 @@ def resolve_shape(server_args: ServerArgs, cfg: DraftConfig, flags: dict, max_ru
         return "goodput", block, block, goodput_topk(server_args, cfg, block, None, simulation), None
     if flags["speculative_adaptive"] and table is None:
         block = draft_block_size(v, cfg)
-        nodes = int(explicit) if explicit is not None else block
-        if not 2 <= nodes <= block:
-            refuse("--speculative-num-draft-tokens", nodes, f"with --speculative-adaptive it is the most verify "
+        max_nodes = int(explicit) if explicit is not None else block
+        if not 2 <= max_nodes <= block:
+            refuse("--speculative-num-draft-tokens", max_nodes, f"with --speculative-adaptive it is the most verify "
                     f"rows per request, 2 .. the drafter block ({block})")
         check_token_budget(budget, max_running)
-        return "goodput", block, nodes, goodput_topk(server_args, cfg, nodes, topk_flag, simulation), None
+        return "goodput", block, max_nodes, goodput_topk(server_args, cfg, max_nodes, topk_flag, simulation), None
     if flags["speculative_adaptive"]:
         if topk_flag is not None:
             refuse("--speculative-eagle-topk", topk_flag, "with --speculative-adaptive the top-k of each batch size "
@@ -114,15 +115,16 @@ def resolve_shape(server_args: ServerArgs, cfg: DraftConfig, flags: dict, max_ru
     if topk > cfg.vocab_size:
         refuse("--speculative-eagle-topk", topk, f"larger than the draft vocabulary ({cfg.vocab_size} tokens)")
     explicit = v.speculative_num_draft_tokens
-    nodes = int(explicit if explicit is not None else block)
+    max_nodes = int(explicit if explicit is not None else block)
     most = max_tree_nodes(block - 1, topk)
-    if nodes < 2:
-        refuse("--speculative-num-draft-tokens", nodes, "a draft tree needs >= 2 nodes (the root and one draft)")
-    if nodes > most:
-        refuse("--speculative-num-draft-tokens", nodes, f"a tree of depth {block - 1} (block size {block}) with "
+    if max_nodes < 2:
+        refuse("--speculative-num-draft-tokens", max_nodes, "a draft tree needs >= 2 nodes (the root and one draft)")
+    if max_nodes > most:
+        refuse("--speculative-num-draft-tokens", max_nodes, f"a tree of depth {block - 1} (block size {block}) with "
                 f"--speculative-eagle-topk {topk} has at most {most} nodes")
-    check_tree_serving(server_args, nodes, f"--speculative-num-draft-tokens {nodes}", "--speculative-eagle-topk > 1")
-    return "tree", block, nodes, topk, None
+    check_tree_serving(server_args, max_nodes, f"--speculative-num-draft-tokens {max_nodes}",
+                       "--speculative-eagle-topk > 1")
+    return "tree", block, max_nodes, topk, None
 
 
 def check_token_budget(budget, max_running: int | None) -> None:
@@ -169,7 +171,7 @@ def chain_block_size(v, cfg: DraftConfig) -> int:
     return block
 
 
-def goodput_topk(server_args: ServerArgs, cfg: DraftConfig, nodes: int, topk_flag,
+def goodput_topk(server_args: ServerArgs, cfg: DraftConfig, max_nodes: int, topk_flag,
                  simulation: SimulatedAcceptance | None) -> int:
     """The goodput controller's largest tree top-k: 1 under simulated acceptance (it forces chain outcomes), else
     --speculative-eagle-topk when given with --speculative-adaptive (1: chains only; a larger one must be servable),
@@ -183,19 +185,20 @@ def goodput_topk(server_args: ServerArgs, cfg: DraftConfig, nodes: int, topk_fla
             refuse("--speculative-eagle-topk", topk, f"with --speculative-adaptive it is the controller's largest "
                     f"tree top-k, 1 (chains only) .. the draft vocabulary ({cfg.vocab_size})")
         if topk > 1:
-            check_tree_serving(server_args, nodes, "--speculative-num-draft-tokens",
+            check_tree_serving(server_args, max_nodes, "--speculative-num-draft-tokens",
                                "--speculative-eagle-topk with --speculative-adaptive")
         return topk
-    if nodes < 3 or nodes > MAX_NODES or tree_serving_problems(server_args, "goodput trees"):
+    if max_nodes < 3 or max_nodes > MAX_NODES or tree_serving_problems(server_args, "goodput trees"):
         return 1
     return min(DEFAULT_TREE_TOPK, cfg.vocab_size)
 
 
-def check_tree_serving(server_args: ServerArgs, nodes: int, nodes_source: str, tree_source: str) -> None:
-    """What tree verification needs of the server: N within the kernels' limit, page size 1, a target attention
-    backend that takes the tree mask. nodes_source / tree_source name where N / the tree shapes come from."""
-    if nodes > MAX_NODES:
-        raise UnsupportedFlagError(f"{nodes_source}: the tree kernels verify at most {MAX_NODES} nodes")
+def check_tree_serving(server_args: ServerArgs, max_nodes: int, max_nodes_source: str, tree_source: str) -> None:
+    """What tree verification needs of the server: N = max_nodes within the kernels' limit, page size 1, a target
+    attention backend that takes the tree mask. max_nodes_source / tree_source name where N / the tree shapes come
+    from."""
+    if max_nodes > MAX_NODES:
+        raise UnsupportedFlagError(f"{max_nodes_source}: the tree kernels verify at most {MAX_NODES} nodes")
     problems = tree_serving_problems(server_args, tree_source)
     if problems:
         refuse(*problems[0])

@@ -82,8 +82,8 @@ def handle_dflash_args(server_args: ServerArgs) -> DFlashSettings:
         check_weight_headers(cfg.speculative_draft_model_path, draft)
     requested = None if cfg.max_running_requests is None else int(cfg.max_running_requests)
     simulation = SimulatedAcceptance.from_env()
-    mode, block, nodes, topk, table = resolve_shape(server_args, draft, flags, requested, simulation)
-    max_running, budget = running_limits(mode, nodes, requested, flags["speculative_dflash_adaptive_token_budget"])
+    mode, block, max_nodes, topk, table = resolve_shape(server_args, draft, flags, requested, simulation)
+    max_running, budget = running_limits(mode, max_nodes, requested, flags["speculative_dflash_adaptive_token_budget"])
     graphs = draft_graphs(flags["speculative_dflash_draft_graphs"])
     attention = draft_attention(flags["speculative_draft_attention_backend"], str(cfg.device))
     window = None
@@ -99,13 +99,13 @@ def handle_dflash_args(server_args: ServerArgs) -> DFlashSettings:
         raise UnsupportedFlagError(f"{STEP_COST_ENV}: a simulated step cost feeds the goodput controller, which this "
                                    f"server does not run ({mode} mode): unset it, or drop the shape flags")
     settings = DFlashSettings(
-        draft_dir=str(cfg.speculative_draft_model_path), draft=draft, mode=mode, block_size=block, nodes=nodes,
+        draft_dir=str(cfg.speculative_draft_model_path), draft=draft, mode=mode, block_size=block, max_nodes=max_nodes,
         topk=topk, max_running_requests=max_running, device=str(cfg.device),
         draft_attention=attention, draft_graphs=graphs, draft_kv_dtype=kv_dtype,
         draft_window=None if window is None else window.window,
         draft_window_why=None if window is None else window.why,
         draft_memory=draft_memory(draft, kv_dtype, target.dtype, None if window is None else window.window,
-                                  ring_size(window.window, nodes) if window is not None and window.ring else 0),
+                                  ring_size(window.window, max_nodes) if window is not None and window.ring else 0),
         context_len=int(target.context_len),
         tree_cuda_graph=bool(flags["speculative_dflash_tree_cuda_graph"]) and topk > 1,
         dummy_draft=dummy, adaptive_table=table,
@@ -121,7 +121,7 @@ def handle_dflash_args(server_args: ServerArgs) -> DFlashSettings:
         logger.warning("DFLASH: --speculative-num-steps %s is ignored (one drafter pass per step)",
                        cfg.speculative_num_steps)
     # SGLang sizes the KV reservation and buffers from N (the most any step verifies) and num_steps.
-    decisions = dict(speculative_num_draft_tokens=nodes, speculative_dflash_block_size=block,
+    decisions = dict(speculative_num_draft_tokens=max_nodes, speculative_dflash_block_size=block,
                      speculative_eagle_topk=topk, speculative_num_steps=1)
     if max_running is not None:  # (None: SGLang sizes it from the KV pool, as for plain decoding)
         decisions["max_running_requests"] = max_running

@@ -177,10 +177,10 @@ class WindowRows(_Layout):
         return f"draft window {self.window} in a ring of {self.ring} rows per request slot"
 
 
-def ring_size(window: int, nodes: int) -> int:
-    """R for window W and at most N (>= 2) verify rows a step commits (module docstring)."""
-    assert nodes >= 2, nodes
-    return window + nodes - 1
+def ring_size(window: int, max_nodes: int) -> int:
+    """R for window W and at most N = max_nodes (>= 2) verify rows a step commits (module docstring)."""
+    assert max_nodes >= 2, max_nodes
+    return window + max_nodes - 1
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dflash_sglang.core.selector import CandidateSelector, SelectorScores, TopK
+from dflash_sglang.core.selector import CandidateSelector, SelectorScores, TopLogits
 
 from .attention import DraftLayout, PagedAttention, host_indptrs
 from .model import PagedDrafter, TargetHead
@@ -101,12 +101,13 @@ class DraftGraphs:
 
     def __init__(self, drafter: PagedDrafter, head: TargetHead, req_to_token: Tensor, sizes: Sequence[int],
                  commit_nodes: Sequence[int], feature_dim: int, feature_dtype: torch.dtype, capture: bool,
-                 selector: CandidateSelector | None = None, top: TopK | None = None,
+                 selector: CandidateSelector | None = None, top_logits: TopLogits | None = None,
                  select_in_graph: bool = True) -> None:
         """req_to_token: SGLang's [pool_reqs, max_ctx] slot table (a fixed tensor); sizes: batch sizes to capture;
         commit_nodes: verify rows per request that a step can commit (one commit graph per size and count).
-        selector: a DFlash2 draft's (None: DFlash v1), with `top`, its candidates over the whole draft vocabulary, and
-        select_in_graph: its selection captured with the pass (False under TP: it follows the replay)."""
+        selector: a DFlash2 draft's (None: DFlash v1), with `top_logits`, its candidates over the whole draft
+        vocabulary, and select_in_graph: its selection captured with the pass (False under TP: it follows the
+        replay)."""
         assert drafter.attention is not None and drafter.pad_slot is not None, "a paged drafter with a padding slot"
         self.drafter, self.head, self.req_to_token = drafter, head, req_to_token
         self.block = drafter.block
@@ -126,8 +127,8 @@ class DraftGraphs:
                              device=device)
         self.selection = None
         if selector is not None:
-            assert top is not None, "the selector's candidates over the whole draft vocabulary"
-            self.selection = GraphedSelector(selector, top, select_in_graph, max_size, self.block - 1,
+            assert top_logits is not None, "the selector's candidates over the whole draft vocabulary"
+            self.selection = GraphedSelector(selector, top_logits, select_in_graph, max_size, self.block - 1,
                                              drafter.cfg.hidden_size, drafter.dtype, device)
         self.drafts = {
             s: _DraftGraph(s, bonus[:s], seq_lens[:s], pool_idx[:s], kv_indptr[: s + 1],
@@ -183,12 +184,13 @@ class DraftGraphs:
 
     @torch.inference_mode()
     def select(self, bonus: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor | None, req_pool_indices: Tensor,
-               temperature: Tensor | None, sampled: bool, generator: torch.Generator | None) -> SelectorScores | None:
+               temperature: Tensor | None, any_sampled: bool,
+               generator: torch.Generator | None) -> SelectorScores | None:
         """A DFlash2 draft's pass and selection by replay -> its scores over D = B-1 positions (views of the static
         buffers, valid until the next replay), equal to the eager pass's `SelectorScores.of` with the same arguments;
         None when no captured size fits (the caller runs both eagerly).
 
-        The pass's arguments as __call__'s; temperature [bs] float32 (None: every request greedy), sampled: some
+        The pass's arguments as __call__'s; temperature [bs] float32 (None: every request greedy), any_sampled: some
         request samples (known on the host), generator: the walk's uniforms' (drawn only where some request samples).
         """
         assert self.selection is not None, "a DFlash2 draft's graphs"
@@ -196,9 +198,10 @@ class DraftGraphs:
         if g is None:
             return None
         bs = bonus.numel()
-        uniforms = self.selection.load(g.selection, temperature, sampled, generator, bs)
+        uniforms = self.selection.load(g.selection, temperature, any_sampled, generator, bs)
         self._replay(g, self._draft_body, "draft", bs, g.size)
-        return self.selection.scores(g.selection, bs, bonus, g.logits[:bs], temperature, uniforms, generator, sampled)
+        return self.selection.scores(g.selection, bs, bonus, g.logits[:bs], temperature, uniforms, generator,
+                                     any_sampled)
 
     def _load(self, bonus: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor | None,
               req_pool_indices: Tensor) -> _DraftGraph | None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dflash_sglang.core.selector import Candidates, CandidateSelector, SelectorScores, TopK, walk_uniforms
+from dflash_sglang.core.selector import Candidates, CandidateSelector, SelectorScores, TopLogits, walk_uniforms
 
 
 @dataclass
@@ -45,12 +45,12 @@ class SelectorStatics:
 class GraphedSelector:
     """The static buffers of every batch size and the body a draft graph runs after the pass."""
 
-    def __init__(self, selector: CandidateSelector, top: TopK, in_graph: bool, max_size: int, depth: int,
+    def __init__(self, selector: CandidateSelector, top_logits: TopLogits, in_graph: bool, max_size: int, depth: int,
                  hidden_size: int, states_dtype: torch.dtype, device) -> None:
-        """top: the candidates over the whole draft vocabulary (adapter/scale/tp.py `DraftVocab.top`, as the eager path
-        takes them); in_graph: the selection is captured with the pass (one TP rank: `top` holds no collective);
-        depth: D = B-1 block positions."""
-        self.selector, self.top, self.in_graph = selector, top, in_graph
+        """top_logits: the candidates over the whole draft vocabulary (adapter/scale/tp.py `DraftVocab.top_logits`, as
+        the eager path takes them); in_graph: the selection is captured with the pass (one TP rank: `top_logits` holds
+        no collective); depth: D = B-1 block positions."""
+        self.selector, self.top_logits, self.in_graph = selector, top_logits, in_graph
         k, r = selector.top_k, selector.hidden_projection.out_features
         f32, i64 = {"dtype": torch.float32, "device": device}, {"dtype": torch.int64, "device": device}
         sel = max_size if in_graph else 0  # the selection's outputs exist only where the graph writes them
@@ -69,8 +69,8 @@ class GraphedSelector:
         b = self._buffers
         return sum(getattr(b, f).nbytes for f in b.__dataclass_fields__)
 
-    def load(self, s: SelectorStatics, temperature: Tensor | None, sampled: bool, generator: torch.Generator | None,
-             bs: int) -> Tensor | None:
+    def load(self, s: SelectorStatics, temperature: Tensor | None, any_sampled: bool,
+             generator: torch.Generator | None, bs: int) -> Tensor | None:
         """Before a replay of bs requests: temperature [bs] (None: every request greedy) into the statics (padded
         requests greedy); where the walk is in the graph and some request samples, its uniforms [bs, D] drawn now (as
         the eager path draws them) and copied in. Returns the uniforms (None: none drawn)."""
@@ -81,7 +81,7 @@ class GraphedSelector:
         else:
             s.temperature[:bs].copy_(temperature)
             s.temperature[bs:].zero_()
-        u = walk_uniforms(bs, s.uniforms.shape[1], sampled, generator, s.uniforms.device)
+        u = walk_uniforms(bs, s.uniforms.shape[1], any_sampled, generator, s.uniforms.device)
         if u is not None:
             s.uniforms[:bs].copy_(u)
         return u
@@ -92,7 +92,7 @@ class GraphedSelector:
         the bonus tokens -> the selection's statics. No host sync, no data-dependent shape."""
         if not self.in_graph:
             return
-        c = self.selector.candidates(s.states, logits, top=self.top)
+        c = self.selector.candidates(s.states, logits, top_logits=self.top_logits)
         for out, value in ((s.tokens, c.tokens), (s.unary, c.unary), (s.projected, c.hidden),
                            (s.successors, c.successors)):
             out.copy_(value)
@@ -101,12 +101,12 @@ class GraphedSelector:
         s.walk_q.copy_(q)
 
     def scores(self, s: SelectorStatics, bs: int, anchor: Tensor, logits: Tensor, temperature: Tensor | None,
-               uniforms: Tensor | None, generator: torch.Generator | None, sampled: bool) -> SelectorScores:
+               uniforms: Tensor | None, generator: torch.Generator | None, any_sampled: bool) -> SelectorScores:
         """After the replay: the first bs requests' scores (views of the statics, valid until the next replay).
         anchor [bs] int64, logits [bs, D, V] the replay's; temperature / uniforms as `load` took and drew them."""
         if not self.in_graph:  # the merge over ranks and the walk follow the replay
             return SelectorScores.of(self.selector, s.states[:bs], logits, anchor, temperature, generator,
-                                     top=self.top, sampled=sampled)
+                                     top_logits=self.top_logits, any_sampled=any_sampled)
         c = Candidates(s.tokens[:bs], s.unary[:bs], s.projected[:bs], s.successors[:bs],
                        self.selector.predecessor_codebook)
         return SelectorScores(c, anchor.to(torch.int64), s.temperature[:bs], uniforms,

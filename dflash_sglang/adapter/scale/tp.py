@@ -7,10 +7,10 @@ So the draft pass's logits on rank r cover only r's vocabulary shard, and the st
 
 1. the proposal merge (core/vocab_parallel.py): per draft position each rank's k best candidates and its log-sum-exp
    are all-gathered (k + 1 numbers instead of the shard's logits) and merged to the exact full-vocabulary argmax (a
-   chain) or top-k with log-probabilities (a tree); a DFlash2 selector's candidates are the merged top-k logits
-   (k numbers, `top`), which every rank then scores alike: the selector (hidden_projection, the [V, r] codebooks) is
-   part of the replicated drafter, so every rank walks the same chain and grows the same tree (a sampled walk's
-   uniforms from a generator seeded alike on every rank, adapter/step/worker.py);
+   chain) or top-k with log-probabilities (a tree, `top_logprobs`); a DFlash2 selector's candidates are the merged
+   top-k logits (k numbers, `top_logits`), which every rank then scores alike: the selector (hidden_projection, the
+   [V, r] codebooks) is part of the replicated drafter, so every rank walks the same chain and grows the same tree (a
+   sampled walk's uniforms from a generator seeded alike on every rank, adapter/step/worker.py);
 2. the accept decision broadcast from TP rank 0, so every rank commits the same tokens and KV slots whatever the
    floating-point details of its sampler (the target's verify logits are all-gathered by SGLang and identical).
 
@@ -62,16 +62,16 @@ class DraftVocab:
     def world_size(self) -> int:
         return self.group.world_size
 
-    def topk(self, logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    def top_logprobs(self, logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Local draft logits [bs, D, rows] -> (token ids [bs, D, k] int64, log-probs [bs, D, k] float32) over the
         whole vocabulary (k = 1: the argmax)."""
         return merge_candidates(*self._over_ranks(local_candidates(logits, self.shard, k)), k)
 
-    def top(self, logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """Local draft logits [bs, D, rows] -> (values [bs, D, k] float32: the logits, token ids [bs, D, k] int64): the
-        k best over the whole draft vocabulary, ties to the lowest id (a DFlash2 selector's candidates)."""
-        tokens, values = merge_top(*self._over_ranks(local_top(logits, self.shard, k)), k)
-        return values, tokens
+    def top_logits(self, logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """Local draft logits [bs, D, rows] -> (token ids [bs, D, k] int64, logits [bs, D, k] float32): the k best over
+        the whole draft vocabulary, ties to the lowest id (a DFlash2 selector's candidates, core/selector.py
+        `TopLogits`)."""
+        return merge_top(*self._over_ranks(local_top(logits, self.shard, k)), k)
 
     def _over_ranks(self, parts: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         """This rank's [...] tensors -> every rank's, [R, ...] in rank order."""
@@ -81,7 +81,7 @@ class DraftVocab:
 
     def argmax(self, logits: Tensor) -> Tensor:
         """Local draft logits [bs, D, rows] -> the drafts [bs, D] int64."""
-        return self.topk(logits, 1)[0][..., 0]
+        return self.top_logprobs(logits, 1)[0][..., 0]
 
     def scores(self, logits: Tensor) -> RankScores:
         """Local draft logits [bs, D, rows] as core's DraftScores (core/speculate.py) over the whole vocabulary."""
@@ -128,8 +128,8 @@ class RankScores:
     def argmax(self, count: int) -> Tensor:
         return self.vocab.argmax(self.logits[:, :count])
 
-    def topk(self, k: int) -> tuple[Tensor, Tensor]:
-        return self.vocab.topk(self.logits, k)
+    def top_logprobs(self, k: int) -> tuple[Tensor, Tensor]:
+        return self.vocab.top_logprobs(self.logits, k)
 
     def ranks(self, tokens: Tensor) -> Tensor | None:
         # Under TP a rank would need every shard's count (two more collectives per step): not measured there, and the

@@ -74,15 +74,15 @@ def prefill_rows(hidden: Tensor, extend_lens: list[int], full: bool) -> Tensor:
     return hidden[last]
 
 
-def decode_rows(hidden: Tensor, accept_nodes: Tensor | None, bs: int, stride: int) -> Tensor:
-    """hidden [bs * n, H] (verify rows) -> [bs * stride, H]: per request the committed tokens' predicting rows, then
-    zeros in the slots the scheduler never reads. A step commits at most n tokens per request, so only m = min(n,
-    stride) rows per request are gathered (a plain step under the goodput controller: one, not the stride), as
-    logprobs.attach_logprobs computes only m distributions."""
+def decode_rows(hidden: Tensor, accept_nodes: Tensor | None, bs: int, max_nodes: int) -> Tensor:
+    """hidden [bs * n, H] (verify rows) -> [bs * N, H] (N = max_nodes, the result row stride): per request the
+    committed tokens' predicting rows, then zeros in the slots the scheduler never reads. A step commits at most n
+    tokens per request, so only m = min(n, N) rows per request are gathered (a plain step under the goodput
+    controller: one, not N), as logprobs.attach_logprobs computes only m distributions."""
     n = hidden.shape[0] // bs
-    m = min(n, stride)
+    m = min(n, max_nodes)
     rows = predicting_rows(accept_nodes, bs, n, m, hidden.device)  # [bs, m]
     flat = rows + torch.arange(bs, device=hidden.device)[:, None] * n
-    out = hidden.new_zeros(bs, stride, hidden.shape[1])
+    out = hidden.new_zeros(bs, max_nodes, hidden.shape[1])
     out[:, :m] = hidden[flat.reshape(-1)].view(bs, m, -1)
-    return out.view(bs * stride, -1)
+    return out.view(bs * max_nodes, -1)

@@ -50,15 +50,15 @@ class HybridTarget:
                                f"{type(backend).__name__} cannot commit verified recurrent state")
         return cls(backend, model_runner.model, int(server_topk))
 
-    def links(self, tree, bs: int, width: int, device) -> tuple[Tensor, Tensor] | None:
-        """The tree links the linear layers' tree kernels read on every verify once the server's top-k is > 1
-        (first child / next sibling [bs, width] int64, SGLang's EAGLE layout, -1 none; a chain as a one-child-each
-        tree); None at top-k 1 (chain kernels)."""
+    def links(self, tree, bs: int, n: int, device) -> tuple[Tensor, Tensor] | None:
+        """The tree links the linear layers' tree kernels read on every verify of n rows per request once the
+        server's top-k is > 1 (first child / next sibling [bs, n] int64, SGLang's EAGLE layout, -1 none; a chain as a
+        one-child-each tree); None at top-k 1 (chain kernels)."""
         if self.server_topk <= 1:
             return None
         if tree is not None:
             return tree.retrive_next_token, tree.retrive_next_sibling
-        return chain_links(bs, width, device)
+        return chain_links(bs, n, device)
 
     def commit(self, batch, seq_lens_pre: Tensor, accept_len: Tensor, path_rows: Tensor | None) -> None:
         """After acceptance, before anything plans another target forward (0.5.17 reads the verify's metadata):
@@ -75,10 +75,10 @@ class HybridTarget:
             mamba_steps_to_track=track, model=self.model, req_pool_indices=batch.req_pool_indices[: len(accept_len)])
 
 
-def chain_links(bs: int, width: int, device) -> tuple[Tensor, Tensor]:
-    """A chain of `width` rows in tree-link form: (first child [bs, width], next sibling [bs, width]) int64."""
-    rows = torch.arange(width, device=device)
-    nxt = torch.where(rows + 1 < width, rows + 1, -1).expand(bs, width).contiguous()
+def chain_links(bs: int, n: int, device) -> tuple[Tensor, Tensor]:
+    """A chain of n rows in tree-link form: (first child [bs, n], next sibling [bs, n]) int64."""
+    rows = torch.arange(n, device=device)
+    nxt = torch.where(rows + 1 < n, rows + 1, -1).expand(bs, n).contiguous()
     return nxt, torch.full_like(nxt, -1)
 
 

@@ -107,14 +107,14 @@ class ShapeSchedule:
 
     @classmethod
     def from_settings(cls, settings: DFlashSettings) -> ShapeSchedule:
-        """Adaptive mode: the table's policy under N = settings.nodes; else the fixed shape N x k (the chain:
+        """Adaptive mode: the table's policy under N = settings.max_nodes; else the fixed shape N x k (the chain:
         N = B, k = 1). The table was checked at start-up."""
         if settings.mode == "goodput":
-            return cls(settings.nodes, controller=GoodputController(settings.controller_config()),
+            return cls(settings.max_nodes, controller=GoodputController(settings.controller_config()),
                        token_budget=settings.adaptive_token_budget, step_cost=settings.step_cost)
         if settings.mode != "adaptive":
-            return cls(settings.nodes, fixed=SpecShape(settings.nodes, settings.topk))
-        return cls(settings.nodes, policy=settings.policy(), table=settings.adaptive_table)
+            return cls(settings.max_nodes, fixed=SpecShape(settings.max_nodes, settings.topk))
+        return cls(settings.max_nodes, policy=settings.policy(), table=settings.adaptive_table)
 
     def node_counts(self) -> tuple[int, ...]:
         """Verify rows per request of the table's shapes (the fixed shape's alone): what commit graphs are captured

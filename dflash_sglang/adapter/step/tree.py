@@ -16,16 +16,16 @@ from torch import Tensor
 from dflash_sglang.core.tree_verify import TreeAcceptResult
 
 
-def fit_rows(out_tokens: Tensor, width: int) -> Tensor:
-    """out_tokens [bs, D+1] (accepted tokens, bonus, then -1) -> [bs, width], cropped or -1 padded.
+def fit_rows(out_tokens: Tensor, max_nodes: int) -> Tensor:
+    """out_tokens [bs, D+1] (accepted tokens, bonus, then -1) -> [bs, N] (N = max_nodes), cropped or -1 padded.
 
     SGLang reads row i of next_token_ids with stride `speculative_num_draft_tokens` (N) up to accept_lens[i],
     and a path never commits more than N tokens, so cropping drops only -1 padding.
     """
     have = out_tokens.shape[1]
-    if have >= width:
-        return out_tokens[:, :width]
-    return torch.cat([out_tokens, out_tokens.new_full((out_tokens.shape[0], width - have), -1)], dim=1)
+    if have >= max_nodes:
+        return out_tokens[:, :max_nodes]
+    return torch.cat([out_tokens, out_tokens.new_full((out_tokens.shape[0], max_nodes - have), -1)], dim=1)
 
 
 def compact_path_slots(

@@ -40,12 +40,12 @@ def masked_verify_graphs(settings) -> bool:
     return settings.tree_cuda_graph and settings.device.startswith("cuda") and settings.has_tree_rows
 
 
-def verify_mask(tree_mask: Tensor | None, bs: int, width: int, masked_graphs: bool, device) -> Tensor | None:
-    """The [bs, width, width] bool mask a verify passes to a GPU backend: the tree's, a chain's causal one when the
-    verify graphs were captured with mask buffers, else None (a plain causal chain)."""
+def verify_mask(tree_mask: Tensor | None, bs: int, n: int, masked_graphs: bool, device) -> Tensor | None:
+    """The [bs, n, n] bool mask a verify of n rows per request passes to a GPU backend: the tree's, a chain's causal
+    one when the verify graphs were captured with mask buffers, else None (a plain causal chain)."""
     if tree_mask is not None or not masked_graphs:
         return tree_mask
-    return torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(bs, width, width)
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(bs, n, n)
 
 
 def run_target_verify(
@@ -53,42 +53,43 @@ def run_target_verify(
     tree_mask: Tensor | None = None, masked_graphs: bool = False, eager: bool = False,
     tree_links: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[LogitsProcessorOutput, bool]:
-    """TARGET_VERIFY forward of `ids` [bs, T] at `positions` [bs, T], writing target KV to `slots` [bs, T].
+    """TARGET_VERIFY forward of `ids` [bs, n] (n verify rows per request) at `positions` [bs, n], writing target KV to
+    `slots` [bs, n].
 
-    `batch.seq_lens` holds the committed lengths (the rows start there). tree_mask [bs, T, T] bool (None: a
+    `batch.seq_lens` holds the committed lengths (the rows start there). tree_mask [bs, n, n] bool (None: a
     causal chain) restricts row i to the rows it marks; the rows' KV must then sit at req_to_token columns
-    seq_len .. seq_len + T - 1 in row order. Mutates batch.input_ids / spec_info / forward_mode /
+    seq_len .. seq_len + n - 1 in row order. Mutates batch.input_ids / spec_info / forward_mode /
     out_cache_loc the way SGLang's own verify does; the scheduler's forward isolation restores them.
-    Returns (logits output with next_token_logits [bs*T, V] and hidden_states [bs*T, n_features*H],
+    Returns (logits output with next_token_logits [bs*n, V] and hidden_states [bs*n, n_features*H],
     can_run_cuda_graph). eager: never replay a CUDA graph (forward hooks must run). tree_links: a hybrid target's
-    (first child, next sibling) [bs, T] int64 for its linear layers' tree kernels (adapter/step/hybrid.py).
+    (first child, next sibling) [bs, n] int64 for its linear layers' tree kernels (adapter/step/hybrid.py).
     """
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
     from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 
-    bs, width = ids.shape
+    bs, n = ids.shape
     runner = target_worker.model_runner
     cpu_backend = isinstance(runner.attn_backend, TorchNativeAttnBackend)
     verify_input = DFlashVerifyInput(
         draft_token=ids.reshape(-1),
         positions=positions.reshape(-1),
-        draft_token_num=width,
+        draft_token_num=n,
         custom_mask=None,  # a chain: plain causal attention
         capture_hidden_mode=CaptureHiddenMode.FULL,
     )
     if tree_links is not None:  # (read by SGLang's linear-attention backend under these names)
         verify_input.retrieve_next_token, verify_input.retrieve_next_sibling = tree_links
     seq_lens_cpu, seq_lens_sum = batch.seq_lens_cpu, batch.seq_lens_sum
-    gpu_mask = None if cpu_backend else verify_mask(tree_mask, bs, width, masked_graphs, ids.device)
+    gpu_mask = None if cpu_backend else verify_mask(tree_mask, bs, n, masked_graphs, ids.device)
     if gpu_mask is not None:
         prefix_sum = int(seq_lens_cpu.sum()) if seq_lens_cpu is not None else int(batch.seq_lens.sum())
         verify_input.custom_mask = flat_custom_mask(batch.seq_lens, gpu_mask, prefix_sum)
     batch.out_cache_loc = slots.reshape(-1)
     # Host-side length bounds used for planning: committed prefix + the verify rows (as the builtin does).
     if seq_lens_cpu is not None:
-        batch.seq_lens_cpu = seq_lens_cpu + width
+        batch.seq_lens_cpu = seq_lens_cpu + n
         batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
     # SGLang 0.5.17 captures the DFLASH verify CUDA graph without a custom mask, so a tree verify runs eagerly,
     # unless the graphs were captured with mask buffers (masked_verify_graphs).
@@ -102,12 +103,12 @@ def run_target_verify(
         if cpu_backend:
             prefix = forward_batch.seq_lens
             forward_batch.extend_prefix_lens = prefix
-            forward_batch.extend_seq_lens = torch.full_like(prefix, width)
-            forward_batch.seq_lens = prefix + width
+            forward_batch.extend_seq_lens = torch.full_like(prefix, n)
+            forward_batch.seq_lens = prefix + n
             # RadixAttention calls the backend of the active ForwardContext. Chains too: SGLang's torch_native extend
             # attends a query padded to the whole prefix (an L x L attention per request and layer, most of a verify's
             # time), ours only the verify rows (n x L); one row is exactly its decode attention.
-            mask = tree_mask if tree_mask is not None else _causal(bs, width, ids.device)
+            mask = tree_mask if tree_mask is not None else _causal(bs, n, ids.device)
             masked = TreeMaskAttention(runner.attn_backend, mask, prefix, chain=tree_mask is None)
             context = forward_context(ForwardContext(attn_backend=masked))
         forward_batch.mark_forward_metadata_ready()
@@ -116,9 +117,9 @@ def run_target_verify(
     return out.logits_output, bool(out.can_run_cuda_graph)
 
 
-def _causal(bs: int, width: int, device) -> Tensor:
-    """[bs, width, width] bool: a chain's verify rows, each attending to itself and the rows before it."""
-    return torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(bs, width, width)
+def _causal(bs: int, n: int, device) -> Tensor:
+    """[bs, n, n] bool: a chain's n verify rows, each attending to itself and the rows before it."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(bs, n, n)
 
 
 @contextlib.contextmanager

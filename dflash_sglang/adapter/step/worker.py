@@ -9,7 +9,7 @@ The scheduler contract (SGLang 0.5.17 and 0.5.23, the one its builtin DFLASH wor
   stream (GPU default);
 - the relayed per-request state is SGLang's own `DFlashDraftInputV2` (bonus token + committed length), whose
   `prepare_for_decode` reserves 2*N KV slots past the committed length before every decode step
-  (N = the declared speculative_num_draft_tokens, settings.nodes);
+  (N = the declared speculative_num_draft_tokens, settings.max_nodes);
 - results: `next_token_ids` [bs*N] (row i: accepted drafts, then the bonus), `accept_lens` [bs] int32 =
   tokens committed (bonus included), `speculative_num_draft_tokens` = N as the row stride. The scheduler
   appends them and applies stop strings / EOS / max_new_tokens per request, trimming anything after the
@@ -156,7 +156,7 @@ class DFlashWorker(BaseSpecWorker):
         self.settings = settings_of(server_args)  # resolved and checked at start-up (adapter/boot/resolve.py)
         self.cfg = self.settings.draft
         self.block_size = self.settings.block_size
-        self.stride = self.settings.nodes  # N: the most verify rows per request = row stride of next_token_ids
+        self.max_nodes = self.settings.max_nodes  # N: the most verify rows per request = row stride of next_token_ids
         self.draft_dir = self.settings.draft_dir
         self.drafter: PagedDrafter | None = None  # set by alloc_memory_pool (needs the slot count)
         self.head: TargetHead | None = None  # the target's embedding and lm_head, borrowed by the drafter
@@ -209,8 +209,8 @@ class DFlashWorker(BaseSpecWorker):
     @property
     def speculative_num_draft_tokens(self) -> int:
         # Read off the spec worker by SGLang's metrics (the `sglang:spec_num_draft_tokens` gauge, "currently
-        # active"): the last step's verify nodes per request. The row stride stays self.stride.
-        return self.schedule.current.nodes if self.schedule.current is not None else self.stride
+        # active"): the last step's verify nodes per request. The row stride stays self.max_nodes.
+        return self.schedule.current.nodes if self.schedule.current is not None else self.max_nodes
 
     @property
     def primary_draft_kv_pool(self) -> TransferredDraftPool | None:
@@ -340,7 +340,7 @@ class DFlashWorker(BaseSpecWorker):
         self.graphs = DraftGraphs(self.drafter, self.head, self.req_to_token_pool.req_to_token, sizes,
                                   self.schedule.node_counts(), self.drafter.drafter.fc.in_features,
                                   self.model_runner.dtype, capture=mode == "capture", selector=self.selector,
-                                  top=self.vocab.top, select_in_graph=self.vocab.world_size == 1)
+                                  top_logits=self.vocab.top_logits, select_in_graph=self.vocab.world_size == 1)
         logger.info("DFLASH (dflash-sglang): %s (%.1f s)", self.graphs.describe(), time.perf_counter() - tic)
 
     def __getattr__(self, name):
@@ -375,10 +375,10 @@ class DFlashWorker(BaseSpecWorker):
         out.new_seq_lens = batch.seq_lens
         if on_publish is not None:
             on_publish(out.new_seq_lens)
-        hidden = out.logits_output.hidden_states
-        if hidden is None:
+        features = out.logits_output.hidden_states  # [tokens, F]: the draft's target layers, captured
+        if features is None:
             raise RuntimeError("DFLASH: the target returned no captured features (is its architecture supported?)")
-        self.drafter.commit_extend(hidden, _extend_positions(batch, hidden.device), batch.out_cache_loc,
+        self.drafter.commit_extend(features, _extend_positions(batch, features.device), batch.out_cache_loc,
                                    batch.req_pool_indices, list(batch.extend_lens))
         # the features are the drafter's: the scheduler gets the final hidden states where a request asks for them
         out.logits_output.hidden_states = (prefill_rows(self.final_hidden.take(), list(batch.extend_lens),
@@ -404,7 +404,7 @@ class DFlashWorker(BaseSpecWorker):
             next_token_ids=empty,
             accept_lens=empty.to(torch.int32),
             next_draft_input=_draft_input(empty, empty),
-            speculative_num_draft_tokens=self.stride,
+            speculative_num_draft_tokens=self.max_nodes,
             new_seq_lens=empty,
         )
 
@@ -458,7 +458,7 @@ class DFlashWorker(BaseSpecWorker):
         elif self.graphs is None or not self.graphs.commit(*rows, bs=seq_lens.numel(), nodes=step.positions.shape[1]):
             self.drafter.commit(*rows)
         logits_output.hidden_states = (None if step.final_hidden is None else
-                                       decode_rows(step.final_hidden, accept_nodes, seq_lens.numel(), self.stride))
+                                       decode_rows(step.final_hidden, accept_nodes, seq_lens.numel(), self.max_nodes))
 
         return GenerationBatchResult(
             logits_output=logits_output,
@@ -466,7 +466,7 @@ class DFlashWorker(BaseSpecWorker):
             accept_lens=commit_lens,
             can_run_cuda_graph=step.can_run_cuda_graph,
             next_draft_input=_draft_input(step.bonus, new_seq_lens),
-            speculative_num_draft_tokens=self.stride,
+            speculative_num_draft_tokens=self.max_nodes,
             new_seq_lens=new_seq_lens,
         )
 
@@ -523,13 +523,13 @@ class DFlashWorker(BaseSpecWorker):
         if batch.has_grammar:  # (a host copy, before the verify)
             grammar = (GrammarTree.from_linear_chain(proposal.ids) if tree is None else
                        GrammarTree.from_device(tree.retrive_next_token, tree.retrive_next_sibling, tree.tokens))
-        hidden = batch.return_hidden_states  # (the hook must run: no CUDA graph replay then)
+        return_hidden = batch.return_hidden_states  # (the hook must run: no CUDA graph replay then)
         links = self.hybrid.links(tree, bs, n, seq_lens.device) if self.hybrid is not None else None
-        with self.final_hidden.capture(hidden):
+        with self.final_hidden.capture(return_hidden):
             logits_output, graph = run_target_verify(
                 self.target_worker, batch, inputs.input_ids, inputs.positions, inputs.out_cache_loc,
                 tree_mask=tree.mask if tree is not None else None, masked_graphs=self.masked_graphs,
-                eager=eager or hidden or links is not None, tree_links=links,
+                eager=eager or return_hidden or links is not None, tree_links=links,
             )
         penalized = self.penalties.rows(batch, bonus, logits_output.next_token_logits.shape[-1])
         logits = logits_output.next_token_logits.view(bs, n, -1)  # [bs, n, V]: n verify rows per request
@@ -548,9 +548,10 @@ class DFlashWorker(BaseSpecWorker):
             ranks = committed_ranks(scores, result, n, scores.positions)
         if penalized is not None:
             self.penalties.commit(penalized, result.out_tokens, result.accept_len + 1)
-        return _Accepted(fit_rows(result.out_tokens, self.stride), result.accept_len, result.bonus, inputs.positions,
-                         inputs.out_cache_loc, logits_output, graph, tree_result=result if tree is not None else None,
-                         final_hidden=self.final_hidden.take() if hidden else None, ranks=ranks)
+        return _Accepted(fit_rows(result.out_tokens, self.max_nodes), result.accept_len, result.bonus,
+                         inputs.positions, inputs.out_cache_loc, logits_output, graph,
+                         tree_result=result if tree is not None else None,
+                         final_hidden=self.final_hidden.take() if return_hidden else None, ranks=ranks)
 
     @staticmethod
     def _bias_and_grammar(logits: Tensor, batch: ScheduleBatch, grammar, grammar_barrier) -> None:
@@ -579,16 +580,16 @@ class DFlashWorker(BaseSpecWorker):
         if self.selector is None:
             return self.vocab.scores(self._draft_pass(batch, bonus, block))
         temperature = params.temperature if params is not None else None
-        sampled = some_row_samples(params)  # (from the requests' host-side params: no host sync)
-        assert sampled is not None, "step/verify.py sampling_params gives the host hints of the batch's requests"
+        any_sampled = some_row_samples(params)  # (from the requests' host-side params: no host sync)
+        assert any_sampled is not None, "step/verify.py sampling_params gives the host hints of the batch's requests"
         args = (bonus, batch.seq_lens, batch.seq_lens_cpu, batch.req_pool_indices)
         if self.graphs is not None:
-            scores = self.graphs.select(*args, temperature, sampled, self.walk_generator)
+            scores = self.graphs.select(*args, temperature, any_sampled, self.walk_generator)
             if scores is not None:
                 return scores
         hidden, logits = self.eager_pass.with_hidden(*args, block)
         return SelectorScores.of(self.selector, hidden, logits, bonus, temperature, self.walk_generator,
-                                 top=self.vocab.top, sampled=sampled)
+                                 top_logits=self.vocab.top_logits, any_sampled=any_sampled)
 
     def _draft_pass(self, batch: ScheduleBatch, bonus: Tensor, block: int) -> Tensor:
         """One drafter pass over the block [bonus, MASK x (b-1)] at seq_len.. (b = `block` <= B) -> draft logits
