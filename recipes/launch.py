@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from dflash_sglang.bench import recipe as recipes
+from dflash_sglang.bench.serving import recipe as recipes
 from dflash_sglang.pairs import pair_for
 
 

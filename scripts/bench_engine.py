@@ -9,7 +9,7 @@ on the SmolLM2 testbed pair, one Engine at a time, outputs checked identical to 
 plain is the median of the repeats' with a 95% interval, called a speedup or slower only when the interval excludes
 1.0 ("same as plain within noise" otherwise; one repeat: no interval, no verdict). `--resident`: each arm's Engine
 started once and kept for every pass (many cheap passes, seconds apart: tighter intervals); `--baseline ARM`: ratios
-against another arm than plain. See `dflash_sglang/bench/engine.py`
+against another arm than plain. See `dflash_sglang/bench/engine/compare.py`
 (what is measured and why). Writes CSV + JSON (+ PNG for `switch`) and a log per arm and pass to --out; last stdout
 line: JSON. Exit 1 on any output differing from plain or a failed arm.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_sglang.bench.engine import main  # noqa: E402
+from dflash_sglang.bench.engine.compare import main  # noqa: E402
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -3,9 +3,10 @@
 
     python scripts/bench_pd.py --arms whole,pd,plain,plain-pd --requests 32 --concurrency 8 --repeats 3
 
-See `dflash_sglang/bench/pd.py` and docs/benchmarks.md. Exits 1 when a greedy answer differs from the first arm's.
+See `dflash_sglang/bench/serving/pd.py` and docs/benchmarks.md. Exits 1 when a greedy answer differs from the first
+arm's.
 """
-from dflash_sglang.bench.pd import main
+from dflash_sglang.bench.serving.pd import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

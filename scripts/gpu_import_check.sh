@@ -205,7 +205,7 @@ if __name__ == "__main__":  # (a file with a main guard: SGLang spawns its sched
 EOF
 PYTHONPATH="$CPU_SHIMS:$PYTHONPATH" SGLANG_PLUGINS=dflash_sglang OMP_NUM_THREADS=1 timeout 600 \
   $V "$WORK/engine_check.py" "$WORK" >"$WORK/logs/engine.log" 2>&1 && ENGINE_OK=1 || true
-MARKER=$($V -c 'from dflash_sglang.bench.pareto import OURS_LOG_MARKER as m; print(m)')
+MARKER=$($V -c 'from dflash_sglang.bench.serving.pareto import OURS_LOG_MARKER as m; print(m)')
 grep -qF "$MARKER" "$WORK/logs/engine.log" || ENGINE_OK=0
 
 # (6) The table: the device's versions (KINDS.md, gpu_wheels.PINNED) against this virtualenv's.

@@ -1,5 +1,5 @@
-"""scripts/bench_draft_memory.py (dflash_sglang/bench/draft_memory.py): the budget arithmetic, the timed command it
-prints, and tiny runs of both modes on the SmolLM2 testbed pair (not performance claims)."""
+"""scripts/bench_draft_memory.py (dflash_sglang/bench/memory/draft_memory.py): the budget arithmetic, the timed command
+it prints, and tiny runs of both modes on the SmolLM2 testbed pair (not performance claims)."""
 from __future__ import annotations
 
 import json
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_sglang.bench.draft_memory import (budget_rows, engine_command, kv_bytes_per_token, multi_turn_prompts,
-                                              reference_tau, window_tau)
-from dflash_sglang.bench.engine import parse_arm
+from dflash_sglang.bench.memory.draft_memory import (budget_rows, engine_command, kv_bytes_per_token,
+                                                     multi_turn_prompts, reference_tau, window_tau)
+from dflash_sglang.bench.engine.compare import parse_arm
 from factories import draft_config_for, mixed_prompts, tiny_drafter, tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,7 +127,7 @@ def test_script_tiny_run(pair, args):
 def test_capacity_rows_per_layout():
     """Per-token layouts (no window, a window over the slot rows, the builtin's) hold budget // (target + draft) tokens;
     the ring holds the most requests whose rings (one more request slot) and target KV fit."""
-    from dflash_sglang.bench.window_capacity import capacity_rows
+    from dflash_sglang.bench.memory.window_capacity import capacity_rows
 
     rows = {r.layout: r for r in capacity_rows(10**9, 1000, 100, [4096], [64], 16)}
     assert set(rows) == {"whole", "slots64", "builtin64", "ring64"}
@@ -148,7 +148,7 @@ def test_capacity_arithmetic_is_sglangs_own_sizing():
 
     if sglang_skip_reason() is not None:
         pytest.skip(sglang_skip_reason())
-    from dflash_sglang.bench.window_capacity import (QWEN3_8B, QWEN3_8B_DFLASH, capacity_rows, compare,
+    from dflash_sglang.bench.memory.window_capacity import (QWEN3_8B, QWEN3_8B_DFLASH, capacity_rows, compare,
                                                       sglang_sizing_in_child, write_pair)
 
     import tempfile

@@ -1,6 +1,6 @@
-"""The pure parts of the Engine throughput benchmark (dflash_sglang/bench/engine.py) and the training-job pause
-(bench/quiet.py): arm specs, the plan of generate calls (repeats interleaved as passes over the arms), tokens/s ratios
-with their interval and wording, and mismatches vs plain. No Engine starts, nothing is timed."""
+"""The pure parts of the Engine throughput benchmark (dflash_sglang/bench/engine/compare.py) and the training-job pause
+(bench/common/training_pause.py): arm specs, the plan of generate calls (repeats interleaved as passes over the arms),
+tokens/s ratios with their interval and wording, and mismatches vs plain. No Engine starts, nothing is timed."""
 from __future__ import annotations
 
 import os
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from dflash_sglang.bench.engine import (
+from dflash_sglang.bench.engine.compare import (
     STATIC_TABLE, build_plan, mismatches, parse_arm, parse_kv, parse_value, plot_switch, split_env, summarize,
     switch_schedule,
 )
-from dflash_sglang.bench.noise import FASTER, ONE_REPEAT, SAME, SLOWER, RatioSpread
-from dflash_sglang.bench.quiet import SCRIPT, busy_share, cpu_model, training_paused
+from dflash_sglang.bench.common.spread import FASTER, ONE_REPEAT, SAME, SLOWER, RatioSpread
+from dflash_sglang.bench.common.training_pause import SCRIPT, busy_share, cpu_model, training_paused
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": "/d"}
@@ -174,8 +174,7 @@ def test_repeats_run_as_passes_over_the_arms(monkeypatch):
     import contextlib
     from types import SimpleNamespace
 
-    from dflash_sglang.bench import engine
-
+    from dflash_sglang.bench.engine import compare as engine
     calls = []
 
     def fake_run_arm(name, kwargs, steps, args, common, stem=None):
@@ -207,7 +206,7 @@ def test_repeats_run_as_passes_over_the_arms(monkeypatch):
 
 FAKE_RESIDENT_CHILD = """
 import json, os, sys
-from dflash_sglang.bench import resident
+from dflash_sglang.bench.engine import resident
 job = json.load(open(sys.argv[1]))
 def run_pass(k):
     if job["arm"] == "bad" and k == 1:
@@ -227,8 +226,7 @@ def test_resident_engines_start_once_and_serve_every_pass_in_alternating_order(t
     import sys
     from types import SimpleNamespace
 
-    from dflash_sglang.bench import resident
-
+    from dflash_sglang.bench.engine import resident
     children, order = [], []
 
     def spawn(name, kwargs, stem):
@@ -270,7 +268,7 @@ def test_resident_engines_start_once_and_serve_every_pass_in_alternating_order(t
     ([13.0, 13.4, 12.9], [10.0, 10.5, 9.8], "speedup "),
 ])
 def test_ratio_words_name_the_baseline_arm(arm, base, head):
-    """A ratio over another arm than plain (bench/pd.py's is over the whole server) is worded over that arm."""
+    """A ratio over another arm than plain (bench/serving/pd.py's is over the whole server) is worded over that arm."""
     text = RatioSpread.paired(arm, base, baseline="whole").words()
     assert text.startswith(head) and "plain" not in text, text
 
@@ -368,7 +366,7 @@ def test_switch_plot(tmp_path):
 
 
 def test_shape_trace_assigns_steps_to_the_round_that_follows_them(tmp_path):
-    from dflash_sglang.bench.shape_trace import TracedStep, parse_trace, plot_trace
+    from dflash_sglang.bench.engine.shape_trace import TracedStep, parse_trace, plot_trace
 
     log = "\n".join([
         "DFLASH goodput step: shape=16 bs=1 accepted=3 seconds=0.2",  # the warm-up's: dropped
@@ -386,11 +384,10 @@ def test_shape_trace_assigns_steps_to_the_round_that_follows_them(tmp_path):
 
 
 def test_step_profile_places_each_scheduler_sample_in_its_first_part():
-    """py-spy's raw stacks summed by part of the step (bench/step_profile.py): the scheduler's event loop only (not
-    its start-up, not other processes), the first part a stack names wins (a catch-up's commit is upkeep, not the
+    """py-spy's raw stacks summed by part of the step (bench/engine/step_profile.py): the scheduler's event loop only
+    (not its start-up, not other processes), the first part a stack names wins (a catch-up's commit is upkeep, not the
     worker's rest), per timed output token."""
-    from dflash_sglang.bench import step_profile
-
+    from dflash_sglang.bench.engine import step_profile
     sched = ("<module> (<string>:1);run_scheduler_process (scheduler.py:1);Scheduler.event_loop_normal (s.py:2);"
              "Scheduler.run_batch (scheduler.py:3)")
     worker = f"{sched};DFlashWorker._decode (dflash_sglang/adapter/step/worker.py:3)"

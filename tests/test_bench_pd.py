@@ -1,14 +1,13 @@
-"""bench/pd.py (scripts/bench_pd.py): the PD arms' servers and the report. The PD path itself is tested end to end in
-tests/test_sglang_e2e.py (`test_pd_disaggregation_over_mooncake_matches_plain`); the timed runs are benchmarks."""
+"""bench/serving/pd.py (scripts/bench_pd.py): the PD arms' servers and the report. The PD path itself is tested end to
+end in tests/test_sglang_e2e.py (`test_pd_disaggregation_over_mooncake_matches_plain`); the timed runs are
+benchmarks."""
 from __future__ import annotations
 
 from contextlib import ExitStack
 
 import pytest
 
-from dflash_sglang.bench import pd
-
-
+from dflash_sglang.bench.serving import pd
 def test_report_gives_tokens_per_second_acceptance_and_the_ratio_over_the_first_arm():
     whole = pd.ArmResult("whole", seconds=[10.0, 12.0], tokens=[640, 640], steps=[200, 200])
     split = pd.ArmResult("pd", seconds=[20.0, 16.0], tokens=[640, 640], steps=[210, 190], mismatches=1)

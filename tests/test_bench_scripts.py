@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_sglang.bench import pareto, recipe, roofline
+from dflash_sglang.bench.serving import pareto, recipe, roofline
 from dflash_sglang.bench.accept import Arm, pooled, summarize
-from dflash_sglang.bench.datasets import jsonl_prompts
+from dflash_sglang.bench.common.datasets import jsonl_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIMS = ROOT / "tests" / "sglang_shims"
@@ -76,7 +76,7 @@ def sglang_env() -> dict:
 @pytest.fixture(scope="module")
 def server(pair, sglang_env, tmp_path_factory):
     """One CPU server for the testbed pair: DFLASH with our worker if the adapter is installed."""
-    from dflash_sglang.bench.server import Server
+    from dflash_sglang.bench.common.server import Server
 
     target, draft = pair
     arm = "ours" if HAS_ADAPTER else "none"
@@ -195,13 +195,13 @@ def test_bench_accept_server_backend(pair, sglang_env, server, tmp_path):
 @pytest.mark.slow
 def test_sglang_bench_serving_on_a_dflash_server(pair, sglang_env, server, tmp_path):
     """SGLang's own benchmark client as the README runs it against a DFLASH server on the embedded pair: the dataset
-    file from the one-liner (`python -m dflash_sglang.bench.datasets sharegpt-json`: the packaged ShareGPT JSON is
-    cut off mid-record, which the client rejects), every request served, and an accept length printed."""
+    file from the one-liner (`python -m dflash_sglang.bench.common.datasets sharegpt-json`: the packaged ShareGPT JSON
+    is cut off mid-record, which the client rejects), every request served, and an accept length printed."""
     arm, srv = server
     if arm != "ours":
         pytest.skip("an accept length needs a DFLASH server (dflash_sglang.adapter is not installed)")
     target, _ = pair
-    path = subprocess.run([sys.executable, "-m", "dflash_sglang.bench.datasets", "sharegpt-json"], cwd=ROOT,
+    path = subprocess.run([sys.executable, "-m", "dflash_sglang.bench.common.datasets", "sharegpt-json"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300, check=True).stdout.strip()
     assert Path(path).is_file() and isinstance(json.loads(Path(path).read_text()), list), path
     proc = subprocess.run([sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--base-url",
@@ -220,7 +220,8 @@ def test_sglang_bench_serving_on_a_dflash_server(pair, sglang_env, server, tmp_p
 
 
 def test_bench_package_does_not_import_sglang():
-    code = ("import sys, dflash_sglang.bench.pareto, dflash_sglang.bench.accept, dflash_sglang.bench.recipe, "
+    code = ("import sys, dflash_sglang.bench.serving.pareto, dflash_sglang.bench.accept, "
+            "dflash_sglang.bench.serving.recipe, "
             "dflash_sglang.pairs; assert not [m for m in sys.modules if m.split('.')[0] == 'sglang']")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
@@ -351,8 +352,8 @@ def test_free_ports_lie_below_the_ephemeral_range_with_their_offsets_free(monkey
     distinct, and free at every port the server derives from it: a candidate taken at any offset is passed over."""
     import socket
 
-    from dflash_sglang.bench import server
-    from dflash_sglang.bench.server import ephemeral_low, free_port, free_ports
+    from dflash_sglang.bench.common import server
+    from dflash_sglang.bench.common.server import ephemeral_low, free_port, free_ports
 
     offsets = (0, 1, 233, 241)
     ports = free_ports(20, offsets)

@@ -1,4 +1,4 @@
-"""The mixed-burst benchmark (scripts/bench_burst.py, dflash_sglang/bench/burst.py).
+"""The mixed-burst benchmark (scripts/bench_burst.py, dflash_sglang/bench/serving/burst.py).
 
 Without SGLang: the arms' launch flags, the burst's make-up (ordinary requests only, seeded), the greedy comparison
 and the report's ratios and words. With SGLang and the SmolLM2 testbed: a small real run (plain and the DFLASH
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from sglang_support import sglang_skip_reason
 
-from dflash_sglang.bench import burst
-from dflash_sglang.bench.stress_client import Answer, Outcome
-from dflash_sglang.bench.stress_workload import PromptPool
+from dflash_sglang.bench.serving import burst
+from dflash_sglang.bench.soak.client import Answer, Outcome
+from dflash_sglang.bench.soak.workload import PromptPool
 
 ROOT = Path(__file__).resolve().parents[1]
 DRAFT = Path("/draft")

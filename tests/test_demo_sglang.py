@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_sglang.bench.noise import RatioSpread
-from dflash_sglang.bench.shape_trace import parse_trace, shape_mix
+from dflash_sglang.bench.common.spread import RatioSpread
+from dflash_sglang.bench.engine.shape_trace import parse_trace, shape_mix
 from dflash_sglang.demo import engines, main, words
 from dflash_sglang.demo.engines import ArmReport, choice_words, report
 

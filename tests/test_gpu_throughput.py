@@ -22,7 +22,7 @@ def _result(committed: int, steps: int, requests: int = 1) -> dict:
 
 
 def _row(arm: str, c: int, tok_s: float | None, ratio: float | None = None) -> dict:
-    """One of bench/engine.py summarize's rows (the fields speed_rows reads)."""
+    """One of bench/engine/compare.py summarize's rows (the fields speed_rows reads)."""
     return {"arm": arm, "c": c, "tok_s": tok_s, "ratio": ratio, "accept_mean": None, "ms_per_step": None}
 
 
@@ -175,7 +175,7 @@ class Clock:
 
 def _fake_engine(clock: Clock, seconds: float, ran: list[str]):
     """run_engine without an Engine: `seconds` on the clock, every request at tau's commit length, ours 2x none."""
-    from dflash_sglang.bench.pareto import OURS_LOG_MARKER
+    from dflash_sglang.bench.serving.pareto import OURS_LOG_MARKER
 
     def run(ctx, name, kwargs, env, plan, new_tokens, timeout_s):
         clock.t += seconds

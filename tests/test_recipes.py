@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_sglang.bench import recipe as recipes
+from dflash_sglang.bench.serving import recipe as recipes
 from dflash_sglang.pairs import PAIRS, check_deployment, pair_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -298,8 +298,7 @@ def test_unverified_facts_are_named_not_guessed(capsys):
     """A pair with facts no published source gave us (None in dflash_sglang.pairs) says so in its recipe's header and
     through the launcher; the checks that need them are not made here (SGLang and our start-up checks read the
     checkpoints), and a roofline of its hub ids is refused rather than computed from a guess."""
-    from dflash_sglang.bench import roofline
-
+    from dflash_sglang.bench.serving import roofline
     unverified = {d: p.unverified for d, p in PAIRS.items() if p.unverified}
     assert "z-lab/Qwen3.8-27B-DFlash2" in unverified
     assert not {d for d, p in PAIRS.items() if p.draft_gb is None or p.target.decode_gb is None} - set(unverified)

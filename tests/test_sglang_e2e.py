@@ -290,7 +290,7 @@ def run_child(job: dict) -> None:
             res["hicache"] = _hicache_scenario(engine, job["hicache"], new_tokens)
         if job.get("engine_kwargs", {}).get("enable_metrics"):
             res["dflash_metrics"] = _dflash_metrics()
-        from dflash_sglang.bench.engine import engine_cpu_s
+        from dflash_sglang.bench.engine.compare import engine_cpu_s
 
         res["timings"]["cpu_s"] = engine_cpu_s()  # (this Engine's processes, start-up included: what CI pays for it)
     finally:
@@ -674,7 +674,7 @@ def run_children(jobs: list[dict], timeout: float = CHILD_TIMEOUT_S, shims: bool
     # Engines started together each probe for free ports and can pick the same ones; hand every child its own, below
     # the ephemeral range, each with the ports SGLang derives from it free too: its nccl_port here (p + 1) and a
     # DP-attention Engine's ZMQ ports (p + ZMQ_PORT_DELTA ..)
-    from dflash_sglang.bench.server import free_ports
+    from dflash_sglang.bench.common.server import free_ports
 
     for job, port in zip(jobs, free_ports(len(jobs), (0, 1, *range(ZMQ_PORT_DELTA, ZMQ_PORT_DELTA + 9)))):
         # (data-parallel replicas would all take a given nccl_port: SGLang picks one per replica itself)
@@ -1546,7 +1546,7 @@ def test_router_in_front_of_two_servers_matches_plain(runs, pair_dir, tmp_path):
     servers decoded with drafts accepted."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from dflash_sglang.bench.server import ROUTER, Server, await_router_workers, cpu_env, http_json
+    from dflash_sglang.bench.common.server import ROUTER, Server, await_router_workers, cpu_env, http_json
 
     argv = ["--model-path", str(pair_dir / "target"), "--device", "cpu", "--attention-backend", "torch_native",
             "--dtype", "float32", "--random-seed", "0", "--max-total-tokens", "16384", "--chunked-prefill-size",
@@ -1584,8 +1584,8 @@ def test_pd_disaggregation_over_mooncake_matches_plain(runs, pair_dir, tmp_path,
     the requests that arrived without draft K/V in its log (adapter/scale/disagg.py `PeerCheck`)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from dflash_sglang.bench.pd import PREFILL_ENV
-    from dflash_sglang.bench.server import ROUTER, Server, await_router_workers, cpu_env, free_port, http_json
+    from dflash_sglang.bench.serving.pd import PREFILL_ENV
+    from dflash_sglang.bench.common.server import ROUTER, Server, await_router_workers, cpu_env, free_port, http_json
 
     if not seam_probes()["pd_disaggregation_supported"]:  # (the plugin tests check the refusal)
         pytest.skip(f"sglang {version('sglang')} has no DFLASH path for PD disaggregation")

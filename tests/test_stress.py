@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 from sglang_support import sglang_skip_reason
 
-from dflash_sglang.bench import stress
-from dflash_sglang.bench.server import Server
-from dflash_sglang.bench.stress_client import Answer, Outcome, run_case
-from dflash_sglang.bench.stress_report import Row, classify, judge, read_health, table
-from dflash_sglang.bench.stress_workload import CHAT, GENERATE, Case, PromptPool, WorkloadSpec, build_workload
+from dflash_sglang.bench.soak import run as stress
+from dflash_sglang.bench.common.server import Server
+from dflash_sglang.bench.soak.client import Answer, Outcome, run_case
+from dflash_sglang.bench.soak.report import Row, classify, judge, read_health, table
+from dflash_sglang.bench.soak.workload import CHAT, GENERATE, Case, PromptPool, WorkloadSpec, build_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 POOL = PromptPool(ids=tuple(tuple(range(i, i + 7 + 13 * i)) for i in range(12)),

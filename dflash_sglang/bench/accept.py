@@ -24,9 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import roofline
-from .plotting import pyplot
-from .datasets import TextPrompt, jsonl_prompts, sharegpt_prompts
+from dflash_sglang.bench.serving import roofline
+from dflash_sglang.bench.common.plotting import pyplot
+from dflash_sglang.bench.common.datasets import TextPrompt, jsonl_prompts, sharegpt_prompts
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,7 +126,7 @@ def run_reference(args, prompts: list[TextPrompt]) -> tuple[dict, dict]:
 
 def run_server(args, prompts: list[TextPrompt]) -> tuple[dict, dict]:
     """Same shape as run_reference, from a DFLASH server's per-request meta_info."""
-    from .server import http_json
+    from dflash_sglang.bench.common.server import http_json
 
     url = args.base_url.rstrip("/")
     info = http_json(url + "/server_info", timeout=30)

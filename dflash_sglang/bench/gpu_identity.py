@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 
 from .gpu_context import Context, Table
-from .pareto import OURS_LOG_MARKER
+from dflash_sglang.bench.serving.pareto import OURS_LOG_MARKER
 from .gpu_targets import gemma4_draft, tests_importable, tiny_pair
 
 # Per sampled comparison on CUDA (4 settings x up to 6 Engines a session): 24 x 1e-4, a 0.24% chance that a correct

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from dflash_sglang.core.config import build_target_layer_ids
 
-from .window_capacity import QWEN3_8B, QWEN3_8B_DFLASH
+from dflash_sglang.bench.memory.window_capacity import QWEN3_8B, QWEN3_8B_DFLASH
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED_DRAFT = REPO / "dflash_sglang" / "assets" / "smollm2_135m_dflash"

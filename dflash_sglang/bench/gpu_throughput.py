@@ -9,8 +9,9 @@ acceptance is simulated at the same tau for both implementations, which makes th
 builtin commits a mean of tau tokens a step (SGLANG_SIMULATE_ACC_LEN, its own law), ours accepts each draft position
 with the rate p at which a block-16 chain commits tau on average (DFLASH_SIMULATE_ACC_RATE, `rate_for_tau`), as a
 pinned chain of 16 and under the goodput controller (no shape flag), which chooses shorter chains or plain steps where
-they pay. Per target, arm and tau one Engine (one at a time), then bench/engine.py's plan: per concurrency c a warm-up
-and one timed greedy call of c prompts x new tokens; its `summarize` gives tokens/s and the ratio to no speculation.
+they pay. Per target, arm and tau one Engine (one at a time), then bench/engine/compare.py's plan: per concurrency c a
+warm-up and one timed greedy call of c prompts x new tokens; its `summarize` gives tokens/s and the ratio to no
+speculation.
 
 Verdicts (`speed_rows`): a speculative arm whose accept length over all its timed rounds misses tau (`simulation_check`)
 fails, since its speed would then be measured at another acceptance; per c, ours against the builtin is faster, the
@@ -39,7 +40,7 @@ from pathlib import Path
 from .gpu_probe import PROBE_ENV, width_uses
 from .gpu_context import Context, Table
 from .gpu_targets import QWEN3_8B_SHAPE, QWEN3_TINY, REPO, SHIPPED_DRAFT, qwen3_8b_pair, smollm2_dummy
-from .pareto import OURS_LOG_MARKER
+from dflash_sglang.bench.serving.pareto import OURS_LOG_MARKER
 
 BLOCK = 16  # both drafters' block
 IMPL_ENV = "DFLASH_SGLANG_IMPL"
@@ -126,10 +127,10 @@ def accept_tolerance(tau: float, draws: int) -> float:
 
 def accept_figure(result: dict) -> tuple[float, int] | None:
     """(tokens committed per verify step, the simulated commit lengths behind them) over every timed round of an
-    Engine's result (bench/engine.py `run_steps`: per request its output ids and `spec_verify_ct`); None where no
-    verify step was counted. The mean is over requests' steps (a request's first token comes from its prefill, not a
-    verify step); the draws are each round's batch steps (its largest verify count): the simulation draws one length
-    per batch step for all its requests (adapter/simulate.py, and the builtin alike), so c requests' steps are not c
+    Engine's result (bench/engine/compare.py `run_steps`: per request its output ids and `spec_verify_ct`); None where
+    no verify step was counted. The mean is over requests' steps (a request's first token comes from its prefill, not a
+    verify step); the draws are each round's batch steps (its largest verify count): the simulation draws one length per
+    batch step for all its requests (adapter/simulate.py, and the builtin alike), so c requests' steps are not c
     independent samples."""
     committed = steps = draws = 0
     for r in result["rounds"]:
@@ -160,10 +161,11 @@ def versus_builtin(ratio: float) -> str:
 
 
 def speed_rows(rows: list[dict], results: dict[str, dict]) -> list[dict]:
-    """The table's rows of one bench from bench/engine.py `summarize`'s (arm "name@tau" or "none" x c) and the Engines'
-    results: tok/s, vs none, vs builtin (the builtin's tokens/s at the same tau and c), accept len, ms/step, verdict.
-    Verdicts: no figure: FAIL; a speculative arm whose simulation is off (`simulation_check`): FAIL on all its rows;
-    none: pass (the baseline); ours: `versus_builtin` where that builtin passed; else pass with the ratio to none."""
+    """The table's rows of one bench from bench/engine/compare.py `summarize`'s (arm "name@tau" or "none" x c) and the
+    Engines' results: tok/s, vs none, vs builtin (the builtin's tokens/s at the same tau and c), accept len, ms/step,
+    verdict. Verdicts: no figure: FAIL; a speculative arm whose simulation is off (`simulation_check`): FAIL on all its
+    rows; none: pass (the baseline); ours: `versus_builtin` where that builtin passed; else pass with the ratio to
+    none."""
     sim = {arm: simulation_check(arm.partition("@")[0], float(arm.partition("@")[2]), accept_figure(res))
            for arm, res in results.items() if arm != NONE}
     builtin = {r["arm"].partition("@")[2]: {} for r in rows if r["arm"].startswith("builtin@")}
@@ -214,10 +216,10 @@ def cells(device: str) -> list[tuple[Bench, str, float | None]]:
 
 
 def child_env(ctx: Context, extra: dict[str, str]) -> dict[str, str]:
-    """The Engine child's environment: on CPU bench/server.py's (import shims, one OpenMP thread); on CUDA the
+    """The Engine child's environment: on CPU bench/common/server.py's (import shims, one OpenMP thread); on CUDA the
     checkout first on PYTHONPATH (our plugin), nothing shimmed. Every arm logs dflash_sglang at INFO (our worker's
     start-up line: `ours_started`), SGLang's own loggers at WARNING."""
-    from .server import cpu_env
+    from dflash_sglang.bench.common.server import cpu_env
 
     base = cpu_env(REPO) if not ctx.cuda else {
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
@@ -295,7 +297,7 @@ class BenchRun:
     def prepare(self, ctx: Context) -> None:
         """Build the pair and the plan: the same prompts for every arm, token ids from 100 (below: special and
         character ids) to 300 short of the vocabulary's end (Qwen3's special and unused ids)."""
-        from .engine import build_plan
+        from dflash_sglang.bench.engine.compare import build_plan
 
         self.target, self.draft = self.bench.pair(ctx)
         vocab = json.loads((self.target / "config.json").read_text())["vocab_size"]
@@ -306,7 +308,7 @@ class BenchRun:
         self.common = common_kwargs(ctx, self.target, self.bench)
 
     def rows(self) -> list[dict]:
-        from .engine import summarize
+        from dflash_sglang.bench.engine.compare import summarize
 
         measured = speed_rows(summarize(self.plan, self.results, baseline=NONE), self.results)
         return [{"target": self.bench.key, **r} for r in measured + self.other_rows]

@@ -17,7 +17,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parents[3] / "recipes"
 IMPL_ENV = "DFLASH_SGLANG_IMPL"
 OURS_DRAFT_BACKEND = "flashinfer"  # our drafter's paged attention on GPU (adapter/draft/attention.py)
 IMPLS = ("ours", "builtin", "none")

@@ -98,7 +98,7 @@ def cpu_env(repo: Path | None = None) -> dict[str, str]:
     """Environment additions for a CPU-build SGLang server run from a source checkout: the import shims of
     tests/sglang_shims (triton, vllm._custom_ops and torchvision are not installed on CPU) and the checkout first on
     PYTHONPATH (another interpreter sees our plugin), the plugin whitelisted, one OpenMP thread per process."""
-    repo = Path(repo) if repo is not None else Path(__file__).resolve().parents[2]
+    repo = Path(repo) if repo is not None else Path(__file__).resolve().parents[3]
     shims = repo / "tests" / "sglang_shims"
     paths = [str(shims)] if shims.is_dir() else []
     paths += [str(repo), os.environ.get("PYTHONPATH", "")]

@@ -5,9 +5,10 @@ ShareGPT file is a truncated array it cannot parse, so `sharegpt_json` writes th
 (never used in training) as a valid file. SPEED-Bench rows carry `category` and `turns` (the format SGLang's
 speed-bench loader reads), so the same local file serves both scripts.
 
-    python -m dflash_sglang.bench.datasets sharegpt-json   # prints the path of that file (written on first use)
+    python -m dflash_sglang.bench.common.datasets sharegpt-json   # prints the path of that file (written on first use)
 
-is how a user hands it to SGLang's client: `--dataset-path "$(python -m dflash_sglang.bench.datasets sharegpt-json)"`.
+is how a user hands it to SGLang's client: `--dataset-path "$(python -m dflash_sglang.bench.common.datasets
+sharegpt-json)"`.
 """
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ def jsonl_prompts(path: Path, n: int | None = None, category: str | None = None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash_sglang.bench.datasets",
+    p = argparse.ArgumentParser(prog="python -m dflash_sglang.bench.common.datasets",
                                 description="Write a dataset file SGLang's benchmark client reads; print its path.")
     sub = p.add_subparsers(dest="what", required=True)
     one = sub.add_parser("sharegpt-json", help="the ShareGPT eval split as `--dataset-name sharegpt` JSON")

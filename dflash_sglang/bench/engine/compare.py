@@ -10,16 +10,15 @@ Repeats are interleaved: repeat r is a pass over every arm in turn (plain, defau
 arm's Engine starting, decoding round r (eval: its own c prompts per concurrency; switch: the whole stream) and
 stopping before the next arm's, so slow drift of the shared machine hits every arm alike (the price: an Engine
 start per arm and repeat). `--resident` starts each arm's Engine once and keeps it for every pass
-(bench/resident.py): no start-up per pass, passes seconds apart, so many more fit. Each row reports the median of the
-per-repeat ratios to plain (same round, same prompts; `--baseline ARM` another arm) and a 95% interval
-(`RatioSpread`): a ratio is called a speedup or slower only when the interval excludes 1.0, else "same as plain
-within noise"; one repeat gives no interval and no such word.
-Why: where speculation stops paying over plain decoding as the batch grows, what our worker's floor costs against
-plain SGLang, and what the adaptive policy recovers: the adaptive tables come from this. Every arm decodes the same
-prompts and must be token-identical to plain (lossless): a mismatch is printed loudly and exits 1. `--workload
-switch`: one stream at the first concurrency alternating A (ShareGPT eval chat) and B (count / repeat prompts), for
-a policy that follows acceptance. The training job is paused meanwhile (bench/quiet.py); the machine's busy share
-before each Engine is recorded (it is shared).
+(bench/engine/resident.py): no start-up per pass, passes seconds apart, so many more fit. Each row reports the median of
+the per-repeat ratios to plain (same round, same prompts; `--baseline ARM` another arm) and a 95% interval
+(`RatioSpread`): a ratio is called a speedup or slower only when the interval excludes 1.0, else "same as plain within
+noise"; one repeat gives no interval and no such word. Why: where speculation stops paying over plain decoding as the
+batch grows, what our worker's floor costs against plain SGLang, and what the adaptive policy recovers: the adaptive
+tables come from this. Every arm decodes the same prompts and must be token-identical to plain (lossless): a mismatch is
+printed loudly and exits 1. `--workload switch`: one stream at the first concurrency alternating A (ShareGPT eval chat)
+and B (count / repeat prompts), for a policy that follows acceptance. The training job is paused meanwhile
+(bench/common/training_pause.py); the machine's busy share before each Engine is recorded (it is shared).
 """
 from __future__ import annotations
 
@@ -39,14 +38,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import resident, step_profile
-from .noise import SAME, RatioSpread
-from .plotting import pyplot
-from .quiet import busy_share, cpu_model, training_paused
-from .server import cpu_env
-from .shape_trace import logging_config, parse_trace, plot_trace
+from dflash_sglang.bench.engine import resident, step_profile
+from dflash_sglang.bench.common.spread import SAME, RatioSpread
+from dflash_sglang.bench.common.plotting import pyplot
+from dflash_sglang.bench.common.training_pause import busy_share, cpu_model, training_paused
+from dflash_sglang.bench.common.server import cpu_env
+from dflash_sglang.bench.engine.shape_trace import logging_config, parse_trace, plot_trace
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 STATIC_TABLE = "1:64x4,4:32x2,8:16x2,32:16x1,64:8x1,inf:4x1"
 ARMS: dict[str, dict[str, Any] | None] = {  # None: no speculation; a dict: DFLASH plus these kwargs
     "plain": None, "default": {}, "chain16": {"speculative_num_draft_tokens": 16},
@@ -76,8 +75,8 @@ class RunSettings:
     sampling: list[str] = field(default_factory=list)  # KEY=VALUE sampling params added to every request
     env: dict[str, str] = field(default_factory=dict)  # the children's environment beyond cpu_env's
     child_timeout: float = 3600.0
-    profile: bool = False  # each child under py-spy (bench/step_profile.py): <stem>.pyspy.txt
-    resident: bool = False  # each arm's Engine started once, kept for every pass (bench/resident.py)
+    profile: bool = False  # each child under py-spy (bench/engine/step_profile.py): <stem>.pyspy.txt
+    resident: bool = False  # each arm's Engine started once, kept for every pass (bench/engine/resident.py)
 
 
 def parse_value(text: str) -> Any:
@@ -164,7 +163,7 @@ def round_id(x: dict) -> tuple[int, str]:
 
 def run_child(job_path: Path) -> None:
     """Child body: one Engine, the plan's generate calls, the result JSON (written even if a call fails); a resident
-    job (bench/resident.py) instead serves the passes its parent asks for, one at a time."""
+    job (bench/engine/resident.py) instead serves the passes its parent asks for, one at a time."""
     import sglang as sgl
 
     job = json.loads(Path(job_path).read_text())
@@ -323,7 +322,7 @@ def child_command(name: str, kwargs: dict, plan: list[dict], args: RunSettings |
     out = Path(args.out).resolve()
     job = {"arm": name, "plan": plan, "new_tokens": args.new_tokens, "engine_kwargs": {**common, **kwargs},
            "sampling": parse_kv(args.sampling), "result": str(out / f"{stem}.result.json")}
-    cmd = [sys.executable, "-m", "dflash_sglang.bench.engine", "--child", str(out / f"{stem}.job.json")]
+    cmd = [sys.executable, "-m", "dflash_sglang.bench.engine.compare", "--child", str(out / f"{stem}.job.json")]
     if getattr(args, "profile", False):
         cmd = step_profile.command(out / f"{stem}.pyspy.txt", cmd)
     env = {**os.environ, **cpu_env(REPO), **args.env, **arm_env}
@@ -362,7 +361,7 @@ def run_passes(arms: dict[str, dict], plan: list[dict], args: RunSettings | argp
     arms' results, their rounds merged over passes (None: an arm that failed in any pass, not run after), and per
     arm what each pass's child did (busy share over `busy_probe_s` before it, startup, child seconds, rounds).
     `say` gets the progress lines; `on_engine(arm, what its pass's child did)` is called after each Engine.
-    `args.resident`: each arm's Engine started once and kept for every pass (bench/resident.py)."""
+    `args.resident`: each arm's Engine started once and kept for every pass (bench/engine/resident.py)."""
     if getattr(args, "resident", False):
         with training_paused() as job:
             return resident.run_resident(
@@ -392,8 +391,8 @@ def run_passes(arms: dict[str, dict], plan: list[dict], args: RunSettings | argp
 
 
 def profile_rows(info: dict[str, dict], out: Path) -> list[dict]:
-    """Per arm: each part's sampled ms per timed output token (bench/step_profile.py), the mean over its passes (a
-    resident Engine: one profile over all of them)."""
+    """Per arm: each part's sampled ms per timed output token (bench/engine/step_profile.py), the mean over its passes
+    (a resident Engine: one profile over all of them)."""
     rows = []
     for name, arm in info.items():
         raws = ([(out / f"{name}.resident.pyspy.txt", arm["passes"])] if arm.get("resident") else
@@ -434,8 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "and 95%% interval come from them; 1 reports a ratio with no interval, never a speedup or "
                         "slower")
     p.add_argument("--resident", action="store_true",
-                   help="start each arm's Engine once and keep it for every pass (bench/resident.py): passes cost "
-                        "no start-up and sit seconds apart, so many more fit and the interval tightens")
+                   help="start each arm's Engine once and keep it for every pass (bench/engine/resident.py): passes "
+                        "cost no start-up and sit seconds apart, so many more fit and the interval tightens")
     p.add_argument("--baseline", default="plain",
                    help="the arm every ratio is taken against (default plain), e.g. the same KV budget without a "
                         "window; outputs are always checked against it")
@@ -453,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "pass's")
     p.add_argument("--profile", action="store_true",
                    help="each child under py-spy: where its scheduler's time went per output token, by part of the "
-                        "step (bench/step_profile.py); a profiled run is slower, so do not quote its timings")
+                        "step (bench/engine/step_profile.py); a profiled run is slower, so do not quote its timings")
     p.add_argument("--child-timeout", type=float, default=3600.0)
     p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     return p
@@ -469,8 +468,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from transformers import AutoTokenizer
 
-    from ..testbed import default_pair
-    from ..testbed.data import chat_prompt_ids, eval_prompts
+    from dflash_sglang.testbed import default_pair
+    from dflash_sglang.testbed.data import chat_prompt_ids, eval_prompts
 
     target, draft = default_pair()
     arms = dict(parse_arm(s, str(draft)) for s in args.arms.split(",") if s)

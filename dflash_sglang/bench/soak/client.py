@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from .stress_workload import CHAT, Case
+from dflash_sglang.bench.soak.workload import CHAT, Case
 
 
 @dataclass

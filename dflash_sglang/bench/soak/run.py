@@ -29,11 +29,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..core.adaptive import DEFAULT_TABLE
-from .server import Server, ServerError, cpu_env, http_json
-from .stress_client import Outcome, post_json, run_all
-from .stress_report import Row, judge, read_health, table
-from .stress_workload import GENERATE, Case, WorkloadSpec, build_workload, load_pool
+from dflash_sglang.core.adaptive import DEFAULT_TABLE
+from dflash_sglang.bench.common.server import Server, ServerError, cpu_env, http_json
+from dflash_sglang.bench.soak.client import Outcome, post_json, run_all
+from dflash_sglang.bench.soak.report import Row, judge, read_health, table
+from dflash_sglang.bench.soak.workload import GENERATE, Case, WorkloadSpec, build_workload, load_pool
 
 # goodput: no shape flag (the controller, the default); chain: pinned to the checkpoint's block (top-k 1 pins it);
 # adaptive: the static table (--adaptive-table, default core.adaptive.DEFAULT_TABLE)

@@ -21,7 +21,7 @@ plain, tau per arm) that measures tokens/s at that batch. SGLang fills memory by
 capacities are what a server given that budget would get; the Engine run checks that the batch runs.
 
 `capacity`: what a draft window is for at long contexts (8k-32k tokens), per draft pool layout, for the Qwen3-8B +
-Qwen3-8B-DFlash-b16 shapes, checked against SGLang's own sizing (bench/window_capacity.py).
+Qwen3-8B-DFlash-b16 shapes, checked against SGLang's own sizing (bench/memory/window_capacity.py).
 """
 from __future__ import annotations
 
@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 
-from .noise import RatioSpread
+from dflash_sglang.bench.common.spread import RatioSpread
 
 DTYPES = ("auto", "bf16", "fp8_e4m3", "fp8_e5m2")  # draft KV arms ("auto": the model dtype)
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @dataclass(frozen=True)
@@ -172,8 +172,8 @@ def _load_pair(args: argparse.Namespace):
     (target_dir, draft_dir, target model, drafter, tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..core.checkpoint import load_drafter
-    from ..testbed import default_pair
+    from dflash_sglang.core.checkpoint import load_drafter
+    from dflash_sglang.testbed import default_pair
 
     target_dir, draft_dir = (Path(args.target), Path(args.draft)) if args.target else default_pair()
     dtype = getattr(torch, args.dtype)
@@ -183,7 +183,7 @@ def _load_pair(args: argparse.Namespace):
 
 
 def _window(args: argparse.Namespace) -> int:
-    from ..testbed.data import load_split
+    from dflash_sglang.testbed.data import load_split
 
     target_dir, draft_dir, target, drafter, tokenizer = _load_pair(args)
     prompts = multi_turn_prompts(tokenizer, load_split("eval"), args.prompts, args.min_prompt_tokens,
@@ -224,10 +224,10 @@ def _window(args: argparse.Namespace) -> int:
 
 def window_engine_tau(target_dir: Path, draft_dir: Path, prompts: list[list[int]], new_tokens: int, block: int,
                       windows: tuple[int | None, ...], dtype: str, out: Path) -> dict[str, dict]:
-    """Per draft window W (None: the whole context): one CPU Engine (bench/engine.py's child, one at a time), greedy
-    chains of `block` rows, the radix cache off -> tau (committed tokens per verify step, SGLang's counts) and its
-    output ids. A failed Engine raises."""
-    from .engine import run_arm
+    """Per draft window W (None: the whole context): one CPU Engine (bench/engine/compare.py's child, one at a time),
+    greedy chains of `block` rows, the radix cache off -> tau (committed tokens per verify step, SGLang's counts) and
+    its output ids. A failed Engine raises."""
+    from dflash_sglang.bench.engine.compare import run_arm
 
     out.mkdir(parents=True, exist_ok=True)
     args = argparse.Namespace(new_tokens=new_tokens, sampling=[], out=out, env={}, child_timeout=3600.0)
@@ -252,7 +252,7 @@ def window_engine_tau(target_dir: Path, draft_dir: Path, prompts: list[list[int]
 
 
 def _tau(args: argparse.Namespace) -> int:
-    from ..testbed.data import eval_prompts
+    from dflash_sglang.testbed.data import eval_prompts
 
     _, _, target, drafter, tokenizer = _load_pair(args)
     prompts = [list(p.ids) for p in eval_prompts(tokenizer, args.prompts, args.max_prompt_tokens)]
@@ -271,9 +271,9 @@ def _tau(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from transformers import AutoConfig
 
-    from ..core.config import DraftConfig
-    from ..core.draft_kv import parse_kv_dtype
-    from ..testbed import default_pair
+    from dflash_sglang.core.config import DraftConfig
+    from dflash_sglang.core.draft_kv import parse_kv_dtype
+    from dflash_sglang.testbed import default_pair
 
     target_dir, draft_dir = (Path(args.target), Path(args.draft)) if args.target else default_pair()
     model = getattr(torch, args.dtype)
@@ -305,11 +305,12 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _capacity(args: argparse.Namespace) -> int:
-    """The window's capacity at long contexts (bench/window_capacity.py): the arithmetic per layout, checked against
-    SGLang's own sizing in a child process (exit 1 where they differ)."""
+    """The window's capacity at long contexts (bench/memory/window_capacity.py): the arithmetic per layout, checked
+    against SGLang's own sizing in a child process (exit 1 where they differ)."""
     import tempfile
 
-    from .window_capacity import QWEN3_8B, QWEN3_8B_DFLASH, capacity_rows, compare, sglang_sizing_in_child, write_pair
+    from dflash_sglang.bench.memory.window_capacity import (QWEN3_8B, QWEN3_8B_DFLASH, capacity_rows, compare,
+                                                            sglang_sizing_in_child, write_pair)
 
     budget = int(args.budget_gib * 2**30)
     contexts = [int(c) for c in args.contexts.split(",")]

@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 
-from .stress_client import Answer, Outcome
-from .stress_workload import Case
+from dflash_sglang.bench.soak.client import Answer, Outcome
+from dflash_sglang.bench.soak.workload import Case
 
 VERDICTS = ("ok", "refused", "aborted", "disconnected", "mismatch", "error", "hang")
 COUNTS = ("requests", "ok", "compared", "aborted", "disconnected", "refused", "mismatches", "errors", "hangs",

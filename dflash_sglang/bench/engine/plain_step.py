@@ -13,8 +13,8 @@ K/V of the new token). This benchmark isolates that cost on the testbed pair (Sm
 
 Repeats are interleaved (each repeat decodes the same prompts with every arm in turn), so a slow spell of the shared
 machine hits all arms alike; each arm's speed is the median of its per-repeat ratios to plain with a 95% interval
-(bench/noise.py `RatioSpread`). Where the time went: the controller arms' steps split into the target verify and the
-rest (acceptance, upkeep, bookkeeping), against plain decoding's per-token time. Greedy outputs must equal plain's.
+(bench/common/spread.py `RatioSpread`). Where the time went: the controller arms' steps split into the target verify and
+the rest (acceptance, upkeep, bookkeeping), against plain decoding's per-token time. Greedy outputs must equal plain's.
 The last stdout line is JSON.
 """
 from __future__ import annotations
@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.goodput import FixedStepCost, GoodputConfig, GoodputController
-from ..core.reference import ReferenceDecoder, StepTimes
-from .noise import RatioSpread
-from .quiet import busy_share, cpu_model, training_paused
+from dflash_sglang.core.goodput import FixedStepCost, GoodputConfig, GoodputController
+from dflash_sglang.core.reference import ReferenceDecoder, StepTimes
+from dflash_sglang.bench.common.spread import RatioSpread
+from dflash_sglang.bench.common.training_pause import busy_share, cpu_model, training_paused
 
 # Seconds per cost term (core/goodput.py TERMS): a drafter pass costs a second, so no drafted shape ever pays and every
 # step after the warm-up is a plain step; the plain terms only scale the controller's numbers.
@@ -128,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..core.checkpoint import load_drafter
-    from ..testbed import default_pair
-    from ..testbed.data import eval_prompts
+    from dflash_sglang.core.checkpoint import load_drafter
+    from dflash_sglang.testbed import default_pair
+    from dflash_sglang.testbed.data import eval_prompts
 
     target_dir, draft_dir = default_pair()
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
