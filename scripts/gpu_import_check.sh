@@ -64,7 +64,7 @@ fi
 # (3) The carried wheels, installed as gpu_session.sh does (gpu_wheels install: --no-index --no-deps --target).
 if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
   command -v strip >/dev/null || fail "no $WHEELS and no strip to prepare it"
-  python3 -m dflash_sglang.bench.gpu_wheels prepare --dir "$WHEELS" >"$WORK/logs/prepare.log" 2>&1 \
+  python3 -m dflash_sglang.bench.gpu.wheels prepare --dir "$WHEELS" >"$WORK/logs/prepare.log" 2>&1 \
     || fail "gpu_wheels prepare (logs/prepare.log)"
 fi
 FOLDER=$WHEELS
@@ -75,7 +75,7 @@ import shutil, subprocess, sys
 from pathlib import Path
 from pip._vendor.packaging.tags import sys_tags
 from pip._vendor.packaging.utils import parse_wheel_filename
-from dflash_sglang.bench.gpu_wheels import repack
+from dflash_sglang.bench.gpu.wheels import repack
 src, dst = Path(sys.argv[1]), Path(sys.argv[2])
 shutil.rmtree(dst, ignore_errors=True)
 shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.whl"))  # prepared.json: the tree's size, for the check
@@ -94,7 +94,7 @@ EOF
 fi
 if [ ! -f "$SITE/.installed" ] || [ "$(cat "$SITE/.installed")" != "$FOLDER" ]; then
   rm -rf "$SITE"
-  $V -m dflash_sglang.bench.gpu_wheels install --dir "$FOLDER" --target "$SITE" >"$WORK/logs/install.log" 2>&1 \
+  $V -m dflash_sglang.bench.gpu.wheels install --dir "$FOLDER" --target "$SITE" >"$WORK/logs/install.log" 2>&1 \
     || fail "gpu_wheels install (logs/install.log)"
   echo "$FOLDER" >"$SITE/.installed"
 fi
@@ -131,7 +131,7 @@ IMAGE_SHIMS=$(shims shims-image torchvision) CPU_SHIMS=$(shims shims-cpu vllm to
 # sgl_kernel: its __init__ loads sm90/common_ops (CUDA 13, torch 2.11's ABI) on a compute-capability-9.0 GPU and
 # sm100/ (trimmed) elsewhere, so no CPU imports it; instead, its sm90 library must be there and link CUDA 13.
 export PYTHONPATH="$PWD:$SITE"
-IMPORTS=$($V -c 'from dflash_sglang.bench.gpu_prelude import IMPORTS, import_check_source as s
+IMPORTS=$($V -c 'from dflash_sglang.bench.gpu.prelude import IMPORTS, import_check_source as s
 print(s(tuple(m for m in IMPORTS["cuda"] if m != "sgl_kernel")))')
 IMPORT_OK=1
 PYTHONPATH="$IMAGE_SHIMS:$PYTHONPATH" $V -c "$IMPORTS" >"$WORK/logs/import.log" 2>&1 || IMPORT_OK=0
@@ -188,7 +188,7 @@ from pathlib import Path
 
 if __name__ == "__main__":  # (a file with a main guard: SGLang spawns its scheduler, which re-imports __main__)
     import sglang as sgl
-    from dflash_sglang.bench.gpu_targets import tiny_pair
+    from dflash_sglang.bench.gpu.targets import tiny_pair
 
     root = tiny_pair(Path(sys.argv[1]) / "pair", hidden=32)
     engine = sgl.Engine(model_path=str(root / "target"), device="cpu", attention_backend="torch_native",

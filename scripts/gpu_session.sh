@@ -41,12 +41,12 @@ case "$DEVICE" in
   *) echo "gpu_session: --device cuda|cpu, got $DEVICE" >&2; exit 2 ;;
 esac
 if [ "$MODE" = prepare ]; then
-  exec $PY -m dflash_sglang.bench.gpu_wheels prepare --dir "${WHEELS:-.whl}"
+  exec $PY -m dflash_sglang.bench.gpu.wheels prepare --dir "${WHEELS:-.whl}"
 fi
 [ "$MODE" = install ] && ARGS+=(--stages 0)
 # The site goes on the path now: stage 0 fills it, and every Engine and test the stages start imports from it (on CPU
 # the environment serves: the rehearsal's stand-in wheels are metadata only, gpu_prelude.py)
 [ "$DEVICE" = cuda ] && export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
-exec $PY -m dflash_sglang.bench.gpu_session --device "$DEVICE" --started-at "$STARTED" --site "$SITE" \
+exec $PY -m dflash_sglang.bench.gpu.session --device "$DEVICE" --started-at "$STARTED" --site "$SITE" \
   ${WHEELS:+--wheels "$WHEELS"} --budget-s "${BUDGET:-$([ "$DEVICE" = cuda ] && echo 510 || echo 420)}" \
   ${ARGS[@]+"${ARGS[@]}"}

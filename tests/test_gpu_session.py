@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from dflash_sglang.bench import gpu_wheels
-from dflash_sglang.bench.gpu_probe import width_uses
-from dflash_sglang.bench.gpu_context import Budget, Context, Stage, Table
-from dflash_sglang.bench.gpu_session import Session, exit_code
-from dflash_sglang.bench.gpu_stages import STAGES, select
-from dflash_sglang.bench.gpu_throughput import BLOCK, arms, rate_for_tau
+from dflash_sglang.bench.gpu import wheels as gpu_wheels
+from dflash_sglang.bench.gpu.probe import width_uses
+from dflash_sglang.bench.gpu.context import Budget, Context, Stage, Table
+from dflash_sglang.bench.gpu.session import Session, exit_code
+from dflash_sglang.bench.gpu.stages import STAGES, select
+from dflash_sglang.bench.gpu.throughput import BLOCK, arms, rate_for_tau
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -235,7 +235,7 @@ def test_the_sglang_extra_admits_exactly_the_supported_releases():
 
 def test_an_ours_arm_counts_only_with_our_workers_start_line(tmp_path):
     """A plugin that failed to load leaves SGLang's builtin serving DFLASH: its timings must not pass for ours."""
-    from dflash_sglang.bench.gpu_throughput import ours_started
+    from dflash_sglang.bench.gpu.throughput import ours_started
 
     log = tmp_path / "arm.log"
     log.write_text("Failed to execute general plugin: dflash_sglang\n")
@@ -287,8 +287,7 @@ def _prelude_ctx(tmp_path, wheels=None) -> Context:
 
 
 def test_stage_0_fails_on_a_refused_folder_and_a_broken_import_chain(tmp_path, monkeypatch):
-    from dflash_sglang.bench import gpu_prelude
-
+    from dflash_sglang.bench.gpu import prelude as gpu_prelude
     folder = tmp_path / "whl"
     gpu_wheels.standin(folder)
     (folder / gpu_wheels.RECORD).unlink()  # a folder not made by --prepare
@@ -335,8 +334,8 @@ def test_gpu_session_sh_rehearses_the_install_path_from_a_tree_without_git(tmp_p
 
 # ---------------------------------------------------------------------------------------------- verdicts from figures
 def test_a_session_never_reads_passed_over_a_failure_or_a_skip():
-    from dflash_sglang.bench.gpu_context import StageResult
-    from dflash_sglang.bench.gpu_session import verdict_line
+    from dflash_sglang.bench.gpu.context import StageResult
+    from dflash_sglang.bench.gpu.session import verdict_line
 
     ok = StageResult(1, "kernels", "t", "passed", 1, 1)
     assert verdict_line([ok]) == "**verdict: passed**"
@@ -387,7 +386,7 @@ def _case(name: str, inner: str = "") -> str:
 
 
 def test_stage_1_passes_only_on_gpu_cases_that_ran(tmp_path):
-    from dflash_sglang.bench.gpu_stages import GPU_LACKS, junit_cases, kernel_verdict, ran_by_test
+    from dflash_sglang.bench.gpu.stages import GPU_LACKS, junit_cases, kernel_verdict, ran_by_test
 
     ran = [_case("test_block[1-2]"), _case("test_block[99-7]"), _case("test_tree[1]")]
     cases = junit_cases(_junit(tmp_path, ran))
@@ -407,7 +406,7 @@ def test_stage_1_passes_only_on_gpu_cases_that_ran(tmp_path):
 
 
 def test_every_kernel_file_has_gpu_cases_and_only_they_are_selected():
-    from dflash_sglang.bench.gpu_stages import KERNEL_TESTS
+    from dflash_sglang.bench.gpu.stages import KERNEL_TESTS
 
     for _, path, _ in KERNEL_TESTS:
         out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p",
@@ -418,8 +417,8 @@ def test_every_kernel_file_has_gpu_cases_and_only_they_are_selected():
 
 
 def test_stage_2_fails_on_differing_greedy_or_sampled_figures(tmp_path):
-    from dflash_sglang.bench.gpu_identity import judge, two_sample_pvalue
-    from dflash_sglang.bench.gpu_targets import tests_importable
+    from dflash_sglang.bench.gpu.identity import judge, two_sample_pvalue
+    from dflash_sglang.bench.gpu.targets import tests_importable
 
     tests_importable()
     import test_sglang_e2e as e2e
@@ -451,7 +450,7 @@ def test_stage_2_fails_on_differing_greedy_or_sampled_figures(tmp_path):
 
 
 def test_stage_5_fails_on_a_run_that_did_not_train():
-    from dflash_sglang.bench.gpu_stages import training_verdict
+    from dflash_sglang.bench.gpu.stages import training_verdict
 
     assert training_verdict(0, True, [5.0, 4.0, 3.5]) == "pass"
     assert training_verdict(1, True, [5.0]).startswith("FAIL: train exited 1")
@@ -462,7 +461,7 @@ def test_stage_5_fails_on_a_run_that_did_not_train():
 
 
 def test_jit_time_is_read_from_ninja_logs_and_new_artefacts(tmp_path):
-    from dflash_sglang.bench.gpu_jit import jit_since
+    from dflash_sglang.bench.gpu.jit import jit_since
 
     build = tmp_path / "flashinfer" / "mod"
     build.mkdir(parents=True)
@@ -482,7 +481,7 @@ def test_the_plan_puts_the_8b_headline_inside_the_first_call():
     """By the estimates, a first call on CUDA ends within 9 minutes with stage 0, the kernels, the identity stage and
     the throughput stage's must part (the Qwen3-8B-shaped headline at tau 4) planned; the optional stages run on what
     is left."""
-    from dflash_sglang.bench.gpu_session import BUDGET_S, plan
+    from dflash_sglang.bench.gpu.session import BUDGET_S, plan
 
     planned = {s.key: spend for s, spend in plan(list(STAGES), BUDGET_S, "cuda")}
     assert sum(v or 0 for v in planned.values()) <= 9 * 60 and BUDGET_S <= 9 * 60

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from dflash_sglang.bench.gpu_context import Table
-from dflash_sglang.bench.gpu_targets import QWEN3_8B_SHAPE, QWEN3_TINY, qwen3_8b_pair, qwen3_configs
-from dflash_sglang.bench.gpu_throughput import (BLOCK, NONE, accept_figure, accept_tolerance, arms, cells, chain_sd,
+from dflash_sglang.bench.gpu.context import Table
+from dflash_sglang.bench.gpu.targets import QWEN3_8B_SHAPE, QWEN3_TINY, qwen3_8b_pair, qwen3_configs
+from dflash_sglang.bench.gpu.throughput import (BLOCK, NONE, accept_figure, accept_tolerance, arms, cells, chain_sd,
                                                 rate_for_tau, simulation_check, speed_rows, versus_builtin)
 from dflash_sglang.core.config import DraftConfig
 
@@ -194,8 +194,8 @@ def _fake_engine(clock: Clock, seconds: float, ran: list[str]):
 
 
 def test_on_cuda_the_headline_is_the_must_part_and_the_rest_leaves_room_for_later_stages(tmp_path, monkeypatch):
-    from dflash_sglang.bench import gpu_throughput
-    from dflash_sglang.bench.gpu_context import Budget, Context
+    from dflash_sglang.bench.gpu import throughput as gpu_throughput
+    from dflash_sglang.bench.gpu.context import Budget, Context
 
     clock, ran = Clock(), []
     monkeypatch.setattr(gpu_throughput, "run_engine", _fake_engine(clock, 60.0, ran))

@@ -16,7 +16,8 @@ def test_import_needs_neither_sglang_nor_cuda():
 
 
 # bench/'s benchmarks that run from a checkout only (pyproject's comment): never in the wheel
-CHECKOUT_ONLY = {"dflash_sglang.bench.serving", "dflash_sglang.bench.memory", "dflash_sglang.bench.soak"}
+CHECKOUT_ONLY = {"dflash_sglang.bench.serving", "dflash_sglang.bench.memory", "dflash_sglang.bench.soak",
+                 "dflash_sglang.bench.gpu"}
 
 
 def test_wheel_lists_every_subpackage_and_the_kernel_sources():

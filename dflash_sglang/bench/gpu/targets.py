@@ -26,7 +26,7 @@ from dflash_sglang.core.config import build_target_layer_ids
 
 from dflash_sglang.bench.memory.window_capacity import QWEN3_8B, QWEN3_8B_DFLASH
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SHIPPED_DRAFT = REPO / "dflash_sglang" / "assets" / "smollm2_135m_dflash"
 SMOLLM2_135M = dict(  # the testbed target's config.json (testbed/target.py converts the real one)
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

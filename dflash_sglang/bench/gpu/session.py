@@ -13,8 +13,8 @@ for all stages, plus `logs.tar.gz`.
 the CUDA-only cells skipped as such. The stages themselves: `gpu_stages.py`; what a stage gets and gives:
 `gpu_context.py`.
 
-  python -m dflash_sglang.bench.gpu_session --device cuda --budget-s 510 --out "$OUT"
-  python -m dflash_sglang.bench.gpu_session --list     # the plan: each stage's estimates and their running sums
+  python -m dflash_sglang.bench.gpu.session --device cuda --budget-s 510 --out "$OUT"
+  python -m dflash_sglang.bench.gpu.session --list     # the plan: each stage's estimates and their running sums
 """
 from __future__ import annotations
 
@@ -29,11 +29,11 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-from . import gpu_stages
-from .gpu_context import Budget, Context, Stage, StageResult, Table
-from .gpu_jit import jit_since
+from dflash_sglang.bench.gpu import stages as gpu_stages
+from dflash_sglang.bench.gpu.context import Budget, Context, Stage, StageResult, Table
+from dflash_sglang.bench.gpu.jit import jit_since
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DEVICES = ("cuda", "cpu")
 BUDGET_S = 510.0  # the whole call on CUDA (install, import, stages): 8.5 min of a 10-minute call and 15 device minutes
 LOG_TAIL = 200_000  # bytes of each log kept in logs.tar.gz (the device returns at most 16 MiB a file)

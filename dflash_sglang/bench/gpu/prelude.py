@@ -23,8 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from . import gpu_wheels
-from .gpu_context import Context, Table
+from dflash_sglang.bench.gpu import wheels as gpu_wheels
+from dflash_sglang.bench.gpu.context import Context, Table
 
 INSTALLED = ".installed"  # in the site folder: which wheel folder it holds
 IMPORTS = {  # per device: the modules the stages' Engines import, then the Engine itself
@@ -75,7 +75,7 @@ def install_row(ctx: Context, timeout: float) -> dict:
         return {"note": f"{site} holds {folder} already (a warm machine)", "verdict": "pass"}
     if (why := gpu_wheels.check(folder)) is not None:
         return {"note": why, "verdict": "FAIL: the wheel folder was refused"}
-    rc, last = _run([sys.executable, "-c", "import sys; from dflash_sglang.bench.gpu_wheels import install; "
+    rc, last = _run([sys.executable, "-c", "import sys; from dflash_sglang.bench.gpu.wheels import install; "
                      "from pathlib import Path; print(install(Path(sys.argv[1]), Path(sys.argv[2])), 'wheels into')",
                      str(folder), str(site)], ctx.work / "install.log", timeout)
     if rc != 0:

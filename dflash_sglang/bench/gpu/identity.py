@@ -23,9 +23,9 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from .gpu_context import Context, Table
+from dflash_sglang.bench.gpu.context import Context, Table
 from dflash_sglang.bench.serving.pareto import OURS_LOG_MARKER
-from .gpu_targets import gemma4_draft, tests_importable, tiny_pair
+from dflash_sglang.bench.gpu.targets import gemma4_draft, tests_importable, tiny_pair
 
 # Per sampled comparison on CUDA (4 settings x up to 6 Engines a session): 24 x 1e-4, a 0.24% chance that a correct
 # worker reads FAIL in a window, while a distribution off by a few percent of its mass still fails at 600-1000 samples

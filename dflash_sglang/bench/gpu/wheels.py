@@ -17,10 +17,10 @@ wheel gets a new RECORD, so pip installs it as any other; every wheel is recompr
 source patch (`PATCHES`): SGLang's config registrations told `exist_ok`, so 0.5.17 imports beside the image's
 transformers 5.17 instead of carrying its own 5.12.1.
 
-  python -m dflash_sglang.bench.gpu_wheels prepare [--dir .whl]      # once, on a machine with the registry
-  python -m dflash_sglang.bench.gpu_wheels check [--dir .whl]        # here: the size refusal, the tree re-measured
-  python -m dflash_sglang.bench.gpu_wheels install --dir .whl --target /tmp/dflash_site   # on the device, offline
-  python -m dflash_sglang.bench.gpu_wheels standin --dir DIR         # CI: metadata-only wheels, one per pin
+  python -m dflash_sglang.bench.gpu.wheels prepare [--dir .whl]      # once, on a machine with the registry
+  python -m dflash_sglang.bench.gpu.wheels check [--dir .whl]        # here: the size refusal, the tree re-measured
+  python -m dflash_sglang.bench.gpu.wheels install --dir .whl --target /tmp/dflash_site   # on the device, offline
+  python -m dflash_sglang.bench.gpu.wheels standin --dir DIR         # CI: metadata-only wheels, one per pin
 
 Only `prepare`, `check` and `standin` ask git (the tree's size, recorded in the folder's `prepared.json`); what runs
 on the device reads the record.
@@ -44,7 +44,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 MIB = 1 << 20
 FOLDER_LIMIT = 60 * MIB  # issue 47: the carried folder
 CALL_LIMIT = 64 * MIB  # the device tool: working tree + carried paths, per call
@@ -238,7 +238,7 @@ def check(folder: Path, tree: int | None = None) -> str | None:
     tree = recorded_tree(folder) if tree is None else tree
     if tree is None:
         return (f"{folder}/{RECORD} does not say how large the working tree is: run `bash scripts/gpu_session.sh "
-                f"--prepare` (or `python -m dflash_sglang.bench.gpu_wheels check`) in the checkout, where git is")
+                f"--prepare` (or `python -m dflash_sglang.bench.gpu.wheels check`) in the checkout, where git is")
     size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
     return size_refusal(size, tree)
 

@@ -26,11 +26,11 @@ import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
-from .gpu_identity import stage_experimental, stage_identity
-from .gpu_prelude import stage_prelude
-from .gpu_context import Context, Stage, Table
-from .gpu_targets import REPO, smollm2_dummy, synthetic_sharegpt, tests_importable
-from .gpu_throughput import stage_throughput
+from dflash_sglang.bench.gpu.identity import stage_experimental, stage_identity
+from dflash_sglang.bench.gpu.prelude import stage_prelude
+from dflash_sglang.bench.gpu.context import Context, Stage, Table
+from dflash_sglang.bench.gpu.targets import REPO, smollm2_dummy, synthetic_sharegpt, tests_importable
+from dflash_sglang.bench.gpu.throughput import stage_throughput
 
 KERNEL_TESTS = (  # (what, test file, estimated seconds on CUDA: nvcc / FlashInfer JIT builds included)
     ("CUDA ops vs core references, eager and CUDA-graph replay", "tests/test_ops_gpu.py", 70.0),

@@ -7,7 +7,7 @@ before the worker imports it. SGLang starts its scheduler with multiprocessing's
 there (as `__mp_main__`), so the wrapper is installed in the process that verifies; in the Engine's own process it is
 installed and never called. Measurement only: the Engines that are timed for the table run without it.
 
-  python -m dflash_sglang.bench.gpu_probe JOB.json
+  python -m dflash_sglang.bench.gpu.probe JOB.json
 """
 from __future__ import annotations
 

@@ -37,9 +37,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .gpu_probe import PROBE_ENV, width_uses
-from .gpu_context import Context, Table
-from .gpu_targets import QWEN3_8B_SHAPE, QWEN3_TINY, REPO, SHIPPED_DRAFT, qwen3_8b_pair, smollm2_dummy
+from dflash_sglang.bench.gpu.probe import PROBE_ENV, width_uses
+from dflash_sglang.bench.gpu.context import Context, Table
+from dflash_sglang.bench.gpu.targets import (QWEN3_8B_SHAPE, QWEN3_TINY, REPO, SHIPPED_DRAFT, qwen3_8b_pair,
+                                             smollm2_dummy)
 from dflash_sglang.bench.serving.pareto import OURS_LOG_MARKER
 
 BLOCK = 16  # both drafters' block
@@ -254,7 +255,7 @@ def run_engine(ctx: Context, name: str, kwargs: dict, env: dict[str, str], plan:
     result.unlink(missing_ok=True)
     job.write_text(json.dumps({"arm": name, "plan": plan, "new_tokens": new_tokens, "engine_kwargs": kwargs,
                                "sampling": {}, "result": str(result)}))
-    cmd = [sys.executable, "-m", "dflash_sglang.bench.gpu_probe", str(job)]
+    cmd = [sys.executable, "-m", "dflash_sglang.bench.gpu.probe", str(job)]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, env=child_env(ctx, env), stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
                                 start_new_session=True)
