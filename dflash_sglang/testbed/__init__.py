@@ -7,6 +7,7 @@ from pathlib import Path
 from .target import TestbedUnavailable, cache_home, convert_target
 
 DRAFT_ASSET = Path(__file__).resolve().parent.parent / "assets" / "smollm2_135m_dflash"
+DRAFT_TAU = 1.59  # its held-out tau (greedy, block 16) as its TRAINING.md states it (tests/test_demo_sglang.py checks)
 
 
 def default_pair() -> tuple[Path, Path]:
@@ -19,4 +20,4 @@ def default_pair() -> tuple[Path, Path]:
     return convert_target(), DRAFT_ASSET
 
 
-__all__ = ["DRAFT_ASSET", "TestbedUnavailable", "cache_home", "convert_target", "default_pair"]
+__all__ = ["DRAFT_ASSET", "DRAFT_TAU", "TestbedUnavailable", "cache_home", "convert_target", "default_pair"]
