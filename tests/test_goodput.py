@@ -159,11 +159,41 @@ def test_it_reacts_when_traffic_becomes_predictable_and_back():
     assert chosen[2300:2500].count(1) >= 180  # back to plain once drafts are bad again
 
 
+def test_the_floor_backs_its_probes_off_while_plain_stays_best():
+    """With a drafter that never pays, each probe that leaves plain best doubles the gap to the next, up to
+    probe_backoff x probe_gap: fewer than half the probes of a fixed gap (a probe that draws lucky acceptance makes
+    drafting best for a while and resets the gap, as it should), throughput at plain's; a drafted best resets it."""
+    rates = [0.35] * 15
+
+    def run(backoff: int) -> tuple[float, list[int], GoodputController]:
+        ctrl = GoodputController(GoodputConfig(max_nodes=16, probe_backoff=backoff))
+        tps, _, reasons = simulate(ctrl, lambda i: rates, steps=4000, bs=1)
+        return tps, [i for i, r in enumerate(reasons) if r == "probe"], ctrl
+
+    tps, probes, ctrl = run(32)
+    fixed_tps, fixed_probes, _ = run(1)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(probes) <= len(fixed_probes) / 2, (len(probes), len(fixed_probes))
+    assert max(gaps) == 32 * 12 and max(b - a for a, b in zip(fixed_probes, fixed_probes[1:])) < 2 * 12 * 4
+    assert tps >= fixed_tps and tps >= 0.98 / step_cost(CPU_THETA, 1, 1)  # the floor is plain decoding
+    while ctrl.probe_gap < 32 * 12:  # (a lucky probe may have reset it just now)
+        ctrl.choose(1)
+        ctrl.observe(ctrl.last.shape.nodes, [0] * 1, step_cost(CPU_THETA, ctrl.last.shape.nodes, 1))
+    ctrl.acceptance = GoodputController(GoodputConfig(max_nodes=16, prior_rate=0.95, prior_strength=1e6)).acceptance
+    for _ in range(11):  # drafting pays now (a drafted shape best): a flip of a few steps keeps the gap ...
+        ctrl.choose(1)
+    assert ctrl.probe_gap == 32 * 12
+    ctrl.choose(1)  # ... twelve in a row reset it
+    assert ctrl.probe_gap == 12
+
+
 def test_config_checks():
     with pytest.raises(ValueError, match="max_nodes"):
         GoodputConfig(max_nodes=0)
     with pytest.raises(ValueError, match="cost_prior"):
         GoodputConfig(max_nodes=4, cost_prior=(1.0,))
+    with pytest.raises(ValueError, match="probe_backoff"):
+        GoodputConfig(max_nodes=4, probe_backoff=0)
     assert GoodputConfig(max_nodes=5).chain_lengths() == (1, 2, 3, 4, 5)
     ctrl = GoodputController(GoodputConfig(max_nodes=1))
     assert ctrl.choose(3).shape.nodes == 1
@@ -174,8 +204,8 @@ def test_probes_stop_where_even_optimistic_acceptance_cannot_pay():
     standard errors, the credit is not spent on it, so the same run probes less than with unbounded optimism."""
     rates = [0.2] * 15
 
-    def probes(z: float) -> int:
-        ctrl = GoodputController(GoodputConfig(max_nodes=16, probe_z=z))
+    def probes(z: float) -> int:  # (no back-off: z alone)
+        ctrl = GoodputController(GoodputConfig(max_nodes=16, probe_z=z, probe_backoff=1))
         _, _, reasons = simulate(ctrl, lambda i: rates, steps=1500, bs=64)
         return reasons[300:].count("probe")
 

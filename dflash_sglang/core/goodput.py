@@ -24,9 +24,12 @@ predicted loss (its time less what the best shape takes for the tokens it is exp
 chain (the longest whose predicted cost stays within `probe_cost_ratio` of the best step's: it measures acceptance at
 every depth it reaches) and the credit pays for it (at most one probe every `probe_gap` steps), provided that chain
 could still beat the best step at acceptance `probe_z` standard errors above its estimate (a large batch's probe
-measures many requests at once: once drafting is known not to pay there, probes wait until those counts fade). So with
+measures many requests at once: once drafting is known not to pay there, probes wait until those counts fade). The
+floor is plain decoding: each probe after which a plain step is still best doubles the gap to the next (up to
+`probe_backoff` x `probe_gap` steps), and the gap returns to `probe_gap` as soon as a drafted shape is best. So with
 speculation off the controller spends at most about `probe_fraction` of the time re-checking whether traffic became
-predictable, and turns speculation back on when it did. The other way round, while a drafted shape is best, a plain
+predictable, less the longer drafting keeps not paying, and turns speculation back on when it did (within about
+`probe_backoff` x `probe_gap` steps). The other way round, while a drafted shape is best, a plain
 step is re-priced (reason "reprice") once its batch-size bucket has gone `reprice_gap` steps without one, from the same
 credit: a fit over one long chain's steps alone cannot tell the per-request cost from the per-row one (they grow
 together), so without measured plain steps a load spike that made drafting slower than plain decoding could leave the
@@ -77,6 +80,8 @@ class GoodputConfig:
     prior_weight: float = 1.0  # the cost prior counts as this many steps of each kind
     margin: float = 0.02  # a longer chain must beat the plain step's goodput by this fraction (noise hysteresis)
     probe_gap: int = 12  # at least this many decode steps between probes (more add little information)
+    probe_backoff: int = 32  # the gap doubles after each probe that leaves a plain step best, up to this x probe_gap
+    # (the floor's cost falls toward nothing; a change of traffic is found within this x probe_gap steps)
     probe_cost_ratio: float = 4.0  # a probe is the longest chain predicted to cost at most this x the best step
     probe_z: float = 2.0  # ... and runs only if, at acceptance this many standard errors above the estimate, it
     # could beat the best step (a large batch's probe measures a lot: once that is known, probes stop until the
@@ -93,6 +98,8 @@ class GoodputConfig:
             raise ValueError(f"max_topk must be >= 1, got {self.max_topk}")
         if self.reprice_gap < 0:
             raise ValueError(f"reprice_gap must be >= 0, got {self.reprice_gap}")
+        if self.probe_backoff < 1:
+            raise ValueError(f"probe_backoff must be >= 1, got {self.probe_backoff}")
         if not 0 <= self.probe_fraction < 1:
             raise ValueError(f"probe_fraction must be in [0, 1), got {self.probe_fraction}")
         if self.cost_prior is not None and len(self.cost_prior) != N_TERMS:
@@ -312,6 +319,8 @@ class GoodputController:
         self.credit = 0.0  # probe credit (seconds)
         self.steps = 0
         self._last_probe = -cfg.probe_gap  # the step count at the last probe
+        self.probe_gap = cfg.probe_gap  # the current gap between probes (backs off while plain steps stay best)
+        self._drafted_run = 0  # decisions in a row whose best shape drafted
         self._last_plain: dict[int, int] = {}  # batch-size bucket -> the step count at its last plain step
         self.counts: dict[SpecShape, int] = {}  # decode steps per shape
         self._timed: set[SpecShape] = set()  # shapes whose first timed step was seen (and left out of the fit)
@@ -328,6 +337,7 @@ class GoodputController:
             n = self._warmup.pop(0) if self._warmup else self.longest
             return self._decide(SpecShape(n, 1), "warmup", None)
         best, best_g, _ = self.best(bs)
+        self._back_off(best)
         if best.nodes > 1 and self._reprice_due(bs):
             # what a plain step loses: its time less the time the best shape takes for the bs tokens it commits
             extra = max(self.cost.predict(PLAIN, bs) - bs / best_g, 0.0)
@@ -335,7 +345,7 @@ class GoodputController:
                 self.credit -= extra
                 return self._decide(PLAIN, "reprice", self.goodput(PLAIN, bs))
         probe = self.probe_length(best, bs)
-        if (probe > best.nodes and self.cfg.probe_fraction > 0 and self.steps - self._last_probe >= self.cfg.probe_gap
+        if (probe > best.nodes and self.cfg.probe_fraction > 0 and self.steps - self._last_probe >= self.probe_gap
                 and self.could_beat(probe, bs, best_g)):
             # what the probe loses: its time less the time the best shape takes to commit what the probe is expected
             # to (at low batch sizes a long chain costs about what the best tree does, yet commits less)
@@ -346,6 +356,18 @@ class GoodputController:
                 self._last_probe = self.steps
                 return self._decide(SpecShape(probe, 1), "probe", self.goodput(SpecShape(probe, 1), bs))
         return self._decide(best, "best", best_g)
+
+    def _back_off(self, best: SpecShape) -> None:
+        """The probe gap: doubled (to its cap) when the step just observed was a probe and a plain step is still best
+        (the probe confirmed the floor); back to `probe_gap` when a probe makes a drafted shape best, or when drafted
+        shapes have stayed best for `probe_gap` decisions in a row (a noisy estimate that flips for a step or two is
+        not traffic that became predictable)."""
+        after_probe = self.last is not None and self.last.reason == "probe"
+        self._drafted_run = self._drafted_run + 1 if best.nodes > 1 else 0
+        if best.nodes > 1 and (after_probe or self._drafted_run >= self.cfg.probe_gap):
+            self.probe_gap = self.cfg.probe_gap
+        elif best.nodes == 1 and after_probe:
+            self.probe_gap = min(2 * self.probe_gap, self.cfg.probe_backoff * self.cfg.probe_gap)
 
     def _reprice_due(self, bs: int) -> bool:
         """Whether this batch-size bucket has gone reprice_gap decode steps without a plain step."""
