@@ -392,7 +392,8 @@ def test_step_profile_places_each_scheduler_sample_in_its_first_part():
              "Scheduler.run_batch (scheduler.py:3)")
     worker = f"{sched};DFlashWorker._decode (dflash_sglang/adapter/step/worker.py:3)"
     raw = "\n".join([
-        f"{worker};DFlashWorker._catch_up (dflash_sglang/adapter/step/worker.py:4);PagedDrafter.commit (m.py:5) 30",
+        f"{worker};DeferredPlainCommit.catch_up (dflash_sglang/adapter/step/upkeep.py:4);PagedDrafter.commit (m.py:5) "
+        "30",
         f"{worker};run_target_verify (dflash_sglang/adapter/step/verify.py:6);ModelRunner.forward (mr.py:7) 500",
         f"{worker};DFlashWorker._draft_pass (dflash_sglang/adapter/step/worker.py:8) 20",
         f"{worker};DFlashWorker._choose_shape (dflash_sglang/adapter/step/worker.py:9) 7",

@@ -70,20 +70,44 @@ class StepPlan:
         return any(p != IDLE for p in self.phases)
 
 
-class AttentionDP:
+class SingleGroup:
+    """No DP attention: the worker's DP hooks (`AttentionDP`'s) do nothing; every step is this group's alone."""
+
+    def prefills(self, batch) -> bool:
+        return batch.forward_mode.is_extend() or batch.is_extend_in_batch
+
+    def decode(self, batch, shape: SpecShape) -> tuple[SpecShape, bool]:
+        return shape, False
+
+    def prefill(self, batch) -> None:
+        pass
+
+    def idle(self, batch) -> bool:
+        return False
+
+    def seed(self, seed: int) -> int:
+        return seed
+
+    def reseed(self) -> None:
+        pass
+
+
+class AttentionDP(SingleGroup):
     """The step plan's collective (over the TP group: every rank of every group takes part once per step)."""
 
     def __init__(self, groups: int, attn_tp: int, group) -> None:
         self.groups, self.attn_tp, self.group = groups, attn_tp, group
         self._seen: set[tuple[int, ...]] = set()  # the phase patterns met so far (each logged once, at DEBUG)
+        self._seed: int | None = None  # torch's default generator's seed, applied at the group's first forward
 
     @classmethod
-    def of(cls, server_args) -> AttentionDP | None:
-        """This worker's DP attention (from its resolved server args: adapter/boot/resolve.py admitted it), or None."""
+    def of(cls, server_args) -> SingleGroup:
+        """This worker's DP attention (from its resolved server args: adapter/boot/resolve.py admitted it), or a
+        SingleGroup."""
         cfg = view(server_args)
         dp = attention_dp(cfg)
         if dp is None:
-            return None
+            return SingleGroup()
         from sglang.srt.distributed import get_tp_group
 
         groups = dp[1]
@@ -109,6 +133,41 @@ class AttentionDP:
             logger.debug("DFLASH DP attention: a step with groups %s, here %s, verify shape %s",
                          "/".join(PHASES[p] for p in plan.phases), PHASES[phase], plan.shape)
         return plan
+
+    def prefills(self, batch) -> bool:
+        """Whether this group prefills (`is_extend_in_batch` says whether any group does)."""
+        return batch.forward_mode.is_extend()
+
+    def decode(self, batch, shape: SpecShape) -> tuple[SpecShape, bool]:
+        """(the shape every decoding group verifies, whether the verify runs eagerly: unless every group verifies);
+        this step's counts applied."""
+        plan = self.plan(DECODE, shape)
+        self.apply(batch, plan)
+        return plan.shape, not plan.uniform
+
+    def prefill(self, batch) -> None:
+        self.apply(batch, self.plan(EXTEND, None))
+
+    def idle(self, batch) -> bool:
+        """Whether the target runs its IDLE forward (another group's collectives wait for it)."""
+        plan = self.plan(IDLE, None)
+        if plan.any_work:
+            self.apply(batch, plan)
+        return plan.any_work
+
+    def seed(self, seed: int) -> int:
+        """SGLang seeds torch's default generator alike in every scheduler; the target's sampler and our accept draw
+        from it. Each group samples its own requests, so two groups running alike batches would draw alike uniforms
+        (the same prompt in both got the same tokens: the chi-square of tests/test_sglang_e2e.py caught it). So each
+        group reseeds it at its first forward (SGLang reseeds after building the workers) with --random-seed offset
+        by the group, and seeds the worker's walk generator so; the ranks of one group still draw alike."""
+        self._seed = seed + 7919 * self.index
+        return self._seed
+
+    def reseed(self) -> None:
+        if self._seed is not None:
+            torch.manual_seed(self._seed)
+            self._seed = None
 
     @staticmethod
     def apply(batch, plan: StepPlan) -> None:

@@ -10,7 +10,7 @@ So the draft pass's logits on rank r cover only r's vocabulary shard, and the st
    chain) or top-k with log-probabilities (a tree, `top_logprobs`); a DFlash2 selector's candidates are the merged
    top-k logits (k numbers, `top_logits`), which every rank then scores alike: the selector (hidden_projection, the
    [V, r] codebooks) is part of the replicated drafter, so every rank walks the same chain and grows the same tree (a
-   sampled walk's uniforms from a generator seeded alike on every rank, adapter/step/worker.py);
+   sampled walk's uniforms from a generator seeded alike on every rank, adapter/step/startup.py);
 2. the accept decision broadcast from TP rank 0, so every rank commits the same tokens and KV slots whatever the
    floating-point details of its sampler (the target's verify logits are all-gathered by SGLang and identical).
 

@@ -75,6 +75,16 @@ class HybridTarget:
             mamba_steps_to_track=track, model=self.model, req_pool_indices=batch.req_pool_indices[: len(accept_len)])
 
 
+class NoRecurrentState:
+    """The worker's hybrid hook for a target without linear-attention layers: no links, nothing to commit."""
+
+    def links(self, tree, bs: int, n: int, device) -> None:
+        return None
+
+    def commit(self, batch, seq_lens_pre: Tensor, accept_len: Tensor, path_rows: Tensor | None) -> None:
+        pass
+
+
 def chain_links(bs: int, n: int, device) -> tuple[Tensor, Tensor]:
     """A chain of n rows in tree-link form: (first child [bs, n], next sibling [bs, n]) int64."""
     rows = torch.arange(n, device=device)

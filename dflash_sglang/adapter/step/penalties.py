@@ -92,9 +92,12 @@ class RequestPenalties:
         state.add(pen, bonus.to(torch.int64))
         return _Tracked(pen, state)
 
-    def penalize(self, logits: Tensor, rows: PenalizedRows, ids: Tensor, parent: Tensor | None) -> None:
+    def penalize(self, logits: Tensor, rows: PenalizedRows | None, ids: Tensor, parent: Tensor | None) -> None:
         """logits [bs, n, V] in place at the penalized requests' verify rows: ids [bs, n] int64 (row 0 the root),
-        parent [bs, n] (None: a chain). SGLang's own scaling op applies the repetition penalty (its arithmetic)."""
+        parent [bs, n] (None: a chain). SGLang's own scaling op applies the repetition penalty (its arithmetic).
+        rows None (no request penalized): nothing to do."""
+        if rows is None:
+            return
         from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
 
         sub = logits.index_select(0, rows.rows)
@@ -103,9 +106,11 @@ class RequestPenalties:
                         rows.penalties, scale=apply_scaling_penalties)
         logits.index_copy_(0, rows.rows, sub)
 
-    def commit(self, rows: PenalizedRows, out_tokens: Tensor, commit_lens: Tensor) -> None:
+    def commit(self, rows: PenalizedRows | None, out_tokens: Tensor, commit_lens: Tensor) -> None:
         """Each penalized request's committed tokens (the first commit_lens[i] of out_tokens [bs, W]) join its
-        state, one at a time, in order."""
+        state, one at a time, in order (none where rows is None)."""
+        if rows is None:
+            return
         state = rows.state
         state.extend(rows.penalties, out_tokens.index_select(0, rows.rows), commit_lens.index_select(0, rows.rows))
         for j, rid in enumerate(rows.rids):

@@ -14,8 +14,9 @@ the largest shape the table can pick (or the explicit --speculative-num-draft-to
 each step verifies only its own shape's nodes, and result rows stay N wide (-1 padded). `adaptive_limits` checks a
 table at start-up (adapter/boot/mode.py), one line naming the flag.
 
-`ShapeSchedule` is what the worker asks each step; in fixed mode it returns the one shape of the flags, in goodput
-mode (the default, core/goodput.py) the controller's chain or tree, which then learns from each step's `observe`.
+`ShapeSchedule` is what the worker asks each step (`start`); in fixed mode it returns the one shape of the flags, in
+goodput mode (the default, core/goodput.py) the controller's chain or tree, which then learns from each step's
+acceptance and wall time (`finish`, observed at the next `start`).
 """
 from __future__ import annotations
 
@@ -25,8 +26,11 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from torch import Tensor
+
 from dflash_sglang.core.adaptive import AdaptivePolicy, SpecShape
 from dflash_sglang.core.goodput import FixedStepCost, GoodputController, describe, label
+from dflash_sglang.core.speculate import rank_paths
 
 from ..settings import DFlashSettings
 from .metrics import GoodputMetrics
@@ -97,6 +101,13 @@ class ShapeSchedule:
     metrics: GoodputMetrics | None = None  # goodput mode with --enable-metrics (adapter/step/metrics.py)
     step_cost: FixedStepCost | None = None  # goodput: observed instead of wall time (DFLASH_SIMULATE_STEP_COST)
     _last_log: float = field(default=0.0, repr=False)
+    # goodput: the last decode step (shape, accepted drafts [bs], the drafter's ranks of the committed tokens [bs, m]
+    # or None, start time), observed at the next step's start (its tensors are ready by then, no sync of their own;
+    # the time between the two starts is what the step cost the server); its time is not used after a prefill or
+    # idle step in between (the interval was not its own: `_clean`)
+    _last: tuple | None = field(default=None, repr=False)
+    _clean: bool = field(default=False, repr=False)
+    _start: float = field(default=0.0, repr=False)  # perf_counter at this decode step's shape choice
 
     def __post_init__(self) -> None:
         assert sum(x is not None for x in (self.fixed, self.policy, self.controller)) == 1, \
@@ -124,6 +135,34 @@ class ShapeSchedule:
         if self.policy is None:
             return (self.fixed.nodes,)
         return tuple(sorted({s.nodes for s in self.policy.row_shapes()}))
+
+    def start(self, batch_size: int, vocab, device) -> SpecShape:
+        """A decode step's shape; in goodput mode the previous step is observed first, and TP rank 0's choice is every
+        rank's (each rank times its own steps; vocab: adapter/scale/tp.py's DraftVocab)."""
+        self._start = time.perf_counter()
+        if self._last is not None:
+            shape, accepted, ranks, start = self._last
+            self.observe(shape, accepted.tolist(), self._start - start if self._clean else None,
+                         None if ranks is None else rank_paths(ranks.tolist()))
+            self._last = None
+        shape = self.choose(batch_size)
+        if self.controller is not None and vocab.world_size > 1:
+            shape = SpecShape(*vocab.same_ints_on_every_rank((shape.nodes, shape.topk), device))
+        return shape
+
+    def finish(self, shape: SpecShape, accepted: Tensor, ranks: Tensor | None) -> None:
+        """The step's drafts' real acceptance [bs] (before any max_new_tokens cut) and ranks, for goodput mode."""
+        if self.controller is not None:
+            self._last, self._clean = (shape, accepted, ranks, self._start), True
+
+    def interrupt(self) -> None:
+        """A prefill or idle step: the time to the next decode step is not the last decode step's."""
+        self._clean = False
+
+    @property
+    def wants_ranks(self) -> bool:
+        """Whether `finish` reads the drafter's ranks of the committed tokens (the controller prices trees by them)."""
+        return self.controller is not None and self.controller.uses_ranks
 
     def choose(self, batch_size: int) -> SpecShape:
         """The shape of a decode step over `batch_size` running requests (host-side, no device sync)."""

@@ -17,10 +17,10 @@ Not deferred where something outside the worker reads the pool between steps: Hi
 draft rows asynchronously and a PD decode server backs up a retracted request's rows (`enabled` False there: every
 step commits, as before). A draft window's ring (R rows per request, position p at row p % R of its ring) defers at
 most R steps (`upkeep_steps`): one request's pending rows are then distinct, and one scatter writes what R commits
-in order would (more would write one row twice in one scatter, in no defined order).
-"""
+in order would (more would write one row twice in one scatter, in no defined order)."""
 from __future__ import annotations
 
+import os
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -29,6 +29,7 @@ from torch import Tensor
 
 MAX_STEPS = 16  # plain steps kept pending at most (each is one commit's fixed cost saved)
 MAX_BYTES = 64 << 20  # pending features at most (bs x F per step: a large batch flushes sooner)
+DEFER_ENV = "DFLASH_DEFER_PLAIN_UPKEEP"
 
 
 def upkeep_steps(ring: int | None) -> int:
@@ -74,3 +75,56 @@ class PlainUpkeep:
         features, positions, rows = (torch.cat(parts) for parts in zip(*self._pending))
         self._pending, self._key, self._bytes = [], None, 0
         return features, positions, rows
+
+
+class DraftCommit:
+    """Every step's draft K/V written at once: a commit graph's replay where one was captured, else eagerly."""
+
+    def __init__(self, drafter) -> None:
+        self.drafter = drafter
+        self.graphs = None  # the draft graphs, set by the worker's init_cuda_graphs where they run
+
+    def before(self, key: Hashable, drafted: bool) -> None:
+        """Before a decode step over the requests `key` (drafted: it runs a drafter pass)."""
+
+    def catch_up(self) -> None:
+        """Before a prefill or an idle step: the pending rows written."""
+
+    def step(self, key: Hashable, rows: tuple[Tensor, Tensor, Tensor], bs: int, nodes: int, copy: bool) -> None:
+        """A decode step's verify rows (features [bs*n, F], positions [bs*n], pool rows [bs*n]; n = nodes) written.
+        copy: the features live in a replayed verify graph's output buffer."""
+        if self.graphs is None or not self.graphs.commit(*rows, bs=bs, nodes=nodes):
+            self.drafter.commit(*rows)
+
+
+class DeferredPlainCommit(DraftCommit):
+    """Plain steps' rows kept pending and written in one commit when the drafter next needs them."""
+
+    def __init__(self, drafter, max_steps: int) -> None:
+        super().__init__(drafter)
+        self.pending = PlainUpkeep(enabled=True, max_steps=max_steps)
+
+    def before(self, key: Hashable, drafted: bool) -> None:
+        if self.pending.due(key, drafted):
+            self.catch_up()  # before the drafter reads the pool, or another batch writes its rows
+
+    def catch_up(self) -> None:
+        pending = self.pending.take()
+        if pending is not None:
+            self.drafter.commit(*pending)
+
+    def step(self, key: Hashable, rows: tuple[Tensor, Tensor, Tensor], bs: int, nodes: int, copy: bool) -> None:
+        if nodes > 1:
+            super().step(key, rows, bs, nodes, copy)
+        elif self.pending.defer(key, *rows, copy=copy):
+            self.catch_up()
+
+
+def draft_commit(drafter, settings, server_args, ring: int | None) -> DraftCommit:
+    """The worker's policy, picked once: deferred unless HiCache or a PD decode server's retraction backup reads the
+    pool between steps, or `DEFER_ENV` is 0 (a switch for before/after timings, not a serving setting); a window's
+    ring (`ring` rows per request) defers at most that many steps."""
+    if (os.environ.get(DEFER_ENV, "1").strip() == "0" or getattr(server_args, "enable_hierarchical_cache", False)
+            or settings.disaggregation == "decode"):
+        return DraftCommit(drafter)
+    return DeferredPlainCommit(drafter, upkeep_steps(ring))

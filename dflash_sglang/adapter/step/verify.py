@@ -43,9 +43,7 @@ def masked_verify_graphs(settings) -> bool:
 def verify_mask(tree_mask: Tensor | None, bs: int, n: int, masked_graphs: bool, device) -> Tensor | None:
     """The [bs, n, n] bool mask a verify of n rows per request passes to a GPU backend: the tree's, a chain's causal
     one when the verify graphs were captured with mask buffers, else None (a plain causal chain)."""
-    if tree_mask is not None or not masked_graphs:
-        return tree_mask
-    return torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(bs, n, n)
+    return tree_mask if tree_mask is not None or not masked_graphs else _causal(bs, n, device)
 
 
 def run_target_verify(
@@ -132,6 +130,39 @@ def _without_verify_graph(runner):
         yield
     finally:
         runner.decode_cuda_graph_runner = graphs
+
+
+def grammar_rows(batch: ScheduleBatch, proposal):
+    """The verify rows of a grammar-constrained batch as SGLang's `GrammarTree` (a host copy, taken before the
+    verify), or None."""
+    if not batch.has_grammar:
+        return None
+    from sglang.srt.speculative.spec_utils import GrammarTree
+
+    tree = proposal.tree
+    if tree is None:
+        return GrammarTree.from_linear_chain(proposal.ids)
+    return GrammarTree.from_device(tree.retrive_next_token, tree.retrive_next_sibling, tree.tokens)
+
+
+def bias_and_grammar(logits: Tensor, batch: ScheduleBatch, grammar, grammar_barrier) -> None:
+    """logits [bs, n, V] (penalized already) adjusted in place as plain decoding would sample from them: logit bias
+    (the same at every verify row of a request), then each row of a grammar-constrained request masked by the grammar
+    state its draft path reaches (`grammar`: `grammar_rows`; rows past a draft the grammar rejects stay unmasked:
+    acceptance never reaches them). The scheduler advances each request's grammar by the tokens the step commits.
+    (Custom logit processors are refused per request.)"""
+    from sglang.srt.speculative.spec_utils import build_grammar_vocab_mask
+
+    sampling_info = batch.sampling_info
+    bias = getattr(sampling_info, "logit_bias", None) if sampling_info is not None else None
+    if bias is not None:
+        logits.add_(bias[:, None, :].to(logits.dtype))
+    if grammar is not None:
+        flat = logits.view(-1, logits.shape[-1])
+        mask = build_grammar_vocab_mask(reqs=batch.reqs, tree=grammar, sampling_info=sampling_info,
+                                        device=flat.device, barrier=grammar_barrier)
+        if mask is not None:
+            mask.apply(flat)
 
 
 def sampling_params(sampling_info, bs: int, reqs=None) -> SamplingParams | None:

@@ -21,7 +21,7 @@ RATE = 100  # py-spy samples per second
 SCHEDULER = "Scheduler.event_loop"  # (event_loop_normal / event_loop_overlap: serving, not start-up)
 PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (  # (part, stack substrings: any one places a sample), first match
     ("draft K/V upkeep", ("PagedDrafter.commit (", "DraftGraphs.commit (", "PagedDrafter.commit_extend (",
-                          "DFlashWorker._catch_up (")),
+                          "DeferredPlainCommit.catch_up (")),
     ("drafter pass", ("DFlashWorker._draft_pass (", "DraftGraphs.__call__ (", "DraftGraphs.select (")),
     ("target forward", ("ModelRunner.forward (",)),
     ("our worker, rest", ("dflash_sglang/adapter/",)),
