@@ -1,7 +1,7 @@
 """A target and its drafter as Hugging Face loads them, for the reference decoder's commands (`dflash-sglang
-generate`, bench/accept.py, scripts/bench_draft_block.py): a prompt's token ids (the chat template where the tokenizer
-has one) and the pair's loading (safetensors only, no remote code, the drafter checked against the target first).
-torch and transformers are imported when a pair is loaded, not with this module."""
+generate`, bench/serving/accept.py, scripts/bench_draft_block.py): a prompt's token ids (the chat template where the
+tokenizer has one) and the pair's loading (safetensors only, no remote code, the drafter checked against the target
+first). torch and transformers are imported when a pair is loaded, not with this module."""
 from __future__ import annotations
 
 import json

@@ -3,9 +3,9 @@
 
     python scripts/bench_accept.py --block-sizes 4,8,16 --num-prompts 32 --max-new-tokens 128
 
-See `dflash_sglang/bench/accept.py` (method) and docs/benchmarks.md, "Serving benchmarks". Last stdout line: JSON.
-"""
-from dflash_sglang.bench.accept import main
+See `dflash_sglang/bench/serving/accept.py` (method) and docs/benchmarks.md, "Serving benchmarks". Last stdout line:
+JSON. """
+from dflash_sglang.bench.serving.accept import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -20,7 +20,7 @@
 # regenerating a sequence costs several training visits of it, and 100 steps over 384 sequences (8 passes) lowered
 # the held-out tau_est (docs/benchmarks.md). The schedule (the cosine over MAX_STEPS) is saved in every
 # checkpoint and is never restarted by a resume. Everything lives in $JOB_DIR (git-ignored work_tmp/); the log says
-# how many training CPU-hours the run has had. Benchmarks pause it through dflash_sglang.bench.common.training_pause.
+# how many training CPU-hours the run has had. Benchmarks pause it through dflash_sglang.measure.training_pause.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOB_DIR="${DFLASH_TRAIN_JOB_DIR:-work_tmp/train_job_distill}"
@@ -92,7 +92,7 @@ case "${1:-status}" in
   _loop) loop ;;
   pause|resume|stop)
     pid=$(running_pid) || { echo "train_job: not running"; exit 0; }
-    # said, not done: a benchmark's pause (bench/common/training_pause.py) must not take over a pause someone made by hand, which its
+    # said, not done: a benchmark's pause (measure/training_pause.py) must not take over a pause someone made by hand, which its
     # resume would undo
     if [ "$1" = pause ] && is_paused "$pid"; then echo "train_job: already paused (pid $pid)"; exit 0; fi
     sig=$([ "$1" = pause ] && echo STOP || { [ "$1" = resume ] && echo CONT || echo TERM; })

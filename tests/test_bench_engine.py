@@ -1,5 +1,5 @@
-"""The pure parts of the Engine throughput benchmark (dflash_sglang/bench/engine/compare.py) and the training-job pause
-(bench/common/training_pause.py): arm specs, the plan of generate calls (repeats interleaved as passes over the arms),
+"""The pure parts of the Engine throughput benchmark (dflash_sglang/measure/passes.py) and the training-job pause
+(measure/training_pause.py): arm specs, the plan of generate calls (repeats interleaved as passes over the arms),
 tokens/s ratios with their interval and wording, and mismatches vs plain. No Engine starts, nothing is timed."""
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from dflash_sglang.bench.engine.compare import (
-    STATIC_TABLE, build_plan, mismatches, parse_arm, parse_kv, parse_value, plot_switch, split_env, summarize,
-    switch_schedule,
+from dflash_sglang.bench.engine.compare import STATIC_TABLE, parse_arm, plot_switch
+from dflash_sglang.measure.passes import (
+    build_plan, mismatches, parse_kv, parse_value, split_env, summarize, switch_schedule,
 )
-from dflash_sglang.bench.common.spread import FASTER, ONE_REPEAT, SAME, SLOWER, RatioSpread
-from dflash_sglang.bench.common.training_pause import SCRIPT, busy_share, cpu_model, training_paused
+from dflash_sglang.measure.spread import FASTER, ONE_REPEAT, SAME, SLOWER, RatioSpread
+from dflash_sglang.measure.training_pause import SCRIPT, busy_share, cpu_model, training_paused
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = {"speculative_algorithm": "DFLASH", "speculative_draft_model_path": "/d"}
@@ -174,7 +174,7 @@ def test_repeats_run_as_passes_over_the_arms(monkeypatch):
     import contextlib
     from types import SimpleNamespace
 
-    from dflash_sglang.bench.engine import compare as engine
+    from dflash_sglang.measure import passes as engine
     calls = []
 
     def fake_run_arm(name, kwargs, steps, args, common, stem=None):
@@ -206,7 +206,7 @@ def test_repeats_run_as_passes_over_the_arms(monkeypatch):
 
 FAKE_RESIDENT_CHILD = """
 import json, os, sys
-from dflash_sglang.bench.engine import resident
+from dflash_sglang.measure import resident
 job = json.load(open(sys.argv[1]))
 def run_pass(k):
     if job["arm"] == "bad" and k == 1:
@@ -226,7 +226,7 @@ def test_resident_engines_start_once_and_serve_every_pass_in_alternating_order(t
     import sys
     from types import SimpleNamespace
 
-    from dflash_sglang.bench.engine import resident
+    from dflash_sglang.measure import resident
     children, order = [], []
 
     def spawn(name, kwargs, stem):
@@ -366,7 +366,7 @@ def test_switch_plot(tmp_path):
 
 
 def test_shape_trace_assigns_steps_to_the_round_that_follows_them(tmp_path):
-    from dflash_sglang.bench.engine.shape_trace import TracedStep, parse_trace, plot_trace
+    from dflash_sglang.measure.shape_trace import TracedStep, parse_trace, plot_trace
 
     log = "\n".join([
         "DFLASH goodput step: shape=16 bs=1 accepted=3 seconds=0.2",  # the warm-up's: dropped
@@ -384,10 +384,10 @@ def test_shape_trace_assigns_steps_to_the_round_that_follows_them(tmp_path):
 
 
 def test_step_profile_places_each_scheduler_sample_in_its_first_part():
-    """py-spy's raw stacks summed by part of the step (bench/engine/step_profile.py): the scheduler's event loop only
+    """py-spy's raw stacks summed by part of the step (measure/step_profile.py): the scheduler's event loop only
     (not its start-up, not other processes), the first part a stack names wins (a catch-up's commit is upkeep, not the
     worker's rest), per timed output token."""
-    from dflash_sglang.bench.engine import step_profile
+    from dflash_sglang.measure import step_profile
     sched = ("<module> (<string>:1);run_scheduler_process (scheduler.py:1);Scheduler.event_loop_normal (s.py:2);"
              "Scheduler.run_batch (scheduler.py:3)")
     worker = f"{sched};DFlashWorker._decode (dflash_sglang/adapter/step/worker.py:3)"

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from dflash_sglang.bench.serving import pareto, recipe, roofline
-from dflash_sglang.bench.accept import Arm, pooled, summarize
+from dflash_sglang.bench.serving.accept import Arm, pooled, summarize
 from dflash_sglang.bench.common.datasets import jsonl_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -220,7 +220,7 @@ def test_sglang_bench_serving_on_a_dflash_server(pair, sglang_env, server, tmp_p
 
 
 def test_bench_package_does_not_import_sglang():
-    code = ("import sys, dflash_sglang.bench.serving.pareto, dflash_sglang.bench.accept, "
+    code = ("import sys, dflash_sglang.bench.serving.pareto, dflash_sglang.bench.serving.accept, "
             "dflash_sglang.bench.serving.recipe, "
             "dflash_sglang.pairs; assert not [m for m in sys.modules if m.split('.')[0] == 'sglang']")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

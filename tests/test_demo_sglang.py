@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_sglang.bench.common.spread import RatioSpread
-from dflash_sglang.bench.engine.shape_trace import parse_trace, shape_mix
+from dflash_sglang.measure.spread import RatioSpread
+from dflash_sglang.measure.shape_trace import parse_trace, shape_mix
 from dflash_sglang.demo import engines, main, words
 from dflash_sglang.demo.engines import ArmReport, choice_words, drafted_words, report
 
@@ -45,7 +45,7 @@ def test_choice_words_from_the_shapes_it_ran():
 
 
 def test_drafted_steps_say_their_share_and_accept_length_beside_the_trained_tau():
-    from dflash_sglang.bench.engine.shape_trace import TracedStep
+    from dflash_sglang.measure.shape_trace import TracedStep
     from dflash_sglang.testbed import DRAFT_ASSET, DRAFT_TAU
 
     steps = [TracedStep(1, 1.0, 0)] * 6 + [TracedStep(16, 3.0, 0), TracedStep(4, 2.0, 1)]

@@ -22,7 +22,7 @@ def _result(committed: int, steps: int, requests: int = 1) -> dict:
 
 
 def _row(arm: str, c: int, tok_s: float | None, ratio: float | None = None) -> dict:
-    """One of bench/engine/compare.py summarize's rows (the fields speed_rows reads)."""
+    """One of measure/passes.py summarize's rows (the fields speed_rows reads)."""
     return {"arm": arm, "c": c, "tok_s": tok_s, "ratio": ratio, "accept_mean": None, "ms_per_step": None}
 
 

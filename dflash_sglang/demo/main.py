@@ -13,7 +13,7 @@ What is repeated: `--repeats` (6) repeats, repeat r decoding prompt r mod `--num
 slow spell of the shared machine hits all three alike; 6 x 48 tokens per way is the work of the 3 x 96 timed once each
 before (52 s in all on a quiet 2-core machine, target set up). A single timing of each way is noise as often as speed
 (two runs minutes apart printed 1.09x and 0.85x while the controller ran plain steps 93% of the time), so each way's
-speed is the median of its per-repeat ratios to plain with a 95% interval (bench/engine/compare.py `RatioSpread`), and
+speed is the median of its per-repeat ratios to plain with a 95% interval (measure/passes.py `RatioSpread`), and
 is called a speedup or slower only when that interval excludes 1.0, else "same as plain within noise".
 
 Prints per repeat tokens/s of each way, tau, the controller's shapes and where a step's time goes (drafter pass /
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_sglang.bench.common.spread import RatioSpread
+from dflash_sglang.measure.spread import RatioSpread
 from ..core.goodput import DEFAULT_TREE_TOPK, Decision, GoodputConfig, GoodputController
 from .words import BUSY_SHARE, controller_choice, controller_verdict
 

@@ -94,18 +94,6 @@ def flush_cache(url: str, timeout: float = 120.0) -> None:
             time.sleep(1)
 
 
-def cpu_env(repo: Path | None = None) -> dict[str, str]:
-    """Environment additions for a CPU-build SGLang server run from a source checkout: the import shims of
-    tests/sglang_shims (triton, vllm._custom_ops and torchvision are not installed on CPU) and the checkout first on
-    PYTHONPATH (another interpreter sees our plugin), the plugin whitelisted, one OpenMP thread per process."""
-    repo = Path(repo) if repo is not None else Path(__file__).resolve().parents[3]
-    shims = repo / "tests" / "sglang_shims"
-    paths = [str(shims)] if shims.is_dir() else []
-    paths += [str(repo), os.environ.get("PYTHONPATH", "")]
-    return {"PYTHONPATH": os.pathsep.join(p for p in paths if p), "SGLANG_PLUGINS": "dflash_sglang",
-            "OMP_NUM_THREADS": "1"}
-
-
 SGLANG = "sglang.launch_server"  # a server: `Server` adds --sleep-on-idle
 ROUTER = "sglang_router.launch_router"  # PyPI sglang-router: the load balancer in front of SGLang servers
 

@@ -13,7 +13,7 @@ K/V of the new token). This benchmark isolates that cost on the testbed pair (Sm
 
 Repeats are interleaved (each repeat decodes the same prompts with every arm in turn), so a slow spell of the shared
 machine hits all arms alike; each arm's speed is the median of its per-repeat ratios to plain with a 95% interval
-(bench/common/spread.py `RatioSpread`). Where the time went: the controller arms' steps split into the target verify and
+(measure/spread.py `RatioSpread`). Where the time went: the controller arms' steps split into the target verify and
 the rest (acceptance, upkeep, bookkeeping), against plain decoding's per-token time. Greedy outputs must equal plain's.
 The last stdout line is JSON.
 """
@@ -29,8 +29,8 @@ import torch
 
 from dflash_sglang.core.goodput import FixedStepCost, GoodputConfig, GoodputController
 from dflash_sglang.core.reference import ReferenceDecoder, StepTimes
-from dflash_sglang.bench.common.spread import RatioSpread
-from dflash_sglang.bench.common.training_pause import busy_share, cpu_model, training_paused
+from dflash_sglang.measure.spread import RatioSpread
+from dflash_sglang.measure.training_pause import busy_share, cpu_model, training_paused
 
 # Seconds per cost term (core/goodput.py TERMS): a drafter pass costs a second, so no drafted shape ever pays and every
 # step after the warm-up is a plain step; the plain terms only scale the controller's numbers.

@@ -1,4 +1,4 @@
-"""What a GPU session's stage gets and gives (gpu_session.py runs the stages, gpu_stages.py lists them): `Context`
+"""What a GPU session's stage gets and gives (session.py runs the stages, stages.py lists them): `Context`
 (device, output folders, the `Budget`, what earlier stages built), `Stage` (its run and cost estimates), `Table` (its
 result, one row per cell with a verdict) and `StageResult` (what the session records of it)."""
 from __future__ import annotations

@@ -100,7 +100,7 @@ def site_lacks(site: Path) -> list[str]:
 
 
 def imports_row(ctx: Context, timeout: float) -> dict:
-    from dflash_sglang.bench.common.server import cpu_env
+    from dflash_sglang.measure.cpu_env import cpu_env
 
     env = {**os.environ, **(cpu_env(gpu_wheels.REPO) if not ctx.cuda else {})}
     rc, last = _run([sys.executable, "-c", import_check_source(IMPORTS[ctx.device])], ctx.work / "imports.log",

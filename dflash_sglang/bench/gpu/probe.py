@@ -1,4 +1,4 @@
-"""The throughput stage's Engine child: bench/engine/compare.py's `run_child` (one Engine, a plan of timed generate
+"""The throughput stage's Engine child: measure/passes.py's `run_child` (one Engine, a plan of timed generate
 calls), and, with DFLASH_VERIFY_PROBE=1, one line per target verify in the scheduler's log.
 
 The probe line says what the controller's step looked like on the device: `DFLASH verify probe: width=W bs=B tree=T
@@ -75,6 +75,6 @@ if os.environ.get(PROBE_ENV) == "1":  # every process of a probed Engine (the sc
 
 
 if __name__ == "__main__":
-    from dflash_sglang.bench.engine.compare import run_child
+    from dflash_sglang.measure.passes import run_child
 
     run_child(sys.argv[1])

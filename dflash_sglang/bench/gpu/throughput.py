@@ -9,7 +9,7 @@ acceptance is simulated at the same tau for both implementations, which makes th
 builtin commits a mean of tau tokens a step (SGLANG_SIMULATE_ACC_LEN, its own law), ours accepts each draft position
 with the rate p at which a block-16 chain commits tau on average (DFLASH_SIMULATE_ACC_RATE, `rate_for_tau`), as a
 pinned chain of 16 and under the goodput controller (no shape flag), which chooses shorter chains or plain steps where
-they pay. Per target, arm and tau one Engine (one at a time), then bench/engine/compare.py's plan: per concurrency c a
+they pay. Per target, arm and tau one Engine (one at a time), then measure/passes.py's plan: per concurrency c a
 warm-up and one timed greedy call of c prompts x new tokens; its `summarize` gives tokens/s and the ratio to no
 speculation.
 
@@ -128,7 +128,7 @@ def accept_tolerance(tau: float, draws: int) -> float:
 
 def accept_figure(result: dict) -> tuple[float, int] | None:
     """(tokens committed per verify step, the simulated commit lengths behind them) over every timed round of an
-    Engine's result (bench/engine/compare.py `run_steps`: per request its output ids and `spec_verify_ct`); None where
+    Engine's result (measure/passes.py `run_steps`: per request its output ids and `spec_verify_ct`); None where
     no verify step was counted. The mean is over requests' steps (a request's first token comes from its prefill, not a
     verify step); the draws are each round's batch steps (its largest verify count): the simulation draws one length per
     batch step for all its requests (adapter/simulate.py, and the builtin alike), so c requests' steps are not c
@@ -162,7 +162,7 @@ def versus_builtin(ratio: float) -> str:
 
 
 def speed_rows(rows: list[dict], results: dict[str, dict]) -> list[dict]:
-    """The table's rows of one bench from bench/engine/compare.py `summarize`'s (arm "name@tau" or "none" x c) and the
+    """The table's rows of one bench from measure/passes.py `summarize`'s (arm "name@tau" or "none" x c) and the
     Engines' results: tok/s, vs none, vs builtin (the builtin's tokens/s at the same tau and c), accept len, ms/step,
     verdict. Verdicts: no figure: FAIL; a speculative arm whose simulation is off (`simulation_check`): FAIL on all its
     rows; none: pass (the baseline); ours: `versus_builtin` where that builtin passed; else pass with the ratio to
@@ -220,7 +220,7 @@ def child_env(ctx: Context, extra: dict[str, str]) -> dict[str, str]:
     """The Engine child's environment: on CPU bench/common/server.py's (import shims, one OpenMP thread); on CUDA the
     checkout first on PYTHONPATH (our plugin), nothing shimmed. Every arm logs dflash_sglang at INFO (our worker's
     start-up line: `ours_started`), SGLang's own loggers at WARNING."""
-    from dflash_sglang.bench.common.server import cpu_env
+    from dflash_sglang.measure.cpu_env import cpu_env
 
     base = cpu_env(REPO) if not ctx.cuda else {
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
@@ -298,7 +298,7 @@ class BenchRun:
     def prepare(self, ctx: Context) -> None:
         """Build the pair and the plan: the same prompts for every arm, token ids from 100 (below: special and
         character ids) to 300 short of the vocabulary's end (Qwen3's special and unused ids)."""
-        from dflash_sglang.bench.engine.compare import build_plan
+        from dflash_sglang.measure.passes import build_plan
 
         self.target, self.draft = self.bench.pair(ctx)
         vocab = json.loads((self.target / "config.json").read_text())["vocab_size"]
@@ -309,7 +309,7 @@ class BenchRun:
         self.common = common_kwargs(ctx, self.target, self.bench)
 
     def rows(self) -> list[dict]:
-        from dflash_sglang.bench.engine.compare import summarize
+        from dflash_sglang.measure.passes import summarize
 
         measured = speed_rows(summarize(self.plan, self.results, baseline=NONE), self.results)
         return [{"target": self.bench.key, **r} for r in measured + self.other_rows]

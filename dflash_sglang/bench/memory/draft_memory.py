@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_sglang.bench.common.spread import RatioSpread
+from dflash_sglang.measure.spread import RatioSpread
 
 DTYPES = ("auto", "bf16", "fp8_e4m3", "fp8_e5m2")  # draft KV arms ("auto": the model dtype)
 REPO = Path(__file__).resolve().parents[3]
@@ -224,10 +224,10 @@ def _window(args: argparse.Namespace) -> int:
 
 def window_engine_tau(target_dir: Path, draft_dir: Path, prompts: list[list[int]], new_tokens: int, block: int,
                       windows: tuple[int | None, ...], dtype: str, out: Path) -> dict[str, dict]:
-    """Per draft window W (None: the whole context): one CPU Engine (bench/engine/compare.py's child, one at a time),
+    """Per draft window W (None: the whole context): one CPU Engine (measure/passes.py's child, one at a time),
     greedy chains of `block` rows, the radix cache off -> tau (committed tokens per verify step, SGLang's counts) and
     its output ids. A failed Engine raises."""
-    from dflash_sglang.bench.engine.compare import run_arm
+    from dflash_sglang.measure.passes import run_arm
 
     out.mkdir(parents=True, exist_ok=True)
     args = argparse.Namespace(new_tokens=new_tokens, sampling=[], out=out, env={}, child_timeout=3600.0)

@@ -145,7 +145,7 @@ def sglang_sizing(target_dir: Path, draft_dir: Path, budget: int, contexts: list
 def sglang_sizing_in_child(target_dir: Path, draft_dir: Path, budget: int, contexts: list[int], windows: list[int],
                            python: str = sys.executable) -> list[CapacityRow]:
     """`sglang_sizing` in a child process (importing SGLang changes the process; CPU builds need the import shims)."""
-    from dflash_sglang.bench.common.server import cpu_env
+    from dflash_sglang.measure.cpu_env import cpu_env
 
     code = ("import json, sys; from pathlib import Path; from dataclasses import asdict; "
             "from dflash_sglang.bench.memory.window_capacity import sglang_sizing; "

@@ -10,7 +10,7 @@ One server at a time (each holds its whole KV pool: several at once would not fi
 starts each arm's server in turn (plain, default, floor, plain, ...) and sends it every level's burst, the prefix cache
 flushed before each, so slow drift of the shared machine hits every arm alike (the price: a server start per arm and
 repeat, untimed). Each repeat gives one ratio
-plain seconds / arm seconds (the same requests), reported as a median and a 95% interval (bench/common/spread.py
+plain seconds / arm seconds (the same requests), reported as a median and a 95% interval (measure/spread.py
 `RatioSpread`): "speedup" / "slower" only when the interval excludes 1.0. Greedy answers of every arm must equal
 plain's, token for token (exit 1 otherwise).
 
@@ -32,9 +32,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_sglang.bench.common.spread import RatioSpread
-from dflash_sglang.bench.common.training_pause import busy_share, cpu_model, training_paused
-from dflash_sglang.bench.common.server import Server, cpu_env, flush_cache
+from dflash_sglang.measure.spread import RatioSpread
+from dflash_sglang.measure.training_pause import busy_share, cpu_model, training_paused
+from dflash_sglang.bench.common.server import Server, flush_cache
+from dflash_sglang.measure.cpu_env import cpu_env
 from dflash_sglang.bench.soak.client import Outcome, run_all
 from dflash_sglang.bench.soak.workload import Case, WorkloadSpec, _mixed, load_pool
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from dflash_sglang.bench.serving import recipe as recipes
 from dflash_sglang.bench.serving import roofline
-from dflash_sglang.bench.common.plotting import pyplot
+from dflash_sglang.measure.plotting import pyplot
 from dflash_sglang.bench.common.server import Server
 
 ARMS = ("ours", "builtin", "none")

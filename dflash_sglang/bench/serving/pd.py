@@ -8,7 +8,7 @@ Arms (each a fresh set of servers, one arm at a time; interleaved repeats: whole
 Each repeat sends the same greedy ShareGPT eval prompts (chat-templated, `--requests` of them, at most `--concurrency`
 in flight) and measures the burst's wall seconds; tokens/s = generated tokens / seconds; acceptance = generated tokens /
 verify steps (SGLang's meta_info, as the e2e tests read it). Greedy answers of every arm must equal the first arm's
-(exit 1 otherwise). The ratio of each arm over the first is reported with its 95% interval (bench/common/spread.py).
+(exit 1 otherwise). The ratio of each arm over the first is reported with its 95% interval (measure/spread.py).
 
 On a 2-core machine the three processes of a PD arm share the cores a whole server has to itself, so its tokens/s
 measures the transfer path's overhead there, not what separate prefill and decode GPUs give; acceptance is the figure
@@ -27,9 +27,10 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_sglang.bench.common.spread import RatioSpread
-from dflash_sglang.bench.common.training_pause import busy_share, cpu_model, training_paused
-from dflash_sglang.bench.common.server import ROUTER, Server, await_router_workers, cpu_env, free_port, http_json
+from dflash_sglang.measure.spread import RatioSpread
+from dflash_sglang.measure.training_pause import busy_share, cpu_model, training_paused
+from dflash_sglang.bench.common.server import ROUTER, Server, await_router_workers, free_port, http_json
+from dflash_sglang.measure.cpu_env import cpu_env
 
 ARMS = ("whole", "pd", "plain", "plain-pd")
 # (CPU: SGLang's prefill sender allocates CUDA events on two paths these switches avoid; the decode server keeps a

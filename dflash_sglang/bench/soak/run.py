@@ -30,7 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dflash_sglang.core.adaptive import DEFAULT_TABLE
-from dflash_sglang.bench.common.server import Server, ServerError, cpu_env, http_json
+from dflash_sglang.bench.common.server import Server, ServerError, http_json
+from dflash_sglang.measure.cpu_env import cpu_env
 from dflash_sglang.bench.soak.client import Outcome, post_json, run_all
 from dflash_sglang.bench.soak.report import Row, judge, read_health, table
 from dflash_sglang.bench.soak.workload import GENERATE, Case, WorkloadSpec, build_workload, load_pool

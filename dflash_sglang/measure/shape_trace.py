@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_sglang.bench.common.plotting import pyplot
+from dflash_sglang.measure.plotting import pyplot
 
 _STEP = re.compile(r"DFLASH goodput step: shape=(\d+)(?:x(\d+))? bs=(\d+) accepted=(\d+)")
 _ROUND = re.compile(r"^\[[^\]]+\] (?:s(\d+)|c\d+\.r(\d+)|warmup) c=\d+ ")

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "train_job.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_job.sh"
 
 
 def _job(action: str, script: Path) -> str | None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_sglang.bench.serving import roofline
-from dflash_sglang.bench.common.plotting import pyplot
+from dflash_sglang.measure.plotting import pyplot
 from dflash_sglang.bench.common.datasets import TextPrompt, jsonl_prompts, sharegpt_prompts
 
 

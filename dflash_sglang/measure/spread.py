@@ -3,7 +3,7 @@ reported in.
 
 One timing of each arm on a shared 2-core machine swings by +-15% from minute to minute; a ratio of such timings is
 noise as often as signal. So arms run in turn, repeat after repeat (plain, arm, plain, arm, ...), each repeat gives
-one ratio, and a ratio is called a speedup or slower only when its 95% interval excludes 1.0 (bench/engine/compare.py
+one ratio, and a ratio is called a speedup or slower only when its 95% interval excludes 1.0 (measure/passes.py
 and the demo, demo/main.py, word their results with this).
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Resident Engines for bench/engine/compare.py's interleaved passes: each arm's Engine starts once and serves every
+"""Resident Engines for measure/passes.py's interleaved passes: each arm's Engine starts once and serves every
 pass.
 
-Why: a fresh Engine per arm and pass (bench/engine/compare.py `run_passes`) pays a start-up (~10-25 s on a 2-core CPU)
+Why: a fresh Engine per arm and pass (measure/passes.py `run_passes`) pays a start-up (~10-25 s on a 2-core CPU)
 for a few seconds of decoding, and its passes sit minutes apart, so the machine's drift between passes (+-15% on a CPU
 Engine) dominates the ratio's interval. Here every arm's child starts its Engine once, one start-up at a time, and idles
 (`sleep_on_idle`: SGLang's scheduler waits on its sockets instead of spinning) until asked for a pass: pass k runs arm
@@ -9,7 +9,7 @@ after arm, the order reversed on odd passes (A B C, C B A, ...) so that a drift 
 time. Adjacent rounds of two arms sit seconds apart, and many cheap passes tighten the interval. Only one Engine decodes
 at any time; the idle ones hold their memory (the testbed pair: ~1-2 GB each).
 
-The child (`python -m dflash_sglang.bench.engine.compare --child JOB`, the job's `resident` set) reads one JSON command
+The child (`python -m dflash_sglang.measure.passes --child JOB`, the job's `resident` set) reads one JSON command
 per line on stdin (`{"pass": k}` or `{"quit": true}`) and answers on the job's `answer_fd`, one JSON line per command:
 `{"ready": startup_s}` once its Engine is up, then `{"pass": k, "rounds": [...]}`. Its log (stdout and stderr, SGLang's
 included) is `<out>/<arm>.resident.log`.
@@ -51,7 +51,7 @@ def serve_commands(run_pass: Callable[[int], list[dict]], commands: IO[str], ans
 
 @dataclass(frozen=True)
 class ChildSpec:
-    """How to start one arm's child (bench/engine/compare.py `child_command`)."""
+    """How to start one arm's child (measure/passes.py `child_command`)."""
 
     cmd: list[str]
     job: dict  # the job file's contents
@@ -112,7 +112,7 @@ def run_resident(arms: dict[str, dict], plan: list[dict], args: Any, spawn: Call
                  busy_share: Callable[[float], float | None], job_pause: Any, busy_probe_s: float,
                  say: Callable[[str], None], on_engine: Callable[[str, dict], None] | None
                  ) -> tuple[dict[str, dict | None], dict[str, dict]]:
-    """bench/engine/compare.py `run_passes` with resident Engines: the same results and per-pass info (each pass's
+    """measure/passes.py `run_passes` with resident Engines: the same results and per-pass info (each pass's
     `child_s` is its round's wall time there, `startup_s` the Engine's one start-up, on its first pass).
     `spawn(name, kwargs, stem)` builds an arm's child as `run_arm` does."""
     results: dict[str, dict | None] = {name: {"rounds": []} for name in arms}
