@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _receive(places: Places) -> int:
-    got = receive(carried_folders(places), places.store)
+    got = receive(carried_folders(places.carry), places.store)
     print(f"gpu_train: received {', '.join(got) or 'nothing'} into {places.store}; make the next call now")
     return 0 if got else 2
 
@@ -79,7 +79,7 @@ def _run(places: Places, args, started_s: float) -> int:
     size = SIZES["cuda"]
     budget = Budget((args.budget_s or size.budget_s) - started_s)
     window = Window("cuda", places, budget, size, args.init, args.data_share, started_s)
-    rc = window.run(carried_folders(places))
+    rc = window.run(carried_folders(places.carry))
     print((places.out / "train.md").read_text())
     return rc
 
@@ -93,7 +93,7 @@ def _prepare(places: Places, args) -> int:
     print(f"gpu_train: {g['name']} {g['bytes'] / MIB:.1f} MiB -> xz {s['bytes'] / MIB:.1f} MiB "
           f"({manifest['calls']} calls; raw it would take {manifest['raw_calls']}); working tree "
           f"{manifest['tree_bytes'] / MIB:.1f} MiB, room per call {manifest['room_bytes'] / MIB:.1f} MiB")
-    for folder in carried_folders(places):
+    for folder in carried_folders(places.carry):
         files = ", ".join(f"{f.name} {f.stat().st_size / MIB:.2f} MiB" for f in sorted(folder.iterdir()))
         print(f"  {folder.relative_to(REPO)}: {files}")
     pr = manifest["prompts"]

@@ -18,11 +18,6 @@ import math
 import shutil
 import tarfile
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from dflash_sglang.bench.gpu.train.plan import Places
-
 MIB = 1 << 20
 CALL_LIMIT = 64 * MIB  # the device tool: working tree + carried paths, per call
 RETURN_LIMIT = 16 * MIB  # the device tool: one file back from $OUT
@@ -178,9 +173,10 @@ def receive(folders: list[Path], store: Path) -> list[str]:
     return got
 
 
-def carried_folders(places: Places) -> list[Path]:
-    """The call folders here, in call order (on a warm machine, earlier calls' folders stay beside this call's)."""
-    return sorted((p for p in places.carry.glob("call-*") if (p / MANIFEST).is_file()),
+def carried_folders(carry: Path) -> list[Path]:
+    """The call folders in `carry` (Places.carry), in call order (on a warm machine, earlier calls' folders stay beside
+    this call's)."""
+    return sorted((p for p in carry.glob("call-*") if (p / MANIFEST).is_file()),
                   key=lambda p: int(p.name.removeprefix("call-")))
 
 

@@ -85,7 +85,7 @@ def rehearse(places: Places, started_s: float) -> int:
     manifest = prepare("cpu", places, standin, tree_bytes())
     print(f"=== prepare: {manifest['calls']} calls ({manifest['stream']['bytes'] / MIB:.2f} MiB of xz) in "
           f"{time.monotonic() - t0:.0f} s", flush=True)
-    folders = carried_folders(places)
+    folders = carried_folders(places.carry)
     env = git_trap(places.work.parent / "git_trap")
     saved, os.environ["PATH"] = os.environ["PATH"], env["PATH"]  # the in-process device half too
     try:
