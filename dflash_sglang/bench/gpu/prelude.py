@@ -76,14 +76,14 @@ def install_row(ctx: Context, timeout: float) -> dict:
     if (why := gpu_wheels.check(folder)) is not None:
         return {"note": why, "verdict": "FAIL: the wheel folder was refused"}
     rc, last = _run([sys.executable, "-c", "import sys; from dflash_sglang.bench.gpu.wheels import install; "
-                     "from pathlib import Path; print(install(Path(sys.argv[1]), Path(sys.argv[2])), 'wheels into')",
+                     "from pathlib import Path; print(install(Path(sys.argv[1]), Path(sys.argv[2])), 'wheels')",
                      str(folder), str(site)], ctx.work / "install.log", timeout)
     if rc != 0:
         return {"note": last, "verdict": f"FAIL: the install exited {rc} (install.log)"}
     if (missing := site_lacks(site)):
         return {"note": f"{site} lacks {', '.join(missing)}", "verdict": "FAIL: the install left the site incomplete"}
     marker.write_text(str(folder.resolve()))
-    return {"note": f"{last.split(' into ')[0]} into {site}, our plugin's entry point beside them", "verdict": "pass"}
+    return {"note": f"{last} into {site}, our plugin's entry point beside them", "verdict": "pass"}
 
 
 def site_lacks(site: Path) -> list[str]:
