@@ -24,6 +24,7 @@ import pytest
 from dflash_sglang.bench.gpu import wheels as gpu_wheels
 from dflash_sglang.bench.gpu.probe import width_uses
 from dflash_sglang.bench.gpu.context import Budget, Context, Stage, Table
+from dflash_sglang.bench.gpu.device import git_trap
 from dflash_sglang.bench.gpu.session import Session, exit_code
 from dflash_sglang.bench.gpu.stages import STAGES, select
 from dflash_sglang.bench.gpu.throughput import BLOCK, arms, rate_for_tau
@@ -245,21 +246,12 @@ def test_an_ours_arm_counts_only_with_our_workers_start_line(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- the device path
-def git_trap(tmp_path: Path, monkeypatch) -> Path:
-    """A `git` first on PATH that fails loudly and leaves a mark: the device gets no promise of git."""
-    bin_dir = tmp_path / "trap"
-    bin_dir.mkdir()
-    (bin_dir / "git").write_text(f"#!/bin/sh\necho \"$@\" >> {bin_dir}/called\nexit 97\n")
-    (bin_dir / "git").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    return bin_dir
-
-
 def test_the_device_checks_the_folder_from_its_record_without_git(tmp_path, monkeypatch):
     folder = tmp_path / "whl"
     wheels = gpu_wheels.standin(folder)  # (here, where git is: it records the tree)
     assert len(wheels) == len(gpu_wheels.PINNED) and gpu_wheels.recorded_tree(folder) > 0
-    trap = git_trap(tmp_path, monkeypatch)
+    trap = tmp_path / "trap"  # a `git` first on PATH that fails and leaves a mark: the device gets no promise of git
+    monkeypatch.setenv("PATH", git_trap(trap)["PATH"])
     assert gpu_wheels.check(folder) is None  # the device's check: the recorded size
     assert not (trap / "called").exists()
     (folder / gpu_wheels.RECORD).unlink()
@@ -267,7 +259,7 @@ def test_the_device_checks_the_folder_from_its_record_without_git(tmp_path, monk
     assert not (trap / "called").exists()
     with pytest.raises(subprocess.CalledProcessError):  # the trap has teeth: what measures the tree asks git
         gpu_wheels.tree_bytes()
-    assert (trap / "called").read_text().startswith("-C")
+    assert (trap / "called").read_text().startswith("git -C")
 
 
 def test_stand_in_wheels_install_as_the_device_installs_the_real_ones(tmp_path):
@@ -314,11 +306,8 @@ def test_gpu_session_sh_rehearses_the_install_path_from_a_tree_without_git(tmp_p
             shutil.copy2(REPO / rel, export / rel)
     gpu_wheels.standin(export / ".whl")
     trap = tmp_path / "trap"
-    trap.mkdir()
-    (trap / "git").write_text(f"#!/bin/sh\necho \"$@\" >> {trap}/called\nexit 97\n")
-    (trap / "git").chmod(0o755)
     out = tmp_path / "out"
-    env = {**os.environ, "PATH": f"{trap}:{os.environ['PATH']}"}
+    env = git_trap(trap)
     proc = subprocess.run(["bash", "scripts/gpu_session.sh", "--device", "cpu", "--install", "--wheels", ".whl",
                            "--site", str(tmp_path / "site"), "--out", str(out), "--work", str(tmp_path / "work")],
                           cwd=export, env=env, capture_output=True, text=True, timeout=300)

@@ -3,6 +3,7 @@
 result, one row per cell with a verdict) and `StageResult` (what the session records of it)."""
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -129,3 +130,13 @@ class StageResult:
     reason: str = ""
     table: dict | None = None
     jit: str = ""  # what the stage JIT-compiled (gpu_jit.py), measured
+
+
+def run_logged(cmd: list[str], log: Path, timeout: float, **kwargs) -> int | str:
+    """A cell's command (a test file, the import check, a training run) with its output in `log`: its exit status, or
+    "timeout" when it ran past `timeout` seconds (`Context.timeout`)."""
+    with open(log, "w") as out:
+        try:
+            return subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, **kwargs).returncode
+        except subprocess.TimeoutExpired:
+            return "timeout"

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from dflash_sglang.bench.gpu import wheels as gpu_wheels
-from dflash_sglang.bench.gpu.context import Context, Table
+from dflash_sglang.bench.gpu.context import Context, Table, run_logged
 
 INSTALLED = ".installed"  # in the site folder: which wheel folder it holds
 IMPORTS = {  # per device: the modules the stages' Engines import, then the Engine itself
@@ -56,14 +56,11 @@ def import_check_source(modules: tuple[str, ...]) -> str:
 
 def _run(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> tuple[int | str, str]:
     """(exit status or "timeout", the output's last line) of `cmd`, its output in `log`."""
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired as e:
-        log.write_text(f"{e}\n")
-        return "timeout", f"killed after {timeout:.0f} s"
-    log.write_text(out.stdout + out.stderr)
-    lines = (out.stdout + out.stderr).strip().splitlines()
-    return out.returncode, lines[-1][:200] if lines else ""
+    rc = run_logged(cmd, log, timeout, env=env)
+    if rc == "timeout":
+        return rc, f"killed after {timeout:.0f} s"
+    lines = log.read_text(errors="replace").strip().splitlines()
+    return rc, lines[-1][:200] if lines else ""
 
 
 def install_row(ctx: Context, timeout: float) -> dict:

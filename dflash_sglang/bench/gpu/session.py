@@ -19,24 +19,22 @@ the CUDA-only cells skipped as such. The stages themselves: `gpu_stages.py`; wha
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import sys
-import tarfile
 import time
 import traceback
 from dataclasses import asdict
 from pathlib import Path
 
 from dflash_sglang.bench.gpu import stages as gpu_stages
+from dflash_sglang.bench.gpu.device import pack_logs, write_whole
 from dflash_sglang.bench.gpu.context import Budget, Context, Stage, StageResult, Table
 from dflash_sglang.bench.gpu.jit import jit_since
 
 REPO = Path(__file__).resolve().parents[3]
 DEVICES = ("cuda", "cpu")
 BUDGET_S = 510.0  # the whole call on CUDA (install, import, stages): 8.5 min of a 10-minute call and 15 device minutes
-LOG_TAIL = 200_000  # bytes of each log kept in logs.tar.gz (the device returns at most 16 MiB a file)
 
 
 class Session:
@@ -50,8 +48,7 @@ class Session:
     def run(self) -> list[StageResult]:
         ctx = self.ctx
         for i, stage in enumerate(self.stages):
-            later = sum(s.min_s.get(ctx.device, 0.0) for s in self.stages[i + 1:] if not s.optional)
-            ctx.reserve_s = later
+            ctx.reserve_s = reserve_after(self.stages, i, ctx.device)
             need = stage.min_s.get(ctx.device)
             t0, wall0 = time.monotonic(), time.time()
             if need is None:
@@ -92,28 +89,10 @@ class Session:
         head += "".join(f"| {r.number} {r.key} | {r.status} | {r.seconds:.0f} | {r.estimate_s:.0f} | {r.jit or '-'} | "
                         f"{r.reason} |\n" for r in results)
         tables = [Table(**r.table).markdown() for r in results if r.table]
-        _atomic(ctx.out / "session.md", head + "\n" + "\n\n".join(tables) + "\n")
-        _atomic(ctx.out / "session.json", json.dumps({"device": ctx.device, "budget_s": ctx.budget.total_s,
+        write_whole(ctx.out / "session.md", head + "\n" + "\n\n".join(tables) + "\n")
+        write_whole(ctx.out / "session.json", json.dumps({"device": ctx.device, "budget_s": ctx.budget.total_s,
                                                       "stages": [asdict(r) for r in results]}, indent=1))
         pack_logs(ctx.work, ctx.out / "logs.tar.gz")
-
-
-def _atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
-def pack_logs(work: Path, dest: Path) -> None:
-    """The last LOG_TAIL bytes of every *.log under `work`, in one archive (one file of the 8 $OUT returns)."""
-    tmp = dest.with_suffix(".tmp")
-    with tarfile.open(tmp, "w:gz") as tar:
-        for log in sorted(work.rglob("*.log")):
-            data = log.read_bytes()[-LOG_TAIL:]
-            info = tarfile.TarInfo(str(log.relative_to(work)))
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    tmp.replace(dest)
 
 
 def exit_code(results: list[StageResult]) -> int:
@@ -170,13 +149,18 @@ def main(argv: list[str] | None = None) -> int:
     return exit_code(results)
 
 
+def reserve_after(stages: list[Stage], i: int, device: str) -> float:
+    """The seconds stage i leaves for the stages after it: their smallest parts, optional stages left out."""
+    return sum(s.min_s.get(device, 0.0) for s in stages[i + 1:] if not s.optional)
+
+
 def plan(stages: list[Stage], budget_s: float, device: str) -> list[tuple[Stage, float | None]]:
     """What a session would run by the estimates, as `Session.run` decides: each stage's planned seconds (all of it,
     or what is left beyond the later stages' reserve, but at least its smallest part), None where it is skipped."""
     left, out = budget_s, []
     for i, s in enumerate(stages):
         need = s.min_s.get(device)
-        reserve = sum(t.min_s.get(device, 0.0) for t in stages[i + 1:] if not t.optional)
+        reserve = reserve_after(stages, i, device)
         if need is None or need > left:
             out.append((s, None))
             continue

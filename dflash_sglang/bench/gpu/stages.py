@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import math
-import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 
 from dflash_sglang.bench.gpu.identity import stage_experimental, stage_identity
 from dflash_sglang.bench.gpu.prelude import stage_prelude
-from dflash_sglang.bench.gpu.context import Context, Stage, Table
+from dflash_sglang.bench.gpu.context import Context, Stage, Table, run_logged
 from dflash_sglang.bench.gpu.targets import REPO, smollm2_dummy, synthetic_sharegpt, tests_importable
 from dflash_sglang.bench.gpu.throughput import stage_throughput
 
@@ -116,12 +115,7 @@ def stage_kernels(ctx: Context) -> Table:
         cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", path, "-m", "gpu",
                f"--junitxml={xml}"]
         t0 = time.monotonic()
-        with open(ctx.work / f"kernels_{i}.log", "w") as log:
-            try:
-                rc = subprocess.run(cmd, cwd=REPO, env=pytest_env(), stdout=log, stderr=subprocess.STDOUT,
-                                    timeout=ctx.timeout(est)).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
+        rc = run_logged(cmd, ctx.work / f"kernels_{i}.log", ctx.timeout(est), cwd=REPO, env=pytest_env())
         cases = junit_cases(xml) if xml.is_file() else []
         counts = {k: sum(c.outcome == k for c in cases) for k in ("passed", "failed", "skipped")}
         table.add(what=what, file=path, **counts, seconds=round(time.monotonic() - t0, 1), ran=ran_by_test(cases),
@@ -162,12 +156,7 @@ def stage_training(ctx: Context) -> Table:
            "--mask-token-id", "95", "--init", "random", "--batch-size", str(size["batch"]), "--num-anchors",
            "16" if ctx.cuda else "4", "--save-every", "1000", "--epochs", "40", "--device", ctx.device,
            *(["--time-budget-min", str(size["minutes"])] if size["minutes"] else ["--max-steps", "3", "--no-bf16"])]
-    with open(ctx.work / "training.log", "w") as log:
-        try:
-            rc = subprocess.run(cmd, cwd=REPO, env=pytest_env(), stdout=log, stderr=subprocess.STDOUT,
-                                timeout=ctx.timeout(STAGE_TRAIN_S[ctx.device])).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+    rc = run_logged(cmd, ctx.work / "training.log", ctx.timeout(STAGE_TRAIN_S[ctx.device]), cwd=REPO, env=pytest_env())
     summary = json.loads((out / "train_summary.json").read_text()) if (out / "train_summary.json").is_file() else {}
     steps = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()] \
         if (out / "train_log.jsonl").is_file() else []

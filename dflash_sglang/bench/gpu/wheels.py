@@ -146,16 +146,26 @@ def repack(path: Path) -> tuple[int, int]:
                 data = _stripped(data)
             if patch is not None and fnmatch.fnmatch(info.filename, patch[0]):
                 data = patch[1](data.decode()).encode()
-            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-            rows.append((info.filename, f"sha256={digest}", str(len(data))))
+            rows.append(record_row(info.filename, data))
             member = zipfile.ZipInfo(info.filename, info.date_time)
             member.external_attr, member.compress_type = info.external_attr, zipfile.ZIP_LZMA
             out.writestr(member, data)
-        lines = io.StringIO()
-        csv.writer(lines, lineterminator="\n").writerows(rows + [(record, "", "")])  # (quotes names with commas)
-        out.writestr(record, lines.getvalue())
+        out.writestr(record, record_text(rows, record))
     tmp.replace(path)
     return before, path.stat().st_size
+
+
+def record_row(name: str, data: bytes) -> tuple[str, str, str]:
+    """A wheel member's RECORD row: its name, sha256 (urlsafe base64, unpadded) and size."""
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return name, f"sha256={digest}", str(len(data))
+
+
+def record_text(rows: list[tuple[str, str, str]], record: str) -> str:
+    """The RECORD file of these rows, itself last with no hash (csv: names with commas quoted)."""
+    lines = io.StringIO()
+    csv.writer(lines, lineterminator="\n").writerows(rows + [(record, "", "")])
+    return lines.getvalue()
 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:
@@ -297,12 +307,10 @@ def standin(folder: Path) -> list[Path]:
                                     "Tag: py3-none-any\n"}
         wheel = folder / f"{name}-{pin.version}-py3-none-any.whl"
         with zipfile.ZipFile(wheel, "w") as z:
-            rows = []
             for member, text in members.items():
-                digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
-                rows.append(f"{member},sha256={digest},{len(text.encode())}\n")
                 z.writestr(member, text)
-            z.writestr(f"{info}/RECORD", "".join(rows) + f"{info}/RECORD,,\n")
+            z.writestr(f"{info}/RECORD", record_text([record_row(m, t.encode()) for m, t in members.items()],
+                                                     f"{info}/RECORD"))
         wheels.append(wheel)
     record_tree(folder)
     return wheels

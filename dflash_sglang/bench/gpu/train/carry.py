@@ -11,7 +11,6 @@ or a registry, so tests/test_gpu_train.py checks all of it on the CPU.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import lzma
 import math
@@ -27,7 +26,6 @@ MANIFEST = "manifest.json"
 PROMPTS = "prompts.json.xz"
 OUT_FILES = ("train.md", "train.json", "logs.tar.gz")  # beside the drafter's parts in $OUT
 DRAFTER_FILES = ("config.json", "model.safetensors", "token_map.safetensors", "train_summary.json", "train_log.jsonl")
-LOG_TAIL = 200_000  # bytes of each log kept in logs.tar.gz
 
 
 def sha256_file(path: Path) -> str:
@@ -244,14 +242,3 @@ def reassemble(returned: Path, dest: Path) -> Path:
     for name in ("train.md", "train.json"):
         shutil.copy2(returned / name, dest / name)
     return dest
-
-
-def pack_logs(work: Path, dest: Path) -> None:
-    tmp = dest.with_suffix(".tmp")
-    with tarfile.open(tmp, "w:gz") as tar:
-        for log in sorted(work.glob("*.log")):
-            data = log.read_bytes()[-LOG_TAIL:]
-            info = tarfile.TarInfo(log.name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    tmp.replace(dest)

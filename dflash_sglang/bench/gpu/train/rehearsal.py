@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from dflash_sglang.bench.gpu.context import Budget
+from dflash_sglang.bench.gpu.device import git_trap
 from dflash_sglang.bench.gpu.train.carry import MIB, carried_folders, reassemble, receive
 from dflash_sglang.bench.gpu.train.plan import REPO, SIZES, Places, prepare
 from dflash_sglang.bench.gpu.train.window import Window
@@ -58,15 +59,6 @@ def standin_gguf(real: Path, dest: Path, hidden: int = 64, layers: int = 6, ffn:
     w.write_tensors_to_file()
     w.close()
     return dest
-
-
-def git_trap(folder: Path) -> dict:
-    """An environment whose first `git` on PATH logs its call to folder/called and fails."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "called").unlink(missing_ok=True)
-    (folder / "git").write_text(f'#!/bin/sh\necho "git $*" >> {folder}/called\nexit 97\n')
-    (folder / "git").chmod(0o755)
-    return {**os.environ, "PATH": f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
 def rehearse(places: Places, started_s: float) -> int:

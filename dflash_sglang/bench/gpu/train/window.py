@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_sglang.bench.gpu.context import Budget, Table
-from dflash_sglang.bench.gpu.train.carry import (MIB, PROMPTS, check_part, join_target, pack_drafter, pack_logs,
-                                                 read_manifest, receive)
+from dflash_sglang.bench.gpu.device import pack_logs, write_whole
+from dflash_sglang.bench.gpu.train.carry import (MIB, PROMPTS, check_part, join_target, pack_drafter, read_manifest,
+                                                 receive)
 from dflash_sglang.bench.gpu.train.plan import REPO, SHIPPED, Places, Size
 
 SLACK_S = 30.0  # past the budget, for the trainer's export (the call's timeout is the budget + 60 s)
@@ -109,11 +110,11 @@ class Window:
                  f"left; the interpreter took {self.started_s:.1f} s before the clock")
         text = (f"# Training window ({self.device})\n\n**verdict: {verdict(self.table)}**\n\n"
                 f"{self.table.markdown()}\n\n{self.results.markdown()}\n\n{notes}\n")
-        _atomic(self.places.out / "train.md", text)
-        _atomic(self.places.out / "train.json", json.dumps(
+        write_whole(self.places.out / "train.md", text)
+        write_whole(self.places.out / "train.json", json.dumps(
             {**self.record, "verdict": verdict(self.table), "phases": self.table.rows,
              "results": self.results.rows}, indent=1))
-        pack_logs(self.places.work, self.places.out / "logs.tar.gz")
+        pack_logs(self.places.work, self.places.out / "logs.tar.gz", recursive=False)
 
     def phase(self, name: str, planned: float | None, fn) -> bool:
         """Run `fn() -> (figures, verdict)` as phase `name`; False when it did not pass."""
@@ -297,10 +298,3 @@ def cache_counts(cache: Path) -> tuple[int, int]:
             sequences += f.get_slice("offsets").get_shape()[0] - 1
             tokens += f.get_slice("tokens").get_shape()[0]
     return sequences, tokens
-
-
-
-def _atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
