@@ -211,3 +211,20 @@ def test_on_cuda_the_headline_is_the_must_part_and_the_rest_leaves_room_for_late
     assert by_cell[("smollm2-135m", "none", None, None)].startswith("skipped: budget")
     assert table.status() == "partial"
     assert any(n.startswith("controller shape mix: skipped: budget") for n in table.notes)
+    assert by_cell[("qwen3-8b", "controller probe", 4.0, None)].startswith("skipped: budget")
+
+
+def test_a_probe_that_logged_nothing_fails_the_stage(tmp_path, monkeypatch):
+    """The controller's shape mix is a row with a verdict: a probed Engine without probe lines fails the stage (it
+    was a note before, under a stage that read passed)."""
+    from dflash_sglang.bench.gpu import throughput as gpu_throughput
+    from dflash_sglang.bench.gpu.context import Budget, Context
+
+    clock, ran = Clock(), []
+    monkeypatch.setattr(gpu_throughput, "run_engine", _fake_engine(clock, 1.0, ran))
+    monkeypatch.setattr(gpu_throughput, "SIZES", {"cuda": gpu_throughput.SIZES["cuda"][:1]})
+    ctx = Context("cuda", tmp_path / "out", tmp_path / "work", Budget(10_000, clock))
+    table = gpu_throughput.stage_throughput(ctx)
+    assert ran[-1] == "qwen3-8b_probe@4"
+    probe = next(r for r in table.rows if r["arm"] == "controller probe")
+    assert probe["verdict"] == "FAIL: no probe lines (log qwen3-8b_probe@4.log)" and table.status() == "failed"

@@ -354,7 +354,9 @@ def stage_throughput(ctx: Context) -> Table:
                     f"builtin is faster from {FASTER}x, slower from {SLOWER}x down"]
     if not ctx.cuda:
         table.notes.append("CPU: no builtin (its DFLASH worker needs CUDA) and no SmolLM2 rows; timings mean nothing")
-    table.notes += controller_steps(ctx, runs[headline.key])
+    verdict, notes = controller_steps(ctx, runs[headline.key])
+    table.add(target=headline.key, arm="controller probe", tau=headline.taus[0], verdict=verdict)
+    table.notes += notes
     return table
 
 
@@ -364,27 +366,32 @@ def bench_note(bench: Bench, cuda: bool) -> str:
             f"{', '.join(map(str, bench.concurrency))}, one Engine at a time, one repeat (a ratio without an interval)")
 
 
-def controller_steps(ctx: Context, run: BenchRun) -> list[str]:
-    """The controller's shape mix on the headline pair at its first tau, from a probed Engine: one note per verify
-    width (CPU: the probed timed Engine's)."""
+def controller_steps(ctx: Context, run: BenchRun) -> tuple[str, list[str]]:
+    """The controller's shape mix on the headline pair at its first tau, from a probed Engine (CPU: the probed timed
+    Engine's): the probe's verdict (a row of the table, so a broken probe fails the stage) and one note per verify
+    width."""
     bench, tau = run.bench, run.bench.taus[0]
     what = f"{bench.key} controller at tau {tau:g}"
     if "probe_log" in ctx.cache:  # (CPU: a timed Engine was probed)
         log, what = ctx.cache.pop("probe_log"), f"{bench.key} {bench.probed} at tau {tau:g}"
     elif run.target is None:
-        return [f"controller shape mix: skipped: the {bench.key} pair was not built (no Engine of it ran)"]
+        return _shape_mix(f"skipped: the {bench.key} pair was not built (no Engine of it ran)")
     elif not ctx.budget.fits(bench.engine_s, ctx.reserve_s):
-        return [f"controller shape mix: {ctx.budget.skip_reason(bench.engine_s, ctx.reserve_s)}"]
+        return _shape_mix(ctx.budget.skip_reason(bench.engine_s, ctx.reserve_s))
     else:
         kw, env = arms(tau, ctx.device, run.draft, bench.dummy)["ours_controller"]
         timeout_s = ctx.timeout(bench.engine_s)
         res, log, rc = run_engine(ctx, f"{bench.key}_probe@{tau:g}", {**run.common, **kw}, {**env, PROBE_ENV: "1"},
                                   run.plan, bench.new_tokens, timeout_s)
         if res is None:
-            return [f"controller shape mix: {_engine_verdict(rc, log, timeout_s)}"]
+            return _shape_mix(_engine_verdict(rc, log, timeout_s))
     uses = width_uses(log.read_text(errors="replace"))
     if not uses:
-        return [f"controller shape mix: FAIL: no probe lines (log {log.name})"]
+        return _shape_mix(f"FAIL: no probe lines (log {log.name})")
     total = sum(u.steps for u in uses)
-    return [f"{what}, width {u.width}{' (tree)' if u.tree else ''}: {u.steps}/{total} verify "
-            f"steps, {100 * u.graphed_share:.0f}% CUDA-graphed, median step {u.step_ms} ms" for u in uses]
+    return "pass", [f"{what}, width {u.width}{' (tree)' if u.tree else ''}: {u.steps}/{total} verify "
+                    f"steps, {100 * u.graphed_share:.0f}% CUDA-graphed, median step {u.step_ms} ms" for u in uses]
+
+
+def _shape_mix(verdict: str) -> tuple[str, list[str]]:
+    return verdict, [f"controller shape mix: {verdict}"]
