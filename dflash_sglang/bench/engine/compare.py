@@ -35,7 +35,7 @@ from typing import Any
 
 from dflash_sglang.measure import step_profile
 from dflash_sglang.measure.passes import (ENV_KEY, build_plan, cpu_engine_kwargs, kv_pairs, parse_kv, parse_value,
-                                          run_child, run_passes, summarize, switch_schedule)
+                                          run_passes, summarize, switch_schedule)
 from dflash_sglang.measure.plotting import pyplot
 from dflash_sglang.measure.shape_trace import logging_config, parse_trace, plot_trace
 from dflash_sglang.measure.training_pause import cpu_model
@@ -138,7 +138,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each child under py-spy: where its scheduler's time went per output token, by part of the "
                         "step (measure/step_profile.py); a profiled run is slower, so do not quote its timings")
     p.add_argument("--child-timeout", type=float, default=3600.0)
-    p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     return p
 
 
@@ -147,9 +146,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    if args.child:
-        run_child(args.child)
-        return 0
     from transformers import AutoTokenizer
 
     from dflash_sglang.testbed import default_pair
