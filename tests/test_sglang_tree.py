@@ -29,7 +29,7 @@ def _random_tree(bs: int, depth: int, k: int, nodes: int, vocab: int = 11, seed:
 
 
 def test_flat_custom_mask_matches_concatenated_rows():
-    from dflash_sglang.adapter.step.tree_attention import allow_matrix, flat_custom_mask
+    from dflash_sglang.adapter.step.tree import allow_matrix, flat_custom_mask
 
     tree = _random_tree(bs=4, depth=3, k=2, nodes=7)
     prefix = torch.tensor([5, 0, 1, 9])
@@ -51,7 +51,7 @@ def test_verify_mask_under_masked_verify_graphs():
     verify, so a chain passes its causal one, whose flattened rows equal the plain causal verify's visibility."""
     from types import SimpleNamespace
 
-    from dflash_sglang.adapter.step.tree_attention import allow_matrix, flat_custom_mask
+    from dflash_sglang.adapter.step.tree import allow_matrix, flat_custom_mask
     from dflash_sglang.adapter.step.verify import masked_verify_graphs, verify_mask
 
     tree = _random_tree(bs=2, depth=3, k=2, nodes=5)
@@ -73,7 +73,7 @@ def test_verify_mask_under_masked_verify_graphs():
 
 
 def test_tree_attention_matches_brute_force():
-    from dflash_sglang.adapter.step.tree_attention import tree_attention
+    from dflash_sglang.adapter.step.tree import tree_attention
 
     g = torch.Generator().manual_seed(3)
     bs, n, hq, hk, d, dv, slots_total = 3, 6, 4, 2, 8, 5, 64

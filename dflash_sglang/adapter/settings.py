@@ -26,7 +26,7 @@ DRAFT_ATTENTION = {None: "auto", "flashinfer": "flashinfer", "torch_native": "to
 
 DRAFT_GRAPHS = ("auto", "eager", "static")
 
-# Target attention backends that take the tree mask: torch_native through adapter/step/tree_attention.py, the GPU
+# Target attention backends that take the tree mask: torch_native through adapter/step/tree.py, the GPU
 # ones through the verify input's `custom_mask` (the layout EAGLE's tree verify uses).
 TREE_ATTENTION_BACKENDS = ("torch_native", "flashinfer", "triton")
 

@@ -2,7 +2,7 @@
 
 The verify is SGLang's own TARGET_VERIFY forward (all rows get logits; features captured at the draft's
 layer ids), planned exactly like the builtin DFLASH does it. A chain is causal over the committed prefix
-plus the block. A tree passes its ancestor mask (adapter/step/tree_attention.py): as the verify input's
+plus the block. A tree passes its ancestor mask (adapter/step/tree.py): as the verify input's
 `custom_mask` on GPU backends, through `TreeMaskAttention` on CPU. SGLang's torch_native backend (the CPU
 path) has no TARGET_VERIFY planning: it reads the rows as an extend on top of the prefix, so we give it
 those lengths, and its attention is ours (`TreeMaskAttention`, chains with their causal mask): its own extend
@@ -20,7 +20,7 @@ from torch import Tensor
 
 from dflash_sglang.core.accept import HostHints, SamplingParams
 
-from .tree_attention import TreeMaskAttention, flat_custom_mask
+from .tree import TreeMaskAttention, flat_custom_mask
 
 if TYPE_CHECKING:
     from sglang.srt.layers.logits_processor import LogitsProcessorOutput
