@@ -1321,6 +1321,15 @@ def test_goodput_controller_varies_the_shape(runs, pair_dir):  # runs: the Engin
            "top-2/4" in log
 
 
+def test_plain_steps_run_sglangs_decode_forward(runs, pair_dir):  # runs: the Engines have run
+    """The controller's plain steps (chains of 1) ran SGLang's own DECODE forward, as plain decoding does, not a verify
+    of one row (CPU: the target replays no graphs; adapter/step/verify.py `run_target_decode`): the goodput Engine's
+    outputs, identical to plain's greedy and distributed as the target's sampled, came through it."""
+    log = (pair_dir / "goodput.log").read_text()
+    assert "DFLASH goodput: batch size" in log and " -> chain 1 (" in log  # the controller ran plain steps
+    assert "a plain step runs SGLang's decode forward (no verify rows)" in log
+
+
 def test_goodput_metrics_beside_sglangs(runs):
     """--enable-metrics: the goodput Engine exported the controller's state through SGLang's multiprocess Prometheus
     collection (adapter/step/metrics.py): steps per shape, the last shape, predicted / measured tokens/s, acceptance by

@@ -72,6 +72,21 @@ def test_verify_mask_under_masked_verify_graphs():
     assert not masked_verify_graphs(settings(device="cpu"))  # no graphs on CPU
 
 
+@pytest.mark.parametrize("graphs,hybrid,attention_dp,decode", [
+    (None, False, False, True),  # CPU or --disable-cuda-graph: plain decoding's forward
+    (object(), False, False, False),  # the target's graphs are captured for TARGET_VERIFY: a one-row verify replays
+    (None, True, False, False),  # a hybrid target's recurrent state is committed per verify row
+    (None, False, True, False),  # DP attention: every group runs the same forward mode
+])
+def test_which_plain_steps_run_sglangs_decode_forward(graphs, hybrid, attention_dp, decode):
+    from types import SimpleNamespace
+
+    from dflash_sglang.adapter.step.verify import decode_serves_plain_steps
+
+    runner = SimpleNamespace(decode_cuda_graph_runner=graphs)
+    assert decode_serves_plain_steps(runner, hybrid, attention_dp) is decode
+
+
 def test_tree_attention_matches_brute_force():
     from dflash_sglang.adapter.step.tree import tree_attention
 

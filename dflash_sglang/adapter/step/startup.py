@@ -32,7 +32,7 @@ from .metrics import GoodputMetrics
 from .penalties import RequestPenalties
 from .shapes import ShapeSchedule
 from .upkeep import DraftCommit, draft_commit
-from .verify import masked_verify_graphs
+from .verify import decode_serves_plain_steps, masked_verify_graphs
 
 logger = logging.getLogger("dflash_sglang.adapter.step.worker")  # (the start-up lines keep the worker's logger name)
 _MIN_FREE_FOR_GRAPHS = 1 << 30  # bytes free after the target's setup below which the draft stays eager
@@ -104,6 +104,8 @@ class WorkerStartup(BaseSpecWorker):
         self.walk_generator: torch.Generator | None = None  # a sampled selector walk's uniforms
         self.final_hidden: FinalHiddenStates | None = None  # return_hidden_states (adapter/step/hidden.py)
         self.graphs: DraftGraphs | None = None  # built by init_cuda_graphs (None: the draft work runs eagerly)
+        # a plain step as SGLang's DECODE forward (step/verify.py `decode_serves_plain_steps`): by init_cuda_graphs
+        self.plain_by_decode, self.decode_logged = False, False
 
     def _load_draft_weights(self):
         """dummy_draft (--speculative-draft-load-format dummy, capacity planning): random weights of the shapes."""
@@ -251,6 +253,8 @@ class WorkerStartup(BaseSpecWorker):
 
     def init_cuda_graphs(self) -> None:
         # Called after the target captured its graphs: ours take the target's batch sizes (adapter/draft/graphs.py).
+        self.plain_by_decode = decode_serves_plain_steps(self.model_runner, self.settings.hybrid,
+                                                         isinstance(self.dp, AttentionDP))
         sizes = getattr(getattr(self.model_runner, "decode_cuda_graph_runner", None), "capture_bs", None)
         mode = graph_mode(self.device, bool(sizes), self.drafter.attention, self.settings.draft_graphs)
         if mode is None:

@@ -115,6 +115,40 @@ def run_target_verify(
     return out.logits_output, bool(out.can_run_cuda_graph)
 
 
+def decode_serves_plain_steps(runner, hybrid: bool, attention_dp: bool) -> bool:
+    """Whether a plain step (one row per request, no drafts) runs as SGLang's own DECODE forward rather than a verify
+    of one row: where the target replays no CUDA graphs (SGLang captures the target's graphs for TARGET_VERIFY in a
+    speculative server; CPU, --disable-cuda-graph), its state is not recurrent (a hybrid target's state is committed
+    per verify row) and no DP attention group must run the other groups' forward mode."""
+    return getattr(runner, "decode_cuda_graph_runner", None) is None and not hybrid and not attention_dp
+
+
+def run_target_decode(target_worker: TpModelWorker, batch: ScheduleBatch, ids: Tensor, slots: Tensor):
+    """A plain step as plain decoding runs it: SGLang's DECODE forward of `ids` [bs, 1] (the bonus tokens) at the
+    committed lengths, writing target KV to `slots` [bs, 1], the draft's target layers captured (the drafter's upkeep
+    reads them), no sampling (core's acceptance samples the one row as it does any verify row). Returns the logits
+    output: next_token_logits [bs, V], hidden_states [bs, n_features*H]. Mutates batch.input_ids / spec_info /
+    forward_mode / out_cache_loc as `run_target_verify` does; its lengths are restored."""
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+
+    committed = batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum
+    batch.input_ids, batch.out_cache_loc, batch.spec_info = ids.reshape(-1), slots.reshape(-1), None
+    batch.forward_mode = ForwardMode.DECODE
+    # a decode forward's lengths count the token it writes (its position is the committed length)
+    batch.seq_lens = committed[0] + 1
+    if committed[1] is not None:
+        batch.seq_lens_cpu = committed[1] + 1
+        batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+    else:
+        batch.seq_lens_sum = int(batch.seq_lens.sum())
+    try:
+        out = target_worker.forward_batch_generation(batch, capture_hidden_mode=CaptureHiddenMode.FULL,
+                                                     is_verify=True)  # (is_verify: no sampling)
+    finally:
+        batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum = committed
+    return out.logits_output
+
+
 def _causal(bs: int, n: int, device) -> Tensor:
     """[bs, n, n] bool: a chain's n verify rows, each attending to itself and the rows before it."""
     return torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(bs, n, n)

@@ -27,9 +27,9 @@ from dflash_sglang.core.speculate import DraftScores, accept, committed_ranks, d
 from ..versions import prefill_hidden_full
 from .hidden import decode_rows, prefill_rows
 from .logprobs import attach_logprobs
-from .startup import WorkerStartup
+from .startup import WorkerStartup, logger
 from .tree import compact_path_slots, fit_rows
-from .verify import bias_and_grammar, grammar_rows, run_target_verify, sampling_params
+from .verify import bias_and_grammar, grammar_rows, run_target_decode, run_target_verify, sampling_params
 
 
 def _draft_input(bonus: Tensor, seq_lens: Tensor) -> DFlashDraftInputV2:
@@ -219,17 +219,27 @@ class DFlashWorker(WorkerStartup):
                          final_hidden=final_hidden, ranks=ranks)
 
     def _verify(self, batch: ScheduleBatch, proposal, inputs, eager: bool):
-        """TARGET_VERIFY of the proposal's rows -> (logits output, whether a graph replayed, the final hidden states
-        where a request asks for them: the hook must run, so no graph replays then)."""
+        """TARGET_VERIFY of the proposal's rows (a plain step, where `plain_by_decode`: SGLang's DECODE forward of
+        its one row) -> (logits output, whether a graph replayed, the final hidden states where a request asks for
+        them: the hook must run, so no graph replays then)."""
         return_hidden, tree = batch.return_hidden_states, proposal.tree
         links = self.hybrid.links(tree, *proposal.ids.shape, batch.seq_lens.device)
         with self.final_hidden.capture(return_hidden):
-            logits_output, graph = run_target_verify(
-                self.target_worker, batch, inputs.input_ids, inputs.positions, inputs.out_cache_loc,
-                tree_mask=tree.mask if tree is not None else None, masked_graphs=self.masked_graphs,
-                eager=eager or return_hidden or links is not None, tree_links=links,
-            )
+            if self.plain_by_decode and proposal.ids.shape[1] == 1:  # a plain step: plain decoding's forward
+                self._log_first_decode()
+                logits_output, graph = run_target_decode(self.target_worker, batch, inputs.input_ids,
+                                                         inputs.out_cache_loc), False
+            else:
+                logits_output, graph = run_target_verify(
+                    self.target_worker, batch, inputs.input_ids, inputs.positions, inputs.out_cache_loc,
+                    tree_mask=tree.mask if tree is not None else None, masked_graphs=self.masked_graphs,
+                    eager=eager or return_hidden or links is not None, tree_links=links)
         return logits_output, graph, self.final_hidden.take() if return_hidden else None
+
+    def _log_first_decode(self) -> None:
+        if not self.decode_logged:
+            self.decode_logged = True
+            logger.info("DFLASH (dflash-sglang): a plain step runs SGLang's decode forward (no verify rows)")
 
     def _accept(self, proposal, logits: Tensor, params, slots: Tensor, scores: DraftScores | None):
         """Core's acceptance (a tree's verify splits its slots into commit / free), or the simulated outcome; the same
