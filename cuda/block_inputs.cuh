@@ -1,5 +1,5 @@
 // build_tree_inputs: the rows a step's verify (a chain is a tree of depth i at node i) feeds to the target.
-// Reference: dflash_sglang/core/block.py. One thread per (request, row); no reductions.
+// Reference: dflash_sglang/core/step/block.py. One thread per (request, row); no reductions.
 #pragma once
 
 #include "common.cuh"

@@ -1,4 +1,4 @@
-// build_tree: best-first draft tree from one DFlash pass. Reference: dflash_sglang/core/tree.py.
+// build_tree: best-first draft tree from one DFlash pass. Reference: dflash_sglang/core/step/tree.py.
 //
 // One warp per request. Node s (score, depth, path key) owns K lattice children; step n takes the best
 // child not yet taken among nodes 0..n-1, so nodes come out in selection order and parents precede
@@ -37,7 +37,7 @@ struct Candidate {
   int node;     // the parent offering this child; -1 = no candidate
 };
 
-// Total order of core/tree.py: score desc, depth asc, path key asc (keys are unique within a depth).
+// Total order of core/step/tree.py: score desc, depth asc, path key asc (keys are unique within a depth).
 DFLASH_HD bool better(const Candidate& a, const Candidate& b) {
   if (a.node < 0) return false;
   if (b.node < 0) return true;

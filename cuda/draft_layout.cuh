@@ -1,6 +1,6 @@
 // draft_kv_indices: the key rows of one drafter pass over the paged draft pool (page size 1), from the slot rows
 // (req_to_token) or from a draft window's ring of rows per request slot.
-// Reference: dflash_sglang/core/block.py draft_kv_indices. One CUDA block per request, its threads striding over
+// Reference: dflash_sglang/core/step/block.py draft_kv_indices. One CUDA block per request, its threads striding over
 // the request's rows. kv_indptr and seq_lens are read on the device, so a CUDA graph of a fixed batch size can capture
 // the launch while the host refills kv_indptr before each replay.
 #pragma once

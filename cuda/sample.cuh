@@ -1,4 +1,4 @@
-// Inverse-CDF sampling that reproduces dflash_sglang/core/accept.py::sample_from bit for bit.
+// Inverse-CDF sampling that reproduces dflash_sglang/core/step/accept.py::sample_from bit for bit.
 //
 // The definition: torch's CPU cumsum of float32 accumulates sequentially in double and rounds every prefix
 // to float32 (pinned by tests/test_tree.py); the pick is the first index whose prefix exceeds

@@ -1,5 +1,5 @@
 // verify_tree: greedy or lossless-sampling verification of a draft tree against the target's outputs at
-// every node. Reference: dflash_sglang/core/tree_verify.py (the rules and output conventions are there).
+// every node. Reference: dflash_sglang/core/step/tree_verify.py (the rules and output conventions are there).
 //
 // One block per request: the block loads the request's nodes (and, for sampling, each node's draft-token
 // probability under its parent's distribution) into shared memory, thread 0 walks the tree from there

@@ -109,7 +109,7 @@ def _external(module: str):
 
 # ---------------------------------------------------------------------------- inspect
 def run_inspect(args: argparse.Namespace) -> int:
-    from dflash_sglang.core.checkpoint import check_fit, load_drafter
+    from dflash_sglang.core.draft.checkpoint import check_fit, load_drafter
 
     drafter = load_drafter(args.draft)
     cfg = drafter.cfg
@@ -161,7 +161,7 @@ def read_prompts(args: argparse.Namespace) -> list:
 
 
 def adaptive_policy(table: str | None):
-    from dflash_sglang.core.adaptive import DEFAULT_TABLE, AdaptivePolicy
+    from dflash_sglang.core.shape.adaptive import DEFAULT_TABLE, AdaptivePolicy
 
     try:
         return AdaptivePolicy.parse(table or DEFAULT_TABLE)
@@ -189,9 +189,9 @@ def spec_mode(args: argparse.Namespace) -> str:
 def run_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from dflash_sglang.core.adaptive import SpecShape
-    from dflash_sglang.core.goodput import DEFAULT_TREE_TOPK, GoodputConfig, GoodputController
     from dflash_sglang.core.reference import ReferenceDecoder
+    from dflash_sglang.core.shape.adaptive import SpecShape
+    from dflash_sglang.core.shape.goodput import DEFAULT_TREE_TOPK, GoodputConfig, GoodputController
 
     if args.max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be >= 1")

@@ -22,8 +22,8 @@ def load_pair(target_dir: Path, draft_dir: Path, device: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .core.checkpoint import check_fit, load_drafter
-    from .core.config import DraftConfig
+    from .core.draft.checkpoint import check_fit, load_drafter
+    from .core.draft.config import DraftConfig
 
     if not (target_dir / "config.json").is_file():
         raise ValueError(f"--target {target_dir}: not an HF model directory (no config.json)")

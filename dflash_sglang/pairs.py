@@ -3,7 +3,7 @@ layers it reads, and the shapes that decide tensor parallelism and the decode ro
 
 Every recipe in `recipes/` must use one of these pairs (tests/test_recipes.py checks it). Values come from the
 public model cards/configs cited in `source`; `target_layer_ids` marked "rule" are the uniform spread of
-`core.config.build_target_layer_ids` (which reproduces every published list we could check: Qwen3-8B and
+`core.draft.config.build_target_layer_ids` (which reproduces every published list we could check: Qwen3-8B and
 gpt-oss-20b). `decode_gb` is the weight bytes one batch-1 decode step reads (every weight except the embedding
 gather, in checkpoint dtype; MoE: only the routed experts), the number the roofline divides bandwidth by.
 
@@ -15,8 +15,9 @@ it: the recipe's `builtin_only` field says where it does not, `experimental` whe
 
 A fact we could not read from a published source is None, never a guess (`Pair.unverified` names them; the recipe
 header and the launcher repeat them): the server reads the target's shape and the draft's target layer ids from the
-checkpoints at start-up and checks the pair there (core/checkpoint.py `check_fit`), so a recipe does not need them;
-only the checks made here without downloading (TP dividing the heads, the roofline's weight bytes) are then not made.
+checkpoints at start-up and checks the pair there (core/draft/checkpoint.py `check_fit`), so a recipe does not need
+them; only the checks made here without downloading (TP dividing the heads, the roofline's weight bytes) are then not
+made.
 
 Pure data, no torch or sglang import.
 """

@@ -40,8 +40,8 @@ def main() -> int:
 
     import torch
 
-    from dflash_sglang.core.accept import SamplingParams
     from dflash_sglang.core.reference import ReferenceDecoder
+    from dflash_sglang.core.step.accept import SamplingParams
     from dflash_sglang.hf_pair import load_pair
 
     if args.threads:
@@ -53,7 +53,7 @@ def main() -> int:
     target, _, drafter = load_pair(args.target, args.draft, "cpu")
     drafters = {"dflash": drafter}
     if args.dflash2:
-        from dflash_sglang.core.config import DFlash2Fields
+        from dflash_sglang.core.draft.config import DFlash2Fields
         from dflash_sglang.testbed.dflash2 import derive_dflash2
 
         fields = DFlash2Fields(conv_kernel_size=2, conv_group_size=16, selector_rank=args.selector_rank,
@@ -94,8 +94,8 @@ def time_pass(dec, batch, b: int, name: str, median_ms) -> dict:
     """One draft's pass over a block of b rows at this batch: its layers, its head and (DFlash2) its selector walk."""
     import torch
 
-    from dflash_sglang.core.block import build_block_inputs
-    from dflash_sglang.core.selector import SelectorScores
+    from dflash_sglang.core.draft.selector import SelectorScores
+    from dflash_sglang.core.step.block import build_block_inputs
 
     inputs = build_block_inputs(batch.bonus, batch.seq_len, b, dec.cfg.mask_token_id)
     embeds = dec.embed(inputs.input_ids) * dec.cfg.input_embedding_scale

@@ -56,10 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from dflash_sglang.core.accept import SamplingParams
-    from dflash_sglang.core.checkpoint import load_drafter
+    from dflash_sglang.core.draft.checkpoint import load_drafter
+    from dflash_sglang.core.draft.token_map import build_token_map, token_counts
     from dflash_sglang.core.reference import ReferenceDecoder
-    from dflash_sglang.core.token_map import build_token_map, token_counts
+    from dflash_sglang.core.step.accept import SamplingParams
     from dflash_sglang.testbed.data import eval_prompts
     from dflash_sglang.testbed.target import load_target
     from dflash_sglang.train.shards import load_cache

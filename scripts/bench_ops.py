@@ -32,8 +32,8 @@ import time
 import torch
 
 from dflash_sglang import ops
-from dflash_sglang.core import block as ref_block
-from dflash_sglang.core import tree as ref_tree
+from dflash_sglang.core.step import block as ref_block
+from dflash_sglang.core.step import tree as ref_tree
 
 
 def wall_us(fn, repeats: int, cuda: bool) -> float:

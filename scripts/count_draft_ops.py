@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_sglang.adapter.draft.graphs import DraftGraphs  # noqa: E402
 from dflash_sglang.adapter.draft.model import PagedDrafter, TargetHead  # noqa: E402
-from dflash_sglang.core.config import DraftConfig  # noqa: E402
+from dflash_sglang.core.draft.config import DraftConfig  # noqa: E402
 
 DEFAULT_DRAFT = Path(__file__).resolve().parents[1] / "dflash_sglang/assets/smollm2_135m_dflash"
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dflash_sglang.core.config import DraftConfig  # noqa: E402
+from dflash_sglang.core.draft.config import DraftConfig  # noqa: E402
 from dflash_sglang.testbed import DRAFT_ASSET  # noqa: E402
 
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dflash_sglang.core.checkpoint import save_drafter  # noqa: E402
-from dflash_sglang.core.config import DraftConfig  # noqa: E402
-from dflash_sglang.core.drafter import DFlashDrafter  # noqa: E402
-from dflash_sglang.core.token_map import check_token_map  # noqa: E402
+from dflash_sglang.core.draft.checkpoint import save_drafter  # noqa: E402
+from dflash_sglang.core.draft.config import DraftConfig  # noqa: E402
+from dflash_sglang.core.draft.drafter import DFlashDrafter  # noqa: E402
+from dflash_sglang.core.draft.token_map import check_token_map  # noqa: E402
 from dflash_sglang.train.trainer import CKPT_DIR  # noqa: E402
 
 

@@ -5,16 +5,16 @@ from pathlib import Path
 
 import torch
 
-from dflash_sglang.core.checkpoint import save_drafter
-from dflash_sglang.core.config import DFlash2Fields, DraftConfig, build_target_layer_ids
-from dflash_sglang.core.drafter import DFlashDrafter
-from dflash_sglang.core.goodput import FixedStepCost
+from dflash_sglang.core.draft.checkpoint import save_drafter
+from dflash_sglang.core.draft.config import DFlash2Fields, DraftConfig, build_target_layer_ids
+from dflash_sglang.core.draft.drafter import DFlashDrafter
+from dflash_sglang.core.shape.goodput import FixedStepCost
 
 
 # Hybrid targets: Gated DeltaNet (linear-attention) layers between full-attention ones, as Qwen3.5 / Qwen3-Next have.
 HYBRID_ARCHS = ("qwen3_5", "qwen3_next")
 ARCHS = ("llama", "qwen3", "gemma4") + HYBRID_ARCHS
-# The step cost a goodput controller sees in tests (core/goodput.py FixedStepCost, TERMS order), not the clock: a
+# The step cost a goodput controller sees in tests (core/shape/goodput.py FixedStepCost, TERMS order), not the clock: a
 # memory-bound decode where a step's fixed cost dominates, verify rows are nearly free and a drafter pass costs a tenth
 # of a plain step, so drafting pays wherever drafts are accepted and the controller's choices never follow the load.
 STEP_COST = FixedStepCost((0.02, 0.0005, 0.00005, 0.002, 0.0001, 0.0002))

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from dflash_sglang.core.accept import (
+from dflash_sglang.core.step.accept import (
     DraftQ, SamplingParams, cap_commits, greedy_accept, rejection_accept, sample_from, target_probs,
 )
 
@@ -125,7 +125,7 @@ def _mixed_params(bs: int, top_p_rows: bool, seed: int = 0) -> tuple[SamplingPar
 def test_host_hints_give_the_same_target_probs(top_p_rows):
     """With hints, target_probs skips the sort where no row asks for top-p (the k-th largest from a partial top-k):
     the same distribution, ties with the k-th logit kept, greedy rows one-hot. With a top-p row it sorts as before."""
-    from dflash_sglang.core.accept import HostHints
+    from dflash_sglang.core.step.accept import HostHints
 
     torch.manual_seed(1)
     bs, n, V = 40, 3, 97
@@ -147,8 +147,8 @@ def test_host_hints_give_the_same_target_probs(top_p_rows):
 def test_mixed_batch_accept_verifies_greedy_rows_greedily_with_the_same_result(with_q):
     """core's chain accept with host hints (greedy rows by greedy acceptance, the sampling rows alone by rejection
     sampling) commits exactly what rejection sampling every row (greedy rows one-hot) commits, uniform for uniform."""
-    from dflash_sglang.core.accept import HostHints
     from dflash_sglang.core.speculate import Proposal, accept
+    from dflash_sglang.core.step.accept import HostHints
 
     torch.manual_seed(2)
     bs, T, V = 60, 5, 50

@@ -1,8 +1,8 @@
 import pytest
 from sglang_support import requires_sglang
 
-from dflash_sglang.core.tree import max_tree_nodes
-from dflash_sglang.core.adaptive import DEFAULT_TABLE, AdaptivePolicy, SpecShape
+from dflash_sglang.core.shape.adaptive import DEFAULT_TABLE, AdaptivePolicy, SpecShape
+from dflash_sglang.core.step.tree import max_tree_nodes
 
 
 @pytest.mark.parametrize("budget", [None, 1, 7, 64, 300, 2048])
@@ -147,7 +147,7 @@ def test_chain_verify_rows_are_a_depth_i_tree():
     import torch
 
     from dflash_sglang import ops
-    from dflash_sglang.core.block import build_block_inputs
+    from dflash_sglang.core.step.block import build_block_inputs
 
     req_to_token = torch.arange(5 * 40, dtype=torch.int32).reshape(5, 40).flip(1).contiguous()
     seq_lens, rows, bonus = torch.tensor([3, 0, 17]), torch.tensor([4, 0, 2]), torch.tensor([5, 6, 7])
@@ -175,9 +175,9 @@ def test_goodput_schedule_publishes_the_controllers_state_as_metrics():
     predicted / measured tokens/s, acceptance by depth and cost terms are published beside SGLang's spec metrics."""
     from prometheus_client import CollectorRegistry
 
-    from dflash_sglang.adapter.step.shapes import ShapeSchedule
     from dflash_sglang.adapter.step.metrics import GoodputMetrics
-    from dflash_sglang.core.goodput import GoodputConfig, GoodputController
+    from dflash_sglang.adapter.step.shapes import ShapeSchedule
+    from dflash_sglang.core.shape.goodput import GoodputConfig, GoodputController
 
     registry = CollectorRegistry()
     labels = {"model_name": "m"}
@@ -212,9 +212,9 @@ def test_goodput_schedule_publishes_the_controllers_state_as_metrics():
 def test_goodput_schedule_observes_a_fixed_step_cost_instead_of_wall_time():
     """DFLASH_SIMULATE_STEP_COST (adapter/simulate.py): each step reaches the controller as the fixed cost of its
     shape at its batch size; a step whose interval held other work (seconds None) still stays out of the cost fit."""
-    from dflash_sglang.adapter.step.shapes import ShapeSchedule
     from dflash_sglang.adapter.simulate import simulated_step_cost
-    from dflash_sglang.core.goodput import GoodputConfig, GoodputController
+    from dflash_sglang.adapter.step.shapes import ShapeSchedule
+    from dflash_sglang.core.shape.goodput import GoodputConfig, GoodputController
 
     cost = simulated_step_cost({"DFLASH_SIMULATE_STEP_COST": "0.02,0.001,0.0001,0.004,0.0002,0.0005"})
     assert simulated_step_cost({}) is None

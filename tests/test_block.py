@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dflash_sglang import ops
-from dflash_sglang.core.block import BlockInputs, build_block_inputs, build_tree_inputs, draft_kv_indices
+from dflash_sglang.core.step.block import BlockInputs, build_block_inputs, build_tree_inputs, draft_kv_indices
 
 
 def _table(rows: int = 3, width: int = 8) -> torch.Tensor:

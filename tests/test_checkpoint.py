@@ -4,11 +4,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_sglang.core import checkpoint
-from dflash_sglang.core.checkpoint import (
+from dflash_sglang.core.draft import checkpoint
+from dflash_sglang.core.draft.checkpoint import (
     INDEX_FILE, WEIGHTS_FILE, check_fit, check_weight_headers, load_drafter, save_drafter,
 )
-from dflash_sglang.core.config import CheckpointError, DraftConfig
+from dflash_sglang.core.draft.config import CheckpointError, DraftConfig
 from factories import DFLASH2_DRAFT, MUSE_GLIMMER_DFLASH2, draft_config_for, tiny_drafter, tiny_target
 
 ZLAB_NAMES_PER_LAYER = {

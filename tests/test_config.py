@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash_sglang.core.config import (CheckpointError, DFlash2Fields, DraftConfig, build_target_layer_ids,
-                                       gated_deltanet, recurrent_layers, sliding_window_layers)
+from dflash_sglang.core.draft.config import (CheckpointError, DFlash2Fields, DraftConfig, build_target_layer_ids,
+                                             gated_deltanet, recurrent_layers, sliding_window_layers)
 from factories import MUSE_GLIMMER_DFLASH2
 
 ZLAB_QWEN3_8B = {

@@ -7,13 +7,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dflash_sglang.core.adaptive import SpecShape
-from dflash_sglang.core.checkpoint import load_drafter, save_drafter
-from dflash_sglang.core.drafter import dense_attend
-from dflash_sglang.core.goodput import GoodputConfig, GoodputController
+from dflash_sglang.core.draft.checkpoint import load_drafter, save_drafter
+from dflash_sglang.core.draft.drafter import dense_attend
+from dflash_sglang.core.draft.selector import SelectorScores
 from dflash_sglang.core.reference import ReferenceDecoder
-from dflash_sglang.core.selector import SelectorScores
-from dflash_sglang.core.vocab_parallel import NOT_RANKED, VocabShard, local_top, merge_top
+from dflash_sglang.core.shape.adaptive import SpecShape
+from dflash_sglang.core.shape.goodput import GoodputConfig, GoodputController
+from dflash_sglang.core.step.vocab_parallel import NOT_RANKED, VocabShard, local_top, merge_top
 from factories import DFLASH2_DRAFT, STEP_COST, draft_config_for, mixed_prompts, sampled_fit_pvalue, tiny_drafter, \
     tiny_target
 from test_reference import TOKEN_MAP, _exact_joint, hf_greedy
@@ -185,7 +185,7 @@ def test_served_weight_bytes_count_the_codebooks(tmp_path):
     them; random weights of the same config (--speculative-draft-load-format dummy) cost the same."""
     pytest.importorskip("sglang", reason="the SGLang adapter")
     from dflash_sglang.adapter.draft.model import load_draft_weights, weight_bytes
-    from dflash_sglang.core.safetensors_header import read_header
+    from dflash_sglang.core.draft.safetensors_header import read_header
 
     target = tiny_target("qwen3", vocab=16, seed=2)
     cfg = draft_config_for(target, block_size=8, **DFLASH2_DRAFT)
@@ -253,7 +253,7 @@ def test_convolutions_stay_within_a_block():
 @pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("mapped", [False, True], ids=["vocab", "token_map"])
 def test_candidates_merged_over_vocab_shards_equal_one_process(ranks, mapped):
-    """Tensor parallelism: each rank's top-k of its lm_head shard, merged (core/vocab_parallel.py `merge_top`, as
+    """Tensor parallelism: each rank's top-k of its lm_head shard, merged (core/step/vocab_parallel.py `merge_top`, as
     adapter/scale/tp.py runs it over the ranks), gives the candidates of one process over the whole vocabulary (or token
     map) exactly, ties included (logits on a bf16-like grid), so the walk, its q and the tree are the same."""
     target = tiny_target("qwen3", vocab=16, seed=2)

@@ -10,7 +10,7 @@ import torch
 from sglang_support import requires_sglang
 
 from dflash_sglang.adapter.scale.dp_attention import DECODE, EXTEND, IDLE, AttentionDP, StepPlan
-from dflash_sglang.core.adaptive import SpecShape
+from dflash_sglang.core.shape.adaptive import SpecShape
 
 # (the adapter's modules need a supported sglang installed, not importable: this process never imports it)
 pytestmark = requires_sglang

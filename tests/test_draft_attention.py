@@ -13,7 +13,7 @@ pytestmark = requires_sglang
 SEQ_LENS = (5, 1, 12, 7)  # mixed committed lengths
 POOL_IDX = (3, 0, 5, 2)  # request-pool slots, not in batch order
 BLOCK = 4
-# Drafts whose layers narrow what their queries see (core/config.py LayerKind), every window shorter than most of
+# Drafts whose layers narrow what their queries see (core/draft/config.py LayerKind), every window shorter than most of
 # SEQ_LENS: DFlash v1 Gemma-4 style (causal sliding-window layers, then a full one), every layer causal (speculators
 # drafts), DFlash2 (bidirectional sliding-window layers) with a window of the block size and one narrower than it.
 NARROWING = {
@@ -114,7 +114,7 @@ def test_key_ranges_cut_and_mask_as_the_kind_says():
     """The torch backend's per-kind keys of each request: a window cuts the keys no query reaches and masks the rest
     by position (end-aligned: query j of a request with L context rows is at L + j)."""
     from dflash_sglang.adapter.draft.attention import DraftLayout, host_indptrs, key_ranges
-    from dflash_sglang.core.config import LayerKind
+    from dflash_sglang.core.draft.config import LayerKind
 
     qo, kv = host_indptrs(torch.tensor([5, 0]), 3)
     layout = DraftLayout(qo, kv, torch.zeros(int(kv[-1]), dtype=torch.int32))
@@ -132,7 +132,7 @@ def test_a_backend_that_cannot_express_a_kind_leaves_the_dense_path(monkeypatch)
     on the dense path (eager), which equals the core drafter, and the start-up line says why. Shown with the torch
     backend made to answer as FlashInfer does."""
     from dflash_sglang.adapter.draft.attention import FlashInferPagedAttention, TorchPagedAttention
-    from dflash_sglang.core.config import LayerKind
+    from dflash_sglang.core.draft.config import LayerKind
 
     expresses = FlashInferPagedAttention.expresses
     assert expresses(LayerKind(False, BLOCK), BLOCK) and expresses(LayerKind(True, 1), BLOCK)
@@ -183,7 +183,7 @@ def test_reference_equals_explicit_softmax(kind):
     """The reference on the GPU test's case, against attention written out by hand (CPU, float64): every key of the
     request's segment scored, those the kind hides (by end-aligned position) set to -inf."""
     from dflash_sglang.adapter.draft.attention import key_ranges, paged_attention_reference
-    from dflash_sglang.core.config import LayerKind
+    from dflash_sglang.core.draft.config import LayerKind
 
     kind = LayerKind(*kind)
     q, k, v, layout = _random_case("cpu", torch.float64)
@@ -210,7 +210,7 @@ def test_flashinfer_matches_reference_on_gpu(dtype, kind):
     """FlashInfer planned for each layer kind (causal, window_left) against the torch reference's key ranges and masks,
     on ragged contexts of 1..1000 rows; all the kinds planned on one backend at once, as a drafter's are."""
     from dflash_sglang.adapter.draft.attention import FlashInferPagedAttention, key_ranges, paged_attention_reference
-    from dflash_sglang.core.config import LayerKind
+    from dflash_sglang.core.draft.config import LayerKind
 
     kinds = [LayerKind(*c) for c in KINDS]
     q, k, v, layout = _random_case("cuda", dtype)
@@ -229,12 +229,13 @@ def test_flashinfer_matches_reference_on_gpu(dtype, kind):
 @pytest.mark.parametrize("kv_dtype", [None, "fp8_e4m3"])
 def test_paged_drafter_flashinfer_equals_torch_on_gpu(kv_dtype, layout):
     """The whole paged pass on the GPU: FlashInfer backend vs the torch backend, same pool and layout (the pool in
-    the model dtype, or fp8 draft KV: core/draft_kv.py), full layers or narrowing ones (one plan per layer kind)."""
+    the model dtype, or fp8 draft KV: core/draft/draft_kv.py), full layers or narrowing ones (one plan per layer
+    kind)."""
     cfg = draft_config_for(tiny_target("qwen3", hidden=256), block_size=BLOCK,  # head_dim 64
                            **NARROWING.get(layout, {}))
-    from dflash_sglang.adapter.draft.pool import DraftKVPool
     from dflash_sglang.adapter.draft.model import PagedDrafter
-    from dflash_sglang.core.draft_kv import kv_format
+    from dflash_sglang.adapter.draft.pool import DraftKVPool
+    from dflash_sglang.core.draft.draft_kv import kv_format
 
     torch.manual_seed(0)
     core = tiny_drafter(cfg).cuda().to(torch.bfloat16)

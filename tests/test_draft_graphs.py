@@ -143,7 +143,7 @@ def test_static_commit_replays_equal_eager(layout):
 def _top(vocab: int, shards: int):
     """A DFlash2 selector's candidates over the whole vocabulary (adapter/scale/tp.py DraftVocab.top_logits): one
     process's, or merged from `shards` vocab shards as the TP ranks merge them (the all-gather done in process)."""
-    from dflash_sglang.core.vocab_parallel import VocabShard, local_top, merge_top
+    from dflash_sglang.core.step.vocab_parallel import VocabShard, local_top, merge_top
 
     per = -(-vocab // shards)
 
@@ -159,7 +159,7 @@ def _same_scores(got, want, bonus, exact=True):
     """Two DFlash2 SelectorScores agree bit for bit on everything a step asks of them: candidates, the chain's walk
     and its q, a tree's proposal, the walk's ranks. exact=False (a GPU's matmul may round a batch of another size
     differently): the float scores within float32 rounding, every token and tree link still equal."""
-    from dflash_sglang.core.adaptive import SpecShape
+    from dflash_sglang.core.shape.adaptive import SpecShape
     from dflash_sglang.core.speculate import propose
 
     def same(a, b, what):
@@ -201,7 +201,7 @@ def test_static_dflash2_selection_equals_eager(layout, sampling, draft):
     and sampled at two temperatures, every other step all greedy; the walk's generator is left where eager leaves it
     (every TP rank draws alike). `_slots` / `_ring`: a draft window over the slot rows / its ring."""
     from dflash_sglang.adapter.draft.model import EagerDraftPass
-    from dflash_sglang.core.selector import SelectorScores
+    from dflash_sglang.core.draft.selector import SelectorScores
 
     layout = next((w for w in ("slots", "ring") if draft.endswith(f"_{w}")), None)
     cfg, paged, head, r2t = _setup(draft=draft.removesuffix(f"_{layout}"), layout=layout)
@@ -307,10 +307,10 @@ def test_dflash2_draft_side_of_a_step_does_no_host_sync(layout):
     sampled chain with its q and a selector tree grown from the replay's candidates, and the walk's ranks. Only the
     host's own seq_lens mirror is read (to plan the attention). Which requests sample comes from the host hints
     (`some_row_samples`); without them SelectorScores.of reads the temperatures, which fails on meta."""
-    from dflash_sglang.core.accept import HostHints, SamplingParams
-    from dflash_sglang.core.adaptive import SpecShape
-    from dflash_sglang.core.selector import SelectorScores, some_row_samples
+    from dflash_sglang.core.draft.selector import SelectorScores, some_row_samples
+    from dflash_sglang.core.shape.adaptive import SpecShape
     from dflash_sglang.core.speculate import propose
+    from dflash_sglang.core.step.accept import HostHints, SamplingParams
 
     graphs, cfg = _meta_graphs(dflash2=True, in_graph=layout == "one_process")
     bs, meta = 3, {"device": "meta"}
@@ -395,7 +395,7 @@ def test_captured_dflash2_graphs_match_eager_on_gpu(sampling, draft):
     walk and tree tokens equal; scores and q within float32 rounding), and the pass is the eager pass's up to bf16
     rounding."""
     from dflash_sglang.adapter.draft.model import EagerDraftPass
-    from dflash_sglang.core.selector import SelectorScores
+    from dflash_sglang.core.draft.selector import SelectorScores
 
     cfg, paged, head, r2t = _setup("cuda", torch.bfloat16, hidden=256, attention="flashinfer", draft=draft)
     top_logits = _top(cfg.vocab_size, 1)

@@ -1,5 +1,5 @@
-"""fp8 (and bf16) draft KV: the storage format (core/draft_kv.py), the reference drafter reading through it
-(core/drafter.py `kv_format`), the SGLang pool and paged pass equal to it (adapter/draft/model.py,
+"""fp8 (and bf16) draft KV: the storage format (core/draft/draft_kv.py), the reference drafter reading through it
+(core/draft/drafter.py `kv_format`), the SGLang pool and paged pass equal to it (adapter/draft/model.py,
 adapter/draft/attention.py), greedy identity of the reference decoder, and the pool's memory accounting
 (adapter/draft/memory.py)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_sglang.core.draft_kv import KV_DTYPES, DraftKVFormat, kv_format, parse_kv_dtype
+from dflash_sglang.core.draft.draft_kv import KV_DTYPES, DraftKVFormat, kv_format, parse_kv_dtype
 from factories import draft_config_for, mixed_prompts, tiny_drafter, tiny_target
 from sglang_support import requires_flashinfer_gpu, requires_sglang
 
@@ -53,7 +53,7 @@ def test_kv_dtype_names():
 def test_reference_drafter_reads_context_and_block_as_stored():
     """The fp8 reference drafter is the drafter whose context and block K/V are quantized then read back: equal to
     running the layers with attends that round-trip both, and different from the unquantized drafter."""
-    from dflash_sglang.core.drafter import dense_attend
+    from dflash_sglang.core.draft.drafter import dense_attend
 
     cfg = draft_config_for(tiny_target("llama"), block_size=BLOCK)
     drafter = tiny_drafter(cfg)

@@ -1,4 +1,4 @@
-"""The drafter's sliding context window (core/drafter.py `context_window`, the definition of
+"""The drafter's sliding context window (core/draft/drafter.py `context_window`, the definition of
 `--speculative-draft-window-size W`): a block at committed length L reads only context positions L-W .. L-1."""
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dflash_sglang.core.drafter import dense_attend
-from dflash_sglang.core.features import target_layer_features
+from dflash_sglang.core.draft.drafter import dense_attend
+from dflash_sglang.core.draft.features import target_layer_features
 from factories import draft_config_for, tiny_drafter, tiny_target
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""core/goodput.py: the controller's models, and its decisions in a simulated server with a fake clock.
+"""core/shape/goodput.py: the controller's models, and its decisions in a simulated server with a fake clock.
 
 The simulated server has a known step cost T(n, bs) and per-depth acceptance; each step draws accepted drafts for
 every request (leading successes, depth d accepted with probability a_d) and advances a fake clock by T (with
@@ -10,9 +10,9 @@ import random
 
 import pytest
 
-from dflash_sglang.core.acceptance import AcceptanceModel, expected_tokens
-from dflash_sglang.core.adaptive import SpecShape
-from dflash_sglang.core.goodput import CostModel, FixedStepCost, GoodputConfig, GoodputController
+from dflash_sglang.core.shape.acceptance import AcceptanceModel, expected_tokens
+from dflash_sglang.core.shape.adaptive import SpecShape
+from dflash_sglang.core.shape.goodput import CostModel, FixedStepCost, GoodputConfig, GoodputController
 
 # A CPU-like cost (seconds): verify rows cost in full (compute-bound), a drafter pass ~ 0.7 plain steps at bs 1, a
 # tree's own work (top-k, build, mask) a row and a half per request.

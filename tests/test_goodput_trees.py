@@ -1,10 +1,10 @@
-"""Trees as goodput-controller candidates: core/acceptance.py's tree pricing and the controller choosing trees.
+"""Trees as goodput-controller candidates: core/shape/acceptance.py's tree pricing and the controller choosing trees.
 
 The simulated server draws, for every request and step, the rank the target's token has in the drafter's ranking at
 each depth (independently, from a known q_d(r)); a step of a given shape accepts the longest prefix of that rank path
 which the shape's node set holds (a chain: rank 1 at every depth; a tree: the best-first set over the true q, as
-core/tree.py builds it from the drafter's probabilities) and reports the ranks of the committed tokens, as the worker
-does. Step costs come from a known linear cost with a tree term.
+core/step/tree.py builds it from the drafter's probabilities) and reports the ranks of the committed tokens, as the
+worker does. Step costs come from a known linear cost with a tree term.
 """
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import random
 import pytest
 import torch
 
-from dflash_sglang.core.accept import AcceptResult
-from dflash_sglang.core.acceptance import Calibration, RankModel, expected_tokens, tree_tokens
-from dflash_sglang.core.adaptive import SpecShape
-from dflash_sglang.core.goodput import GoodputConfig, GoodputController, features, label
+from dflash_sglang.core.shape.acceptance import Calibration, RankModel, expected_tokens, tree_tokens
+from dflash_sglang.core.shape.adaptive import SpecShape
+from dflash_sglang.core.shape.goodput import GoodputConfig, GoodputController, features, label
 from dflash_sglang.core.speculate import DraftLogits, committed_ranks, rank_paths
-from dflash_sglang.core.vocab_parallel import NOT_RANKED
+from dflash_sglang.core.step.accept import AcceptResult
+from dflash_sglang.core.step.vocab_parallel import NOT_RANKED
 
 DEPTH = 15
 

@@ -11,7 +11,7 @@ from dflash_sglang.bench.gpu.context import Table
 from dflash_sglang.bench.gpu.targets import QWEN3_8B_SHAPE, QWEN3_TINY, qwen3_8b_pair, qwen3_configs
 from dflash_sglang.bench.gpu.throughput import (BLOCK, NONE, accept_figure, accept_tolerance, arms, cells, chain_sd,
                                                 rate_for_tau, simulation_check, speed_rows, versus_builtin)
-from dflash_sglang.core.config import DraftConfig
+from dflash_sglang.core.draft.config import DraftConfig
 
 
 def _result(committed: int, steps: int, requests: int = 1) -> dict:

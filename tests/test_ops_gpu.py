@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from dflash_sglang import ops
-from dflash_sglang.core import block as ref_block
-from dflash_sglang.core import tree as ref_tree
-from dflash_sglang.core import tree_verify as ref_verify
+from dflash_sglang.core.step import block as ref_block
+from dflash_sglang.core.step import tree as ref_tree
+from dflash_sglang.core.step import tree_verify as ref_verify
 from dflash_sglang.ops.tree import _RESULT_FIELDS, _TREE_FIELDS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

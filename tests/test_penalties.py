@@ -1,4 +1,4 @@
-"""Penalties at every verify row (core/penalties.py): the reference decoder with frequency / presence / repetition
+"""Penalties at every verify row (core/step/penalties.py): the reference decoder with frequency / presence / repetition
 penalties and min_new_tokens is token-identical to plain decoding under greedy, in chains, trees, adaptive shapes and
 the goodput controller, and samples the target's exact penalized distribution. The oracle below is written from
 SGLang's penaltylib one request and one token at a time, with no batching or verify-row logic."""
@@ -7,10 +7,10 @@ import itertools
 import pytest
 import torch
 
-from dflash_sglang.core.adaptive import AdaptivePolicy, SpecShape
-from dflash_sglang.core.goodput import GoodputConfig, GoodputController
-from dflash_sglang.core.penalties import OutputPenalties, Penalties, apply_penalties
 from dflash_sglang.core.reference import ReferenceDecoder
+from dflash_sglang.core.shape.adaptive import AdaptivePolicy, SpecShape
+from dflash_sglang.core.shape.goodput import GoodputConfig, GoodputController
+from dflash_sglang.core.step.penalties import OutputPenalties, Penalties, apply_penalties
 from factories import STEP_COST, draft_config_for, mixed_prompts, sampled_fit_pvalue, tiny_drafter, tiny_target
 
 # (frequency, presence, repetition, min_new_tokens) per request of a batch: every kind alone, all together, none

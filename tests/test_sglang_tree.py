@@ -12,9 +12,9 @@ import pytest
 import torch
 from sglang_support import requires_sglang
 
-from dflash_sglang.core.block import build_tree_inputs
-from dflash_sglang.core.tree import build_tree
-from dflash_sglang.core.tree_verify import verify_tree_greedy
+from dflash_sglang.core.step.block import build_tree_inputs
+from dflash_sglang.core.step.tree import build_tree
+from dflash_sglang.core.step.tree_verify import verify_tree_greedy
 
 
 pytestmark = requires_sglang

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from dflash_sglang.core.config import DraftConfig
+from dflash_sglang.core.draft.config import DraftConfig
 from dflash_sglang.testbed import DRAFT_ASSET, target
 from dflash_sglang.testbed.data import base_id, iter_conversations, split_of
 
@@ -52,7 +52,7 @@ def test_shipped_drafter_fits_smollm2():
     assert cfg.block_size == 16 and cfg.mask_token_id == 16  # <empty_output>: never in chat text
     assert all(0 <= i < 28 for i in cfg.target_layer_ids)  # never the last two layers
     assert (DRAFT_ASSET / "model.safetensors").stat().st_size <= 20 * 2**20
-    from dflash_sglang.core.checkpoint import load_drafter
+    from dflash_sglang.core.draft.checkpoint import load_drafter
 
     load_drafter(DRAFT_ASSET)  # strict: names and shapes match config.json
 
@@ -69,7 +69,7 @@ def test_shipped_drafter_accepts_on_eval_prompts():
     replaced: 1.08). The issue's bar of 2.0 needs a longer training run (TRAINING.md, Limits)."""
     import torch
 
-    from dflash_sglang.core.checkpoint import load_drafter
+    from dflash_sglang.core.draft.checkpoint import load_drafter
     from dflash_sglang.core.reference import ReferenceDecoder
     from dflash_sglang.testbed import default_pair
     from dflash_sglang.testbed.data import eval_prompts
@@ -161,7 +161,7 @@ def test_demo_summary_words_made_up_timings(capsys):
     though its median is above plain's, and a headline that says the same."""
     import argparse
 
-    from dflash_sglang.core.goodput import GoodputConfig
+    from dflash_sglang.core.shape.goodput import GoodputConfig
     from dflash_sglang.demo.main import CountingController, Way, _print_summary
 
     ctrl = CountingController(GoodputConfig(max_nodes=16))
@@ -189,8 +189,8 @@ def test_demo_summary_words_made_up_timings(capsys):
 
 
 def test_controller_verdict_says_what_it_chose_and_why():
-    from dflash_sglang.core.adaptive import SpecShape
-    from dflash_sglang.core.goodput import GoodputConfig, GoodputController
+    from dflash_sglang.core.shape.adaptive import SpecShape
+    from dflash_sglang.core.shape.goodput import GoodputConfig, GoodputController
     from dflash_sglang.demo.main import CountingController
     from dflash_sglang.demo.words import controller_choice, controller_verdict
 

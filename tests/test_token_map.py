@@ -1,4 +1,4 @@
-"""Reduced draft vocabulary (core/token_map.py): building, the checkpoint file, mapped logits and proposals.
+"""Reduced draft vocabulary (core/draft/token_map.py): building, the checkpoint file, mapped logits and proposals.
 
 Losslessness with a map (greedy and sampling, chains and trees) is tested with the rest of the reference decoder
 in test_reference.py (`pair` and the sampling test take a token map); training with one in test_train.py.
@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dflash_sglang.core.adaptive import SpecShape
-from dflash_sglang.core.checkpoint import load_drafter
-from dflash_sglang.core.config import CheckpointError
+from dflash_sglang.core.draft.checkpoint import load_drafter
+from dflash_sglang.core.draft.config import CheckpointError
+from dflash_sglang.core.draft.token_map import (TOKEN_MAP_FILE, build_token_map, inverse_map, load_token_map,
+                                                restrict_head, save_token_map, to_target_ids, token_counts)
+from dflash_sglang.core.shape.adaptive import SpecShape
 from dflash_sglang.core.speculate import DraftLogits, draft_topk, propose
-from dflash_sglang.core.token_map import (TOKEN_MAP_FILE, build_token_map, inverse_map, load_token_map,
-                                          restrict_head, save_token_map, to_target_ids, token_counts)
 from factories import draft_config_for, save_tiny_pair, tiny_drafter, tiny_target, write_draft
 
 VOCAB = 96

@@ -8,9 +8,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from dflash_sglang.core.checkpoint import load_drafter  # noqa: E402
-from dflash_sglang.core.config import DraftConfig  # noqa: E402
-from dflash_sglang.core.drafter import DFlashDrafter  # noqa: E402
+from dflash_sglang.core.draft.checkpoint import load_drafter  # noqa: E402
+from dflash_sglang.core.draft.config import DraftConfig  # noqa: E402
+from dflash_sglang.core.draft.drafter import DFlashDrafter  # noqa: E402
 from dflash_sglang.train.objective import (  # noqa: E402
     all_anchors, block_loss_terms, build_block_batch, loss_gamma, position_weights, sample_anchors,
 )
@@ -241,7 +241,7 @@ def test_loss_decreases_and_export_loads(tmp_path, draft_vocab):
 def test_reduced_head_loss_leaves_out_labels_outside_the_map_and_counts_them_as_misses():
     """block_loss_terms with a token map: CE is the restricted softmax's over the in-map labels only (weight_sum
     too), while every labelled row still counts, so accuracy is comparable with the full head's."""
-    from dflash_sglang.core.token_map import inverse_map, restrict_head
+    from dflash_sglang.core.draft.token_map import inverse_map, restrict_head
 
     gen = torch.Generator().manual_seed(0)
     tokens = [torch.randint(4, VOCAB, (30,), generator=gen) for _ in range(3)]
@@ -363,8 +363,8 @@ def test_init_from_a_checkpoint_continues_it(tmp_path):
 
 
 def test_init_checkpoint_must_be_the_trained_drafter(tmp_path):
-    from dflash_sglang.core.checkpoint import save_drafter
-    from dflash_sglang.core.config import CheckpointError
+    from dflash_sglang.core.draft.checkpoint import save_drafter
+    from dflash_sglang.core.draft.config import CheckpointError
     from dflash_sglang.train.warm_start import check_init_checkpoint
 
     save_drafter(DFlashDrafter(draft_cfg(block=8)), tmp_path / "b8")
@@ -508,7 +508,7 @@ def test_train_curve_adds_up_cpu_over_launches():
 
 def test_a_checkpoint_exports_as_the_drafter_with_its_token_map(tmp_path, capsys):
     """scripts/export_checkpoint.py: a mid-run checkpoint becomes a draft directory load_drafter reads."""
-    from dflash_sglang.core.checkpoint import save_drafter
+    from dflash_sglang.core.draft.checkpoint import save_drafter
 
     frozen, data = _tiny_cache(tmp_path, n=8)
     tcfg = TrainConfig(max_steps=4, batch_size=4, num_anchors=4, lr=1e-3, seed=0, save_every=2, bf16=False)

@@ -11,7 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from dflash_sglang.core.token_map import inverse_map, restrict_head  # noqa: E402
+from dflash_sglang.core.draft.token_map import inverse_map, restrict_head  # noqa: E402
 from dflash_sglang.train.cli import FINETUNE_LR, SCRATCH_LR, resolve_schedule  # noqa: E402
 from dflash_sglang.train.objective import (  # noqa: E402
     ACCEPT_GAMMA, all_anchors, block_loss_terms, build_block_batch, distill_kl, loss_gamma, position_weights,

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from dflash_sglang import ops
-from dflash_sglang.core.accept import greedy_accept, rejection_accept
-from dflash_sglang.core.tree import DraftTree, build_tree, max_tree_nodes
-from dflash_sglang.core.tree_verify import verify_tree_greedy, verify_tree_sampling
+from dflash_sglang.core.step.accept import greedy_accept, rejection_accept
+from dflash_sglang.core.step.tree import DraftTree, build_tree, max_tree_nodes
+from dflash_sglang.core.step.tree_verify import verify_tree_greedy, verify_tree_sampling
 
 
 def random_topk(bs, depth, k, vocab, g, tie_grid=False):

@@ -1,12 +1,12 @@
-"""core/vocab_parallel.py: candidates merged across vocabulary shards equal the full-vocabulary argmax / top-k."""
+"""core/step/vocab_parallel.py: candidates merged across vocabulary shards equal the full-vocabulary argmax / top-k."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from dflash_sglang.core.speculate import draft_topk
-from dflash_sglang.core.vocab_parallel import VocabShard, local_candidates, local_top, merge_candidates, merge_top, \
-    ordered_topk
+from dflash_sglang.core.step.vocab_parallel import VocabShard, local_candidates, local_top, merge_candidates, \
+    merge_top, ordered_topk
 
 
 def shards(logits: torch.Tensor, ranks: int, pad: int):

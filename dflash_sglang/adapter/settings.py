@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dflash_sglang.core.adaptive import AdaptivePolicy
-from dflash_sglang.core.config import DraftConfig
-from dflash_sglang.core.goodput import FixedStepCost, GoodputConfig
+from dflash_sglang.core.draft.config import DraftConfig
+from dflash_sglang.core.shape.adaptive import AdaptivePolicy
+from dflash_sglang.core.shape.goodput import FixedStepCost, GoodputConfig
 
 if TYPE_CHECKING:  # (field types only: the rooms that define them import this one)
     from .draft.memory import DraftMemory
@@ -40,7 +40,7 @@ class DFlashSettings:
     """What our worker serves with, resolved and checked once (adapter/boot/resolve.py) in the process that builds
     ServerArgs. Modes: chain (N = B verify rows, k = 1), tree (N best-first nodes from the top-k of each draft
     position), adaptive (each step's shape from `policy()` by batch size; N and k its maxima), goodput (each step's
-    chain, 1..N rows, or tree, up to N nodes over top-k, from the goodput controller, core/goodput.py)."""
+    chain, 1..N rows, or tree, up to N nodes over top-k, from the goodput controller, core/shape/goodput.py)."""
 
     draft_dir: str
     draft: DraftConfig  # the checkpoint's config, checked against the target

@@ -11,13 +11,13 @@ workers see the same acceptance distribution in a side-by-side benchmark:
 - `SGLANG_SIMULATE_ACC_TOKEN_MODE`: `fixed` (every emitted token is id 100) or `real-draft-token` (the first
   L-1 drafts, then the target's own token at row L-1).
 
-Ours, for the goodput controller (core/goodput.py), which must see shorter chains accept proportionally less:
+Ours, for the goodput controller (core/shape/goodput.py), which must see shorter chains accept proportionally less:
 - `DFLASH_SIMULATE_ACC_RATE` (0 < p <= 1): every draft position is accepted with probability p given the ones
   before it, so a chain of n rows commits 1 + min(G, n - 1) tokens (G geometric); tokens as `real-draft-token`.
   Chains and the goodput controller (not with SGLANG_SIMULATE_ACC_LEN).
 
 And for the goodput controller's other input, step time:
-- `DFLASH_SIMULATE_STEP_COST`: six comma-separated seconds, the controller's cost terms (core/goodput.py TERMS:
+- `DFLASH_SIMULATE_STEP_COST`: six comma-separated seconds, the controller's cost terms (core/shape/goodput.py TERMS:
   step, per_request, per_extra_row, draft_pass, draft_per_request, tree_per_request); every decode step is observed
   as costing theta . features(shape, batch size) instead of its wall time, so the controller's choices follow
   acceptance and batch size alone (deterministic tests; what-if runs of another machine's costs). Goodput mode only.
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dflash_sglang.core.goodput import FixedStepCost
+from dflash_sglang.core.shape.goodput import FixedStepCost
 
 METHODS = ("match-expected", "multinomial")
 TOKEN_MODES = ("fixed", "real-draft-token")

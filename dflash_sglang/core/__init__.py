@@ -1,7 +1,6 @@
 """The algorithm as plain PyTorch: the executable spec every faster path is tested against.
 
-Never imports sglang. Modules: config (checkpoint config), drafter (the DFlash module),
-checkpoint (safetensors load/save), block (block inputs), accept (greedy + rejection sampling),
-tree (draft trees), features (target feature capture), reference (the reference decoder),
-token_map (reduced draft vocabulary).
+Never imports sglang. Three rooms: draft/ (the drafter and its checkpoint), step/ (a decode step's pieces: inputs,
+trees, acceptance), shape/ (choosing the verify shape); `speculate` (the decode step, shared by the reference and the
+worker) and `reference` (the reference decoder) read all three. draft/ and shape/ import step/; step/ imports neither.
 """

@@ -18,19 +18,19 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from .accept import AcceptResult, SamplingParams, sample_from, target_probs
-from .adaptive import AdaptivePolicy, SpecShape
-from .block import build_block_inputs
-from .checkpoint import check_fit
-from .config import recurrent_layers
-from .drafter import KV, DFlashDrafter
-from .features import target_layer_features
-from .goodput import FixedStepCost, GoodputController
-from .penalties import OutputPenalties, Penalties, apply_penalties
-from .recurrent import NodeStates, has_attention, last_row, select_rows
-from .selector import SelectorScores
+from .draft.checkpoint import check_fit
+from .draft.config import recurrent_layers
+from .draft.drafter import KV, DFlashDrafter
+from .draft.features import target_layer_features
+from .draft.selector import SelectorScores
+from .draft.token_map import restrict_head
+from .shape.adaptive import AdaptivePolicy, SpecShape
+from .shape.goodput import FixedStepCost, GoodputController
 from .speculate import DraftLogits, DraftScores, accept, committed_ranks, draft_block, kept_rows, propose, rank_paths
-from .token_map import restrict_head
+from .step.accept import AcceptResult, SamplingParams, sample_from, target_probs
+from .step.block import build_block_inputs
+from .step.penalties import OutputPenalties, Penalties, apply_penalties
+from .step.recurrent import NodeStates, has_attention, last_row, select_rows
 
 
 @dataclass
@@ -104,7 +104,7 @@ class ReferenceDecoder:
         self.token_map = drafter.token_map
         self.draft_head = restrict_head(self.lm_head_weight, self.token_map)
         # Hybrid targets (linear-attention layers) verify one node at a time from its parent's recurrent state
-        # (core/recurrent.py); attention-only targets verify the whole proposal in one forward.
+        # (core/step/recurrent.py); attention-only targets verify the whole proposal in one forward.
         self.recurrent = recurrent_layers(target.config) is not None
 
     # ------------------------------------------------------------------ public
@@ -141,7 +141,7 @@ class ReferenceDecoder:
         choices then do not follow the machine's load). One controller may serve many calls (it keeps learning, as
         in a server). `times`, when given, accumulates where the decode steps' wall time goes. `penalties` (one row
         per prompt; its stop_ids should list the EOS ids) penalize every verify row as plain decoding would at that
-        point of the output (core/penalties.py).
+        point of the output (core/step/penalties.py).
         """
         block = block_size or self.cfg.block_size
         if block < 2:
@@ -375,7 +375,7 @@ class ReferenceDecoder:
 
     def _verify_by_node(self, batch: _Batch, proposal, positions: Tensor) -> tuple[Tensor, Tensor, NodeStates]:
         """A hybrid target's verify: node i [bs] of the proposal runs alone, from its parent's recurrent state (a
-        chain's previous row, a tree's parent; core/recurrent.py), attending to the committed context and its
+        chain's previous row, a tree's parent; core/step/recurrent.py), attending to the committed context and its
         ancestors. Returns logits [bs, n, V], features [bs, n, F] and every node's state, for the commit."""
         ids, n = proposal.ids, proposal.ids.shape[1]
         see = proposal.attention_mask()  # [bs, n, n] bool: ancestors and itself

@@ -2,11 +2,11 @@
 
 A step verifies n = shape.nodes tokens per request (its verify rows): the root (bonus token) plus drafts. A chain
 takes the drafter's argmax at the first n-1 block positions (a DFlash2 selector's walk) and verifies causally; a tree
-(top-k per position, best-first, core/tree.py) verifies with an ancestor mask. The caller supplies what differs by
+(top-k per position, best-first, core/step/tree.py) verifies with an ancestor mask. The caller supplies what differs by
 where it runs:
 - the draft scores (`DraftScores`): one process's draft logits (`DraftLogits`, with an optional token map), the
   SGLang worker's vocab-parallel merge over TP ranks (adapter/scale/tp.py), or a DFlash2 drafter's selector
-  (`PathScores`, core/selector.py: its chain is a walk, `walk`, sampled at the request's temperature with its q,
+  (`PathScores`, core/draft/selector.py: its chain is a walk, `walk`, sampled at the request's temperature with its q,
   and its tree's children depend on their parent's token);
 - the tree kernels (`TreeKernels`): core's references here, dflash_sglang.ops (CUDA kernels) in the worker;
 - the uniforms' generator (None: torch's default one, seeded by SGLang's --random-seed).
@@ -22,13 +22,13 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from .accept import (AcceptResult, DraftQ, SamplingParams, draw_uniforms, greedy_accept, rejection_accept,
-                     target_probs)
-from .adaptive import SpecShape
-from .token_map import to_target_ids
-from .tree import DraftTree, build_tree
-from .tree_verify import verify_tree_greedy, verify_tree_sampling
-from .vocab_parallel import VocabShard, local_ranks
+from .draft.token_map import to_target_ids
+from .shape.adaptive import SpecShape
+from .step.accept import (AcceptResult, DraftQ, SamplingParams, draw_uniforms, greedy_accept, rejection_accept,
+                          target_probs)
+from .step.tree import DraftTree, build_tree
+from .step.tree_verify import verify_tree_greedy, verify_tree_sampling
+from .step.vocab_parallel import VocabShard, local_ranks
 
 
 class DraftScores(Protocol):
@@ -50,10 +50,10 @@ class DraftScores(Protocol):
 
 @runtime_checkable
 class PathScores(Protocol):
-    """Scores whose proposals depend on the path drawn so far (DFlash2's selector, core/selector.py SelectorScores):
-    `walk` is the chain's walk (the best path on greedy rows, sampled where the request samples; a chain of
-    DraftScores takes `argmax` instead), `chain_q` the distribution it was drawn from, and a tree grows node by node
-    from its parents' tokens instead of per-position top-k."""
+    """Scores whose proposals depend on the path drawn so far (DFlash2's selector, core/draft/selector.py
+    SelectorScores): `walk` is the chain's walk (the best path on greedy rows, sampled where the request samples; a
+    chain of DraftScores takes `argmax` instead), `chain_q` the distribution it was drawn from, and a tree grows node by
+    node from its parents' tokens instead of per-position top-k."""
 
     def walk(self, count: int) -> Tensor:
         """[bs, count] int64: the walk's first count drafts (a chain's)."""
@@ -70,7 +70,7 @@ class PathScores(Protocol):
 
 @dataclass(frozen=True)
 class DraftLogits:
-    """Draft logits of one process: [bs, D, V], or [bs, D, K] over token_map's K target ids (core/token_map.py;
+    """Draft logits of one process: [bs, D, V], or [bs, D, K] over token_map's K target ids (core/draft/token_map.py;
     proposals are mapped back to target ids, so the verify is the same as with a full-vocabulary drafter)."""
 
     logits: Tensor
@@ -90,7 +90,7 @@ class DraftLogits:
 
 @dataclass(frozen=True)
 class TreeKernels:
-    """The tree ops a step calls, with core/tree.py and core/tree_verify.py's signatures (the worker passes
+    """The tree ops a step calls, with core/step/tree.py and core/step/tree_verify.py's signatures (the worker passes
     dflash_sglang.ops', which run CUDA kernels on CUDA tensors)."""
 
     build_tree: Callable[..., DraftTree] = build_tree
@@ -220,9 +220,10 @@ def kept_rows(proposal: Proposal, result: AcceptResult) -> Tensor:
 
 
 def committed_ranks(scores: DraftScores, result: AcceptResult, nodes: int, positions: int) -> Tensor | None:
-    """The drafter's rank of each token a step committed, for the goodput controller's tree pricing (core/goodput.py):
-    [bs, m] int64 at depths 1..m, m = min(nodes, positions) (positions: the draft positions the scores cover), 0 past
-    a request's commit (accept_len + 1 tokens: the accepted drafts, then the bonus); None where not measured."""
+    """The drafter's rank of each token a step committed, for the goodput controller's tree pricing
+    (core/shape/goodput.py): [bs, m] int64 at depths 1..m, m = min(nodes, positions) (positions: the draft positions the
+    scores cover), 0 past a request's commit (accept_len + 1 tokens: the accepted drafts, then the bonus); None where
+    not measured."""
     m = min(nodes, positions)
     if m < 1:
         return None

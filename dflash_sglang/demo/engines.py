@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
 
     from transformers import AutoTokenizer
 
-    from ..core.config import DraftConfig
+    from ..core.draft.config import DraftConfig
     from ..testbed import DRAFT_ASSET, DRAFT_TAU, cache_home, convert_target, default_pair
     from ..testbed.data import eval_prompts
 

@@ -4,7 +4,7 @@
 
 The reference backend sets up the target (converting the packaged GGUF on first use), loads the shipped drafter, and
 decodes held-out ShareGPT prompts one at a time three ways: plainly, with a fixed chain of the drafter's block every
-step (no controller), and with the goodput controller (core/goodput.py, the server's default: each step's chain or
+step (no controller), and with the goodput controller (core/shape/goodput.py, the server's default: each step's chain or
 tree, a chain of 1 = a plain step, from measured acceptance and step cost). One controller serves the warm-up and
 every decode, as in a server, so it learns over the run.
 
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from dflash_sglang.measure.spread import RatioSpread
-from ..core.goodput import DEFAULT_TREE_TOPK, Decision, GoodputConfig, GoodputController
+from ..core.shape.goodput import DEFAULT_TREE_TOPK, Decision, GoodputConfig, GoodputController
 from .words import BUSY_SHARE, controller_choice, controller_verdict
 
 BACKENDS = ("sglang", "reference")
@@ -173,7 +173,7 @@ class Way:
 
 
 def run_reference(args: argparse.Namespace) -> int:
-    from ..core.checkpoint import load_drafter
+    from ..core.draft.checkpoint import load_drafter
     from ..core.reference import ReferenceDecoder, StepTimes
     from ..testbed import DRAFT_ASSET, convert_target, default_pair
     from ..testbed.data import eval_prompts

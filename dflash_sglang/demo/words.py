@@ -1,11 +1,11 @@
 """What the demo says, shared by its two backends (demo/main.py, demo/engines.py) and `dflash-sglang generate`: the
-goodput controller's choice over a run in a user's words, from its `summary` (core/goodput.py), and when a timing is
-no result."""
+goodput controller's choice over a run in a user's words, from its `summary` (core/shape/goodput.py), and when a timing
+is no result."""
 from __future__ import annotations
 
 from collections import Counter
 
-from ..core.goodput import describe
+from ..core.shape.goodput import describe
 
 BUSY_SHARE = 0.15  # other processes' share of the machine's CPU above which timings are not reported as results
 
@@ -33,7 +33,7 @@ def controller_choice(summary: dict) -> str:
 
 def controller_verdict(summary: dict, reasons: Counter | None = None) -> str:
     """One line: what the goodput controller chose over the run (first, `controller_choice`), how often, and why, from
-    its `summary` (core/goodput.py) and, when known, its decisions by reason."""
+    its `summary` (core/shape/goodput.py) and, when known, its decisions by reason."""
     if not _priced(summary):
         return f"controller: {describe(summary)}"
     steps, pred, best = summary["steps"], summary["predicted_tps"], summary["best"]
@@ -54,6 +54,6 @@ def controller_verdict(summary: dict, reasons: Counter | None = None) -> str:
 
 
 def spoken(shape: str) -> str:
-    """'4' -> 'chain of 4 rows', '8x4' -> 'tree of 8 nodes over top-4' (core/goodput.py `label`)."""
+    """'4' -> 'chain of 4 rows', '8x4' -> 'tree of 8 nodes over top-4' (core/shape/goodput.py `label`)."""
     nodes, _, topk = shape.partition("x")
     return f"tree of {nodes} nodes over top-{topk}" if topk else f"chain of {nodes} rows"

@@ -32,7 +32,8 @@ class TracedStep:
 
     @property
     def shape(self) -> str:
-        """core/goodput.py's label: '4' a chain of 4 rows (1: a plain step), '8x4' a tree of 8 nodes over top-4."""
+        """core/shape/goodput.py's label: '4' a chain of 4 rows (1: a plain step), '8x4' a tree of 8 nodes over
+        top-4."""
         return f"{self.nodes}x{self.topk}" if self.topk > 1 else str(self.nodes)
 
 

@@ -1,7 +1,7 @@
-"""build_tree_inputs / draft_kv_indices: CUDA kernel on CUDA tensors, core/block.py on CPU tensors. (The drafter's
-block inputs stay core/block.py's torch ops: a few tensor ops inside the captured draft pass.)
+"""build_tree_inputs / draft_kv_indices: CUDA kernel on CUDA tensors, core/step/block.py on CPU tensors. (The drafter's
+block inputs stay core/step/block.py's torch ops: a few tensor ops inside the captured draft pass.)
 
-Same contracts as core/block.py, plus destination-passing `out=` (a BlockInputs of preallocated [bs, n] int64
+Same contracts as core/step/block.py, plus destination-passing `out=` (a BlockInputs of preallocated [bs, n] int64
 buffers, out_cache_loc included iff req_to_token is given): with it, the CUDA path allocates nothing, never
 syncs with the host, and can be captured in a CUDA graph. `backend` (see _lib.resolve_backend) picks the
 implementation: "auto" (kernel on CUDA tensors, reference otherwise), "reference", "cuda" or "host".
@@ -11,14 +11,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..core import block as ref
+from ..core.step import block as ref
 from . import _abi, _lib
 
 
 def build_tree_inputs(tokens: Tensor, depth: Tensor, seq_lens: Tensor, req_to_token: Tensor | None = None,
                       req_pool_indices: Tensor | None = None, *, out: ref.BlockInputs | None = None,
                       backend: str = "auto") -> ref.BlockInputs:
-    """Tree verify rows (tokens, seq_len + depth, slots); argument shapes as in core/block.py build_tree_inputs."""
+    """Tree verify rows (tokens, seq_len + depth, slots); argument shapes as in core/step/block.py build_tree_inputs."""
     ref.check_tree_batch(tokens, depth, seq_lens)
     backend = _lib.resolve_backend(backend, tokens.device)
     if backend == "reference":
@@ -88,7 +88,7 @@ def draft_kv_indices(
     kv_indptr: Tensor, req_pool_indices: Tensor, req_to_token: Tensor | None, scratch_base: int, block: int, *,
     out: Tensor, seq_lens: Tensor | None = None, ring: int = 0, backend: str = "auto",
 ) -> Tensor:
-    """The drafter pass's key rows into `out` [capacity] int32 (see core/block.py draft_kv_indices). kv_indptr
+    """The drafter pass's key rows into `out` [capacity] int32 (see core/step/block.py draft_kv_indices). kv_indptr
     [bs+1] int32 on the device, req_pool_indices [bs] int32/int64, req_to_token [R, W] int32 row-major (None with a
     ring), seq_lens [bs] int32/int64 committed lengths (a draft window: each request's keys are its last kv_len - block
     positions) or None (the whole context from position 0), ring: R > 0 for a draft window's ring of R rows per request

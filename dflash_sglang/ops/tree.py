@@ -1,6 +1,6 @@
 """build_tree / verify_tree_greedy / verify_tree_sampling: CUDA kernels on CUDA tensors, core/ references on CPU.
 
-Same contracts as core/tree.py and core/tree_verify.py, plus destination-passing `out=` (a DraftTree or
+Same contracts as core/step/tree.py and core/step/tree_verify.py, plus destination-passing `out=` (a DraftTree or
 TreeAcceptResult of preallocated buffers, see the _new_* helpers for shapes): with it, the CUDA path
 allocates nothing, never syncs with the host, and can be captured in a CUDA graph. `backend` as in
 ops/block.py. The kernels hold one request's tree in shared memory: N <= 256 nodes.
@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..core import tree as ref_tree
-from ..core import tree_verify as ref_verify
-from ..core.tree import DraftTree
-from ..core.tree_verify import TreeAcceptResult
+from ..core.step import tree as ref_tree
+from ..core.step import tree_verify as ref_verify
+from ..core.step.tree import DraftTree
+from ..core.step.tree_verify import TreeAcceptResult
 from . import _abi, _lib
 
 MAX_NODES = 256  # cuda/common.cuh kMaxNodes
@@ -27,7 +27,7 @@ def build_tree(
     root: Tensor, topk_tokens: Tensor, topk_logp: Tensor, num_nodes: int, *, out: DraftTree | None = None,
     backend: str = "auto",
 ) -> DraftTree:
-    """Best-first draft tree; arguments as in core/tree.py build_tree."""
+    """Best-first draft tree; arguments as in core/step/tree.py build_tree."""
     bs, depth, k = ref_tree.check_tree_args(root, topk_tokens, topk_logp, num_nodes)
     if out is not None and out.max_depth != depth:
         raise ValueError(f"out.max_depth must be {depth}, got {out.max_depth}")
@@ -55,7 +55,7 @@ def verify_tree_greedy(
     tree: DraftTree, target_argmax: Tensor, out_cache_loc: Tensor | None = None, *,
     out: TreeAcceptResult | None = None, backend: str = "auto",
 ) -> TreeAcceptResult:
-    """Greedy tree verification; arguments as in core/tree_verify.py verify_tree_greedy."""
+    """Greedy tree verification; arguments as in core/step/tree_verify.py verify_tree_greedy."""
     ref_verify.check_verify_args(tree, target_argmax, "target_argmax", out_cache_loc)
     backend = _lib.resolve_backend(backend, tree.tokens.device)
     if backend == "reference":
@@ -68,7 +68,7 @@ def verify_tree_sampling(
     tree: DraftTree, target_probs: Tensor, coins: Tensor, resample_u: Tensor, out_cache_loc: Tensor | None = None,
     *, out: TreeAcceptResult | None = None, backend: str = "auto", sequential_sampler: bool = False,
 ) -> TreeAcceptResult:
-    """Lossless tree speculative sampling; arguments as in core/tree_verify.py verify_tree_sampling.
+    """Lossless tree speculative sampling; arguments as in core/step/tree_verify.py verify_tree_sampling.
 
     sequential_sampler: skip the kernel's certified parallel pass and always run the sequential definition of
     sample_from (slow: one pass over the vocabulary per row); for tests of the fallback path.

@@ -2,10 +2,10 @@
 
 The published DFlash2 drafts belong to 27-30B targets; the CPU testbed needs one for its SmolLM2 target (and the e2e
 tests for their tiny one). Derived: the DFlash draft's layers unchanged, each sublayer inside a block convolution near
-the identity (core/conv.py), and a candidate selector (core/selector.py) whose small random pair term reorders its
-candidates now and then. It drafts about as well as the DFlash draft it came from, and runs every DFlash2 code path
-(the convolutions, the selector's walk, its q, its trees) at the shapes of a real one; a random DFlash2 draft is
-accepted so rarely that a goodput controller rightly stops drafting with it.
+the identity (core/draft/conv.py), and a candidate selector (core/draft/selector.py) whose small random pair term
+reorders its candidates now and then. It drafts about as well as the DFlash draft it came from, and runs every DFlash2
+code path (the convolutions, the selector's walk, its q, its trees) at the shapes of a real one; a random DFlash2 draft
+is accepted so rarely that a goodput controller rightly stops drafting with it.
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from dflash_sglang.core.checkpoint import load_drafter, save_drafter
-from dflash_sglang.core.config import DFlash2Fields
-from dflash_sglang.core.drafter import DFlashDrafter
+from dflash_sglang.core.draft.checkpoint import load_drafter, save_drafter
+from dflash_sglang.core.draft.config import DFlash2Fields
+from dflash_sglang.core.draft.drafter import DFlashDrafter
 
 # Perturbation sizes, independent of the hidden size H and selector rank r: convolution taps and their dynamic
 # coefficients ~0.05 around the identity, a selector pair term ~0.5 logits (codebooks N(0, 1): W entries 0.5/sqrt(H r))

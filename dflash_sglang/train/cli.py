@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ..core.config import DraftConfig, build_target_layer_ids
-from ..core.token_map import build_token_map, token_counts
+from ..core.draft.config import DraftConfig, build_target_layer_ids
+from ..core.draft.token_map import build_token_map, token_counts
 from .objective import ACCEPT_GAMMA, DEFAULT_DISTILL_WEIGHT
 from .prepare import Example, build_cache
 from .shards import list_shards, load_cache

@@ -207,7 +207,7 @@ def block_loss_terms(hidden: Tensor, lm_head_weight: Tensor, batch: BlockBatch, 
     projection; hits/counts carry no gradient.
 
     Reduced draft vocabulary: lm_head_weight is the head's K token-map rows [K, H] and label_map [V] int64 the
-    draft row of each target token (-1 outside the map, core/token_map.py `inverse_map`). A label outside the
+    draft row of each target token (-1 outside the map, core/draft/token_map.py `inverse_map`). A label outside the
     map can never be drafted: it is left out of the CE (and of weight_sum; the restricted softmax has no row for
     it) but still counts as a labelled row the drafter misses, so accuracy and the tau estimate stay comparable
     with a full-vocabulary drafter's.

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..core.features import target_layer_features
+from ..core.draft.features import target_layer_features
 from .shards import Sequence_, iter_batches, list_shards, shard_path, write_shard
 
 log = logging.getLogger(__name__)

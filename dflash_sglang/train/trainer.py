@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ..core.checkpoint import save_drafter
-from ..core.config import DraftConfig
-from ..core.drafter import DFlashDrafter
-from ..core.token_map import inverse_map, restrict_head
+from ..core.draft.checkpoint import save_drafter
+from ..core.draft.config import DraftConfig
+from ..core.draft.drafter import DFlashDrafter
+from ..core.draft.token_map import inverse_map, restrict_head
 from .objective import (DEFAULT_DISTILL_WEIGHT, BlockLossTerms, all_anchors, block_loss_terms, build_block_batch,
                         expected_accept_length, loss_gamma, sample_anchors, teacher_rows)
 from .shards import Sequence_
@@ -202,7 +202,7 @@ class Trainer:
     drafter's teacher-forced loss and per-position top-1 accuracy over fixed anchors of them go to the log: the
     training batch's own numbers (bf16, sequences seen for several epochs) do not tell under- from over-fitting.
 
-    `token_map` [K] int64 (core/token_map.py): train a reduced-vocabulary drafter, whose head and loss are the K
+    `token_map` [K] int64 (core/draft/token_map.py): train a reduced-vocabulary drafter, whose head and loss are the K
     rows of the target lm_head (labels outside the map are misses, see `block_loss_terms`); the exported drafter
     carries the map. A resumed run keeps the map its checkpoint was trained with."""
 

@@ -18,9 +18,9 @@ from torch import Tensor, nn
 
 from pathlib import Path
 
-from ..core.checkpoint import CONFIG_FILE, expected_shapes, read_state_dict
-from ..core.config import CheckpointError, DraftConfig
-from ..core.drafter import DFlashDrafter
+from ..core.draft.checkpoint import CONFIG_FILE, expected_shapes, read_state_dict
+from ..core.draft.config import CheckpointError, DraftConfig
+from ..core.draft.drafter import DFlashDrafter
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dflash_sglang.core.checkpoint import check_fit
-from dflash_sglang.core.config import CheckpointError, DraftConfig, gated_deltanet, recurrent_layers
-from dflash_sglang.core.token_map import TOKEN_MAP_FILE, load_token_map, read_token_map
+from dflash_sglang.core.draft.checkpoint import check_fit
+from dflash_sglang.core.draft.config import CheckpointError, DraftConfig, gated_deltanet, recurrent_layers
+from dflash_sglang.core.draft.token_map import TOKEN_MAP_FILE, load_token_map, read_token_map
 
 from ..draft.attention import FlashInferPagedAttention
 from ..settings import DRAFT_ATTENTION, DRAFT_GRAPHS, IMPL_ENV, UnsupportedFlagError

@@ -54,7 +54,8 @@ SETTINGS: tuple[Setting, ...] = (
             "the default without shape flags), or from the batch size with --speculative-dflash-adaptive-table"),
     Setting("speculative_dflash_adaptive_table", "--speculative-dflash-adaptive-table", str, None,
             "a static adaptive table instead of the goodput controller: comma-separated MAX_BS:NODESxTOPK rows "
-            "ascending, the last MAX_BS 'inf' (core/adaptive.py DEFAULT_TABLE is the earlier default)", ours=True),
+            "ascending, the last MAX_BS 'inf' (core/shape/adaptive.py DEFAULT_TABLE is the earlier "
+            "default)", ours=True),
     Setting("speculative_dflash_adaptive_token_budget", "--speculative-dflash-adaptive-token-budget", int, None,
             "adaptive: at most this many verify tokens per step over the batch (>= --max-running-requests)",
             ours=True),

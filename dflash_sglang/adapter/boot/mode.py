@@ -7,7 +7,7 @@ Shape per mode (N verify rows per request and step, B the drafter block, k the t
   N = `--speculative-num-draft-tokens` (default B) nodes, root included, best-first over the top-k of each of the
   B-1 draft positions.
 - goodput (no shape flag at all, or `--speculative-adaptive` without a table): B as for a tree; each step's chain
-  (1..N rows) or tree (up to N nodes over top-2 / top-k) from the goodput controller (core/goodput.py: measured
+  (1..N rows) or tree (up to N nodes over top-2 / top-k) from the goodput controller (core/shape/goodput.py: measured
   acceptance and step cost); N = the explicit `--speculative-num-draft-tokens` (at most B) or B; k =
   `--speculative-eagle-topk` (with `--speculative-adaptive`; 1: chains only) or DEFAULT_TREE_TOPK where the server can
   verify trees (page size 1, a tree-capable attention backend), else 1.
@@ -24,9 +24,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from dflash_sglang.core.config import DraftConfig, sliding_window_layers
-from dflash_sglang.core.goodput import DEFAULT_TREE_TOPK
-from dflash_sglang.core.tree import max_tree_nodes
+from dflash_sglang.core.draft.config import DraftConfig, sliding_window_layers
+from dflash_sglang.core.shape.goodput import DEFAULT_TREE_TOPK
+from dflash_sglang.core.step.tree import max_tree_nodes
 from dflash_sglang.ops import MAX_NODES
 
 from ..settings import TREE_ATTENTION_BACKENDS, UnsupportedFlagError

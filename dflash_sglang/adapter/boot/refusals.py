@@ -149,7 +149,8 @@ def check_parallel_layout(cfg, experimental: bool = False) -> None:
         refuse("--enable-prefill-cp", "", "prefill context parallelism is not supported (each rank would capture "
                 "target features for part of the prompt only)")
 
-# Draft KV dtypes (SGLang's names) our pool stores: the model dtype, bf16, or fp8 with unit scales (core/draft_kv.py)
+# Draft KV dtypes (SGLang's names) our pool stores: the model dtype, bf16, or fp8 with unit scales
+# (core/draft/draft_kv.py)
 DRAFT_KV_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 
 

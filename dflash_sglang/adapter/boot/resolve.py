@@ -17,8 +17,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dflash_sglang.core.checkpoint import check_weight_headers
-from dflash_sglang.core.config import DraftConfig, recurrent_layers
+from dflash_sglang.core.draft.checkpoint import check_weight_headers
+from dflash_sglang.core.draft.config import DraftConfig, recurrent_layers
 
 from ..draft.context_rows import ring_size
 from ..draft.memory import draft_memory

@@ -9,7 +9,7 @@ one paged cache: the pass is a single ragged paged prefill (page size 1), which 
 
 The layout is built once per decode step and shared by every draft layer (the same rows in each layer's
 pool slice). Layers differ only in which of those keys their queries see (`LayerKind`: full, causal, sliding window;
-core/config.py): a backend plans once per step per kind the drafter has (FlashInfer: one wrapper per kind, planned
+core/draft/config.py): a backend plans once per step per kind the drafter has (FlashInfer: one wrapper per kind, planned
 with `causal` and `window_left`; torch: each request's key range and mask per kind).
 
 Positions: FlashInfer aligns a request's queries with the end of its keys (query j of a request with kv_len keys and
@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash_sglang.core.config import LayerKind
-from dflash_sglang.core.draft_kv import DraftKVFormat
+from dflash_sglang.core.draft.config import LayerKind
+from dflash_sglang.core.draft.draft_kv import DraftKVFormat
 
 _WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended split-k workspace
 FULL = LayerKind()  # a DFlash layer's: every query sees all of its request's keys

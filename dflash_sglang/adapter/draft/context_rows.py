@@ -4,7 +4,7 @@
 A committed token's draft K/V go to its target slot and the drafter reads them through SGLang's `req_to_token`, so
 radix-cache hits, PD transfer, HiCache and trees need no bookkeeping of their own; the pool grows with the target's
 token capacity. Under `--speculative-draft-window-size W` a pass reads only the slots of the last W positions
-(core/drafter.py `context_window`): the rows stay, only the reads are bounded.
+(core/draft/drafter.py `context_window`): the rows stay, only the reads are bounded.
 
 `WindowRows` (`--speculative-draft-window-size W` with the radix cache off): the drafter reads only the last W context
 positions, so each request-pool slot r owns a ring of R = W + N - 1 rows and position p lives at row

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dflash_sglang.core.selector import CandidateSelector, SelectorScores, TopLogits
+from dflash_sglang.core.draft.selector import CandidateSelector, SelectorScores, TopLogits
 
 from .attention import DraftLayout, PagedAttention, host_indptrs
 from .model import PagedDrafter, TargetHead

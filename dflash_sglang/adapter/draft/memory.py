@@ -1,12 +1,13 @@
 """What the draft KV pool costs, and SGLang's KV sizing told exactly that.
 
 Our pool (adapter/draft/model.py `DraftKVPool`) keeps, for every target KV slot, K and V of every draft layer: 2 x
-layers x kv_heads x head_dim elements in the draft KV dtype (the model dtype, or fp8: core/draft_kv.py), on every TP
-rank (the drafter is replicated; only its vocabulary is split). Past the mirrored slots it has one block of scratch rows
-per request-pool slot (+ one for graph padding), which scales with the request pool, not the context. SGLang's sizing
-is per token, so it cannot count them: over the slot rows they come out of the memory SGLang leaves outside its KV
-pools (--mem-fraction-static's headroom), as the builtin's draft activations do, and both start-up lines say so and how
-much (`scratch_words`); with a window's ring they are allocated with the rings, before the sizing, which counts them.
+layers x kv_heads x head_dim elements in the draft KV dtype (the model dtype, or fp8: core/draft/draft_kv.py), on every
+TP rank (the drafter is replicated; only its vocabulary is split). Past the mirrored slots it has one block of scratch
+rows per request-pool slot (+ one for graph padding), which scales with the request pool, not the context. SGLang's
+sizing is per token, so it cannot count them: over the slot rows they come out of the memory SGLang leaves outside its
+KV pools (--mem-fraction-static's headroom), as the builtin's draft activations do, and both start-up lines say so and
+how much (`scratch_words`); with a window's ring they are allocated with the rings, before the sizing, which counts
+them.
 
 SGLang sizes the target's token capacity (max_total_num_tokens, and from it max_running_requests) from the bytes one
 token costs; for DFLASH it adds the draft pool's share through `dflash_utils.scale_kv_cell_size_per_token_for_dflash`
@@ -30,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_sglang.core.config import DraftConfig
-from dflash_sglang.core.draft_kv import parse_kv_dtype
+from dflash_sglang.core.draft.config import DraftConfig
+from dflash_sglang.core.draft.draft_kv import parse_kv_dtype
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ last W positions' rows, and with the radix cache off the context rows are instea
   takes the dense path instead: context rows gathered through `req_to_token` into padded tensors and the
   core drafter's masked attention, eager.
 
-The weights come from the z-lab checkpoint through `dflash_sglang.core.checkpoint.load_drafter`, with
+The weights come from the z-lab checkpoint through `dflash_sglang.core.draft.checkpoint.load_drafter`, with
 the same parameter names, so what SGLang serves is exactly what the reference decoder runs.
 """
 from __future__ import annotations
@@ -31,10 +31,10 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from dflash_sglang.core.block import build_block_inputs
-from dflash_sglang.core.checkpoint import load_drafter
-from dflash_sglang.core.config import DraftConfig, LayerKind
-from dflash_sglang.core.drafter import Attend, DFlashDrafter
+from dflash_sglang.core.draft.checkpoint import load_drafter
+from dflash_sglang.core.draft.config import DraftConfig, LayerKind
+from dflash_sglang.core.draft.drafter import Attend, DFlashDrafter
+from dflash_sglang.core.step.block import build_block_inputs
 
 from .attention import PagedAttention, select_backend
 from .context_rows import ContextRows, SlotRows
@@ -99,8 +99,9 @@ class PagedDrafter:
         assert self.context_rows.rows <= scratch_base, "the scratch rows follow the context rows"
         self.cfg = drafter.cfg
         self.pool = pool
-        # The core drafter reads its K/V as the pool stores them (its dense path and its definition, core/draft_kv.py);
-        # its context K/V come back quantized-and-read, which the pool stores again unchanged (scales of 1).
+        # The core drafter reads its K/V as the pool stores them (its dense path and its definition,
+        # core/draft/draft_kv.py); its context K/V come back quantized-and-read, which the pool stores again unchanged
+        # (scales of 1).
         assert pool.kv_format is None or (pool.kv_format.k_scale == pool.kv_format.v_scale == 1.0), "unit scales"
         drafter.kv_format = pool.kv_format
         self.scratch_base, self.block, self.pad_slot = scratch_base, block, pad_slot
@@ -129,7 +130,7 @@ class PagedDrafter:
         sizing), None: allocated here. dummy: random weights of the checkpoint's config
         (`--speculative-draft-load-format dummy`), no weight files read, for capacity planning with simulated
         acceptance. attention: the paged backend ("auto", "flashinfer" or "torch", see `select_backend`). kv_dtype:
-        the draft KV dtype's SGLang name (None / "auto": the model dtype; "fp8_e4m3", ...: core/draft_kv.py).
+        the draft KV dtype's SGLang name (None / "auto": the model dtype; "fp8_e4m3", ...: core/draft/draft_kv.py).
         weights: the drafter, loaded already (`load_draft_weights`; None: loaded here)."""
         drafter = weights if weights is not None else load_draft_weights(draft_dir, dtype, device, dummy)
         rows = context_rows if context_rows is not None else SlotRows(slots)
@@ -319,7 +320,7 @@ class EagerDraftPass:
     def with_hidden(self, bonus: Tensor, seq_lens: Tensor, seq_lens_cpu: Tensor | None, req_pool_indices: Tensor,
                     block: int | None = None) -> tuple[Tensor, Tensor]:
         """The same pass -> (final-normed drafter states [bs, D, H], draft logits [bs, D, V]) at block positions 1..D:
-        what a DFlash2 drafter's candidate selector scores (core/selector.py)."""
+        what a DFlash2 drafter's candidate selector scores (core/draft/selector.py)."""
         embeds, block_pos = self.drafter.embed_block(self.head, bonus, seq_lens, block)
         hidden = self.drafter.draft(embeds, block_pos, self.req_to_token, req_pool_indices, seq_lens, seq_lens_cpu)
         return hidden[:, 1:], self.drafter.head_logits(hidden, self.head.lm_head_weight)

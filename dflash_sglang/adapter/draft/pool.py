@@ -1,4 +1,4 @@
-"""The draft KV pool: K and V of every draft layer per pool row, in the model dtype or fp8 (core/draft_kv.py).
+"""The draft KV pool: K and V of every draft layer per pool row, in the model dtype or fp8 (core/draft/draft_kv.py).
 
 Rows: the context rows first (one per target KV slot, or a draft window's rings: draft/context_rows.py), then one
 block of scratch rows per request-pool slot and one for the padded requests of a graph replay.
@@ -8,17 +8,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dflash_sglang.core.config import DraftConfig
-from dflash_sglang.core.draft_kv import DraftKVFormat, kv_format
-from dflash_sglang.core.drafter import KV
+from dflash_sglang.core.draft.config import DraftConfig
+from dflash_sglang.core.draft.draft_kv import DraftKVFormat, kv_format
+from dflash_sglang.core.draft.drafter import KV
 
 
 class DraftKVPool:
     """k, v [num_layers, rows, kv_heads, head_dim]; context rows first (row i: target KV slot i, or a window ring's row,
     adapter/draft_window.py), then the block scratch.
 
-    Stored in `dtype` (the drafter's compute dtype) or, with a `kv_format` (core/draft_kv.py: fp8 draft KV), in the
-    format's dtype: `write` quantizes, `gather` and the attention backends read the stored values back in `dtype`.
+    Stored in `dtype` (the drafter's compute dtype) or, with a `kv_format` (core/draft/draft_kv.py: fp8 draft KV), in
+    the format's dtype: `write` quantizes, `gather` and the attention backends read the stored values back in `dtype`.
     """
 
     def __init__(self, num_layers: int, rows: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device,

@@ -1,11 +1,11 @@
 """A DFlash2 draft's candidate selector inside the draft graphs (adapter/draft/graphs.py): the selection that follows
 the drafter pass, replayed with it.
 
-One process (TP 1): the graph of a batch size runs the pass, then the selector's candidates (core/selector.py
+One process (TP 1): the graph of a batch size runs the pass, then the selector's candidates (core/draft/selector.py
 `CandidateSelector.candidates`, the same call as the eager path's) and the chain's walk over every block position,
 greedy and sampled alike (a row walks greedily where its temperature is 0, so one graph serves any mix), into static
 buffers. What the step then asks of the scores reads those buffers: a chain's first n-1 drafts and their q, a tree's
-children (core/tree.py `grow_tree`, run after the replay on the static candidates: its node count and top-k change
+children (core/step/tree.py `grow_tree`, run after the replay on the static candidates: its node count and top-k change
 from step to step), the committed tokens' ranks.
 
 Inputs only the host has are copied in before the replay: each request's temperature (zeros where every request is
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dflash_sglang.core.selector import Candidates, CandidateSelector, SelectorScores, TopLogits, walk_uniforms
+from dflash_sglang.core.draft.selector import Candidates, CandidateSelector, SelectorScores, TopLogits, walk_uniforms
 
 
 @dataclass

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_sglang.core.adaptive import SpecShape
+from dflash_sglang.core.shape.adaptive import SpecShape
 
 from ..versions import attention_dp, view
 

@@ -5,12 +5,12 @@ that needs TP), with its draft KV pool per rank, and runs the same pass on every
 (all-reduced inside SGLang's VocabParallelEmbedding) and its vocab-parallel lm_head are borrowed as on one rank.
 So the draft pass's logits on rank r cover only r's vocabulary shard, and the step adds:
 
-1. the proposal merge (core/vocab_parallel.py): per draft position each rank's k best candidates and its log-sum-exp
-   are all-gathered (k + 1 numbers instead of the shard's logits) and merged to the exact full-vocabulary argmax (a
-   chain) or top-k with log-probabilities (a tree, `top_logprobs`); a DFlash2 selector's candidates are the merged
-   top-k logits (k numbers, `top_logits`), which every rank then scores alike: the selector (hidden_projection, the
-   [V, r] codebooks) is part of the replicated drafter, so every rank walks the same chain and grows the same tree (a
-   sampled walk's uniforms from a generator seeded alike on every rank, adapter/step/startup.py);
+1. the proposal merge (core/step/vocab_parallel.py): per draft position each rank's k best candidates and its
+   log-sum-exp are all-gathered (k + 1 numbers instead of the shard's logits) and merged to the exact full-vocabulary
+   argmax (a chain) or top-k with log-probabilities (a tree, `top_logprobs`); a DFlash2 selector's candidates are the
+   merged top-k logits (k numbers, `top_logits`), which every rank then scores alike: the selector (hidden_projection,
+   the [V, r] codebooks) is part of the replicated drafter, so every rank walks the same chain and grows the same tree
+   (a sampled walk's uniforms from a generator seeded alike on every rank, adapter/step/startup.py);
 2. the accept decision broadcast from TP rank 0, so every rank commits the same tokens and KV slots whatever the
    floating-point details of its sampler (the target's verify logits are all-gathered by SGLang and identical).
 
@@ -24,7 +24,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from dflash_sglang.core.vocab_parallel import (
+from dflash_sglang.core.step.vocab_parallel import (
     VocabShard,
     local_candidates,
     local_ranks,
@@ -40,7 +40,7 @@ class DraftVocab:
     def __init__(self, lm_head, draft_vocab: int, token_map: Tensor | None = None) -> None:
         """lm_head: the target's (Parallel)LMHead or tied VocabParallelEmbedding; draft_vocab: the draft's vocab size
         (its ids are the target's first draft_vocab ids); token_map [K] int64: a reduced draft vocabulary (the draft
-        proposes only those ids, core/token_map.py), None: all draft_vocab ids."""
+        proposes only those ids, core/draft/token_map.py), None: all draft_vocab ids."""
         from ..versions import attention_tp_group
 
         self.group = attention_tp_group()  # the ranks sharing this batch (under DP attention: its group's, tp.py)
@@ -69,7 +69,7 @@ class DraftVocab:
 
     def top_logits(self, logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Local draft logits [bs, D, rows] -> (token ids [bs, D, k] int64, logits [bs, D, k] float32): the k best over
-        the whole draft vocabulary, ties to the lowest id (a DFlash2 selector's candidates, core/selector.py
+        the whole draft vocabulary, ties to the lowest id (a DFlash2 selector's candidates, core/draft/selector.py
         `TopLogits`)."""
         return merge_top(*self._over_ranks(local_top(logits, self.shard, k)), k)
 

@@ -7,7 +7,7 @@ kernels leave the live state alone and write the state after every verify row in
 `retrieve_next_token` / `retrieve_next_sibling` when the server's top-k is > 1). After acceptance the worker copies
 each request's last accepted row's state into its live slot, and fills the prefix cache's tracking slot where the
 commit crossed a tracking point (`update_mamba_state_after_mtp_verify`, which the builtin DFLASH and EAGLE call too).
-core/recurrent.py is the executable spec of the same rule (and `last_row`, the row both commit).
+core/step/recurrent.py is the executable spec of the same rule (and `last_row`, the row both commit).
 
 The scratch buffers hold `--speculative-num-draft-tokens` rows per request, and the worker declares that as the most
 rows any step verifies (adapter/boot/resolve.py), so SGLang sizes them (`state_scratch_bytes`) and no step overruns
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dflash_sglang.core.recurrent import last_row
+from dflash_sglang.core.step.recurrent import last_row
 
 from ..versions import mamba_track_interval
 

@@ -10,7 +10,7 @@ step's verify rows, read off our worker). What the controller decides and why is
   `..._measured_tokens_per_second`: the chosen shape's predicted committed tokens/s at the current batch size, a plain
   step's, and the measured (forgotten) rate: predicted vs measured shows whether the models hold;
 - `sglang:dflash_goodput_accept_rate{depth}` (depths 1-8) and `sglang:dflash_goodput_step_cost_seconds{term}` (the
-  cost model's coefficients, core/goodput.py TERMS).
+  cost model's coefficients, core/shape/goodput.py TERMS).
 
 The gauges are refreshed at most once per `every_s` seconds of decoding (a summary evaluates every candidate); the
 step counter every step. Gauges are `mostrecent` in SGLang's multiprocess collection, as its own are. Only the TP
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import time
 
-from dflash_sglang.core.adaptive import SpecShape
-from dflash_sglang.core.goodput import TERMS, GoodputController, label
+from dflash_sglang.core.shape.adaptive import SpecShape
+from dflash_sglang.core.shape.goodput import TERMS, GoodputController, label
 
 PREFIX = "sglang:dflash_"
 

@@ -1,4 +1,5 @@
-"""Penalties and min_new_tokens served exactly: SGLang's requests mapped onto core/penalties.py at every verify row.
+"""Penalties and min_new_tokens served exactly: SGLang's requests mapped onto core/step/penalties.py at every verify
+row.
 
 SGLang's own penalizer state cannot serve a speculative step: its spec path does not feed the scheduler's penalizer
 the committed tokens (the builtin DFLASH adds one penalty, from the tokens before the block, to every verify row).
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dflash_sglang.core.penalties import OutputPenalties, Penalties, apply_penalties
+from dflash_sglang.core.step.penalties import OutputPenalties, Penalties, apply_penalties
 
 from ..versions import min_new_tokens_stop_ids
 

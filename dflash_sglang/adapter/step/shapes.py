@@ -1,9 +1,9 @@
 """Adaptive speculation shape per decode step in the SGLang worker (`--speculative-adaptive`).
 
-Each decode step verifies `core.adaptive.AdaptivePolicy.choose(running batch size)`: large trees at low
+Each decode step verifies `core.shape.adaptive.AdaptivePolicy.choose(running batch size)`: large trees at low
 concurrency (the verify is memory-bound, extra nodes are nearly free), short chains at high concurrency (it is
-compute-bound). Settings (adapter/boot/flags.py): `--speculative-dflash-adaptive-table` (core/adaptive.py syntax
-`MAX_BS:NODESxTOPK,...,inf:NODESxTOPK`, default `core.adaptive.DEFAULT_TABLE`; chain rows longer than the drafter
+compute-bound). Settings (adapter/boot/flags.py): `--speculative-dflash-adaptive-table` (core/shape/adaptive.py syntax
+`MAX_BS:NODESxTOPK,...,inf:NODESxTOPK`, default `core.shape.adaptive.DEFAULT_TABLE`; chain rows longer than the drafter
 block and tree rows larger than its lattice are capped to them, as in the reference decoder) and
 `--speculative-dflash-adaptive-token-budget` (optional: at most this many verify tokens per step over the whole
 batch, bs * nodes; it must be >= --max-running-requests, as every request verifies at least its root).
@@ -15,7 +15,7 @@ each step verifies only its own shape's nodes, and result rows stay N wide (-1 p
 table at start-up (adapter/boot/mode.py), one line naming the flag.
 
 `ShapeSchedule` is what the worker asks each step (`start`); in fixed mode it returns the one shape of the flags, in
-goodput mode (the default, core/goodput.py) the controller's chain or tree, which then learns from each step's
+goodput mode (the default, core/shape/goodput.py) the controller's chain or tree, which then learns from each step's
 acceptance and wall time (`finish`, observed at the next `start`).
 """
 from __future__ import annotations
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field, replace
 
 from torch import Tensor
 
-from dflash_sglang.core.adaptive import AdaptivePolicy, SpecShape
-from dflash_sglang.core.goodput import FixedStepCost, GoodputController, describe, label
+from dflash_sglang.core.shape.adaptive import AdaptivePolicy, SpecShape
+from dflash_sglang.core.shape.goodput import FixedStepCost, GoodputController, describe, label
 from dflash_sglang.core.speculate import rank_paths
 
 from ..settings import DFlashSettings

@@ -13,8 +13,8 @@ import torch
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
 from dflash_sglang import ops
-from dflash_sglang.core.config import CheckpointError
-from dflash_sglang.core.token_map import read_token_map
+from dflash_sglang.core.draft.config import CheckpointError
+from dflash_sglang.core.draft.token_map import read_token_map
 
 from ..draft.context_rows import SlotRows, WindowPool
 from ..draft.graphs import DraftGraphs, default_sizes, graph_mode
@@ -100,7 +100,7 @@ class WorkerStartup(BaseSpecWorker):
         self.vocab: DraftVocab | None = None  # this TP rank's lm_head rows and the proposal merge over ranks
         self.head: TargetHead | None = None  # the target's embedding and lm_head, borrowed by the drafter
         self.eager_pass: EagerDraftPass | None = None
-        self.selector = None  # a DFlash2 draft's candidate selector (core/selector.py); None: argmax / top-k
+        self.selector = None  # a DFlash2 draft's candidate selector (core/draft/selector.py); None: argmax / top-k
         self.walk_generator: torch.Generator | None = None  # a sampled selector walk's uniforms
         self.final_hidden: FinalHiddenStates | None = None  # return_hidden_states (adapter/step/hidden.py)
         self.graphs: DraftGraphs | None = None  # built by init_cuda_graphs (None: the draft work runs eagerly)

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
 
-from dflash_sglang.core.tree_verify import TreeAcceptResult
+from dflash_sglang.core.step.tree_verify import TreeAcceptResult
 
 
 def allow_matrix(prefix_len: int, tree_mask: Tensor) -> Tensor:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from dflash_sglang.core.accept import HostHints, SamplingParams
+from dflash_sglang.core.step.accept import HostHints, SamplingParams
 
 from .tree import TreeMaskAttention, flat_custom_mask
 

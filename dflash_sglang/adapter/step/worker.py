@@ -19,10 +19,10 @@ from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
 from torch import Tensor
 
 from dflash_sglang import ops
-from dflash_sglang.core.accept import AcceptResult, cap_commits
-from dflash_sglang.core.adaptive import SpecShape
-from dflash_sglang.core.selector import SelectorScores, some_row_samples
+from dflash_sglang.core.draft.selector import SelectorScores, some_row_samples
+from dflash_sglang.core.shape.adaptive import SpecShape
 from dflash_sglang.core.speculate import DraftScores, accept, committed_ranks, draft_block, propose
+from dflash_sglang.core.step.accept import AcceptResult, cap_commits
 
 from ..versions import prefill_hidden_full
 from .hidden import decode_rows, prefill_rows

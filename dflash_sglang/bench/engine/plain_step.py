@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash_sglang.core.goodput import FixedStepCost, GoodputConfig, GoodputController
 from dflash_sglang.core.reference import ReferenceDecoder, StepTimes
+from dflash_sglang.core.shape.goodput import FixedStepCost, GoodputConfig, GoodputController
 from dflash_sglang.measure.spread import RatioSpread
 from dflash_sglang.measure.training_pause import busy_share, cpu_model, training_paused
 
-# Seconds per cost term (core/goodput.py TERMS): a drafter pass costs a second, so no drafted shape ever pays and every
-# step after the warm-up is a plain step; the plain terms only scale the controller's numbers.
+# Seconds per cost term (core/shape/goodput.py TERMS): a drafter pass costs a second, so no drafted shape ever pays and
+# every step after the warm-up is a plain step; the plain terms only scale the controller's numbers.
 PRICED_OUT = FixedStepCost((0.0, 0.05, 0.05, 1.0, 0.05, 0.05))
 ARMS = ("plain", "controller", "controller_eager")
 
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash_sglang.core.checkpoint import load_drafter
+    from dflash_sglang.core.draft.checkpoint import load_drafter
     from dflash_sglang.testbed import default_pair
     from dflash_sglang.testbed.data import eval_prompts
 

@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_sglang.core.config import build_target_layer_ids
+from dflash_sglang.core.draft.config import build_target_layer_ids
 
 from dflash_sglang.bench.memory.window_capacity import QWEN3_8B, QWEN3_8B_DFLASH
 

@@ -1,11 +1,11 @@
 """Draft KV memory options compared: acceptance (tau) per draft KV dtype, and what one memory budget holds per option.
 
 `tau`: the reference decoder (core/reference.py, greedy, the testbed pair, ShareGPT eval prompts) with the drafter
-reading its K/V as each draft KV dtype stores them (core/draft_kv.py: the model dtype, bf16, fp8_e4m3, fp8_e5m2);
+reading its K/V as each draft KV dtype stores them (core/draft/draft_kv.py: the model dtype, bf16, fp8_e4m3, fp8_e5m2);
 tau = committed tokens per verify step, the prefill token counted (as SGLang reports it). Greedy output must equal
 plain decoding in every arm (lossless: a mismatch exits 1). Not timed.
 
-`window`: the same decoder with the drafter's sliding context window (core/drafter.py `context_window`, the
+`window`: the same decoder with the drafter's sliding context window (core/draft/drafter.py `context_window`, the
 definition of `--speculative-draft-window-size W`) on long multi-turn ShareGPT eval contexts, tau per W and each
 prompt's tau over its whole-context tau (median, 95% interval over the prompts: what the window costs). With
 `--engine`, also one CPU Engine per W (one at a time, greedy chains of the drafter block, the radix cache off in every
@@ -102,7 +102,7 @@ def engine_command(rows: list[BudgetRow], new_tokens: int, repeats: int) -> list
 def reference_tau(target, drafter, prompts: list[list[int]], new_tokens: int, block: int,
                   dtypes: tuple[str, ...] = DTYPES) -> dict[str, dict]:
     """Per draft KV dtype: tau and whether greedy output equals plain decoding (the same prompts, one batch)."""
-    from dflash_sglang.core.draft_kv import kv_format
+    from dflash_sglang.core.draft.draft_kv import kv_format
     from dflash_sglang.core.reference import ReferenceDecoder
 
     decoder = ReferenceDecoder(target, drafter)
@@ -172,7 +172,7 @@ def _load_pair(args: argparse.Namespace):
     (target_dir, draft_dir, target model, drafter, tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash_sglang.core.checkpoint import load_drafter
+    from dflash_sglang.core.draft.checkpoint import load_drafter
     from dflash_sglang.testbed import default_pair
 
     target_dir, draft_dir = (Path(args.target), Path(args.draft)) if args.target else default_pair()
@@ -271,8 +271,8 @@ def _tau(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from transformers import AutoConfig
 
-    from dflash_sglang.core.config import DraftConfig
-    from dflash_sglang.core.draft_kv import parse_kv_dtype
+    from dflash_sglang.core.draft.config import DraftConfig
+    from dflash_sglang.core.draft.draft_kv import parse_kv_dtype
     from dflash_sglang.testbed import default_pair
 
     target_dir, draft_dir = (Path(args.target), Path(args.draft)) if args.target else default_pair()

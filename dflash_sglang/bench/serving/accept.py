@@ -92,8 +92,8 @@ def run_reference(args, prompts: list[TextPrompt]) -> tuple[dict, dict]:
     """{(category, arm): [commit length per step]} and timing info, from the reference decoder."""
     import torch
 
-    from dflash_sglang.core.adaptive import SpecShape
     from dflash_sglang.core.reference import ReferenceDecoder
+    from dflash_sglang.core.shape.adaptive import SpecShape
     from dflash_sglang.hf_pair import encode, load_pair
 
     if args.threads:

@@ -29,15 +29,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from dflash_sglang.core.adaptive import DEFAULT_TABLE
 from dflash_sglang.bench.common.server import Server, ServerError, http_json
-from dflash_sglang.measure.cpu_env import cpu_env
 from dflash_sglang.bench.soak.client import Outcome, post_json, run_all
 from dflash_sglang.bench.soak.report import Row, judge, read_health, table
 from dflash_sglang.bench.soak.workload import GENERATE, Case, WorkloadSpec, build_workload, load_pool
+from dflash_sglang.core.shape.adaptive import DEFAULT_TABLE
+from dflash_sglang.measure.cpu_env import cpu_env
 
 # goodput: no shape flag (the controller, the default); chain: pinned to the checkpoint's block (top-k 1 pins it);
-# adaptive: the static table (--adaptive-table, default core.adaptive.DEFAULT_TABLE)
+# adaptive: the static table (--adaptive-table, default core.shape.adaptive.DEFAULT_TABLE)
 MODE_FLAGS = {"goodput": [], "chain": ["--speculative-eagle-topk", "1"],
               "tree": ["--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "16"],
               "adaptive": ["--speculative-adaptive"]}

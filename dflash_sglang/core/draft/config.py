@@ -34,7 +34,8 @@ UNSERVED_HINT = "is a feature dflash-sglang does not serve (use SGLang's builtin
 @dataclass(frozen=True)
 class DFlash2Fields:
     """What a DFlash2 draft adds to DFlash: a grouped dynamic convolution around each layer's attention and MLP
-    (core/conv.py) and a candidate selector over the block positions' top-k draft tokens (core/selector.py)."""
+    (core/draft/conv.py) and a candidate selector over the block positions' top-k draft tokens
+    (core/draft/selector.py)."""
 
     conv_kernel_size: int  # taps of each convolution over the block positions (2 in the published drafts)
     conv_group_size: int  # channels that share one dynamic coefficient (divides hidden_size)
@@ -48,7 +49,7 @@ class LayerKind:
 
     causal: only keys at or before the query's position; window W: only keys fewer than W positions before the query
     (q_pos - k_pos < W) and, for a bidirectional layer, fewer than W after it (k_pos - q_pos < W). The drafter's dense
-    masks (core/drafter.py) and the paged backends (adapter/draft/attention.py) both apply `visible`.
+    masks (core/draft/drafter.py) and the paged backends (adapter/draft/attention.py) both apply `visible`.
     """
 
     causal: bool = False

@@ -9,10 +9,10 @@ a candidate once its parent is taken, the tree is prefix-closed, and node ids fo
 parent always precedes its children. The chain is K = 1 with N = B.
 
 `grow_tree` is the same best-first search with each node's children given by a function of the node (DFlash2's
-selector scores a node's children with the node's own token as predecessor, core/selector.py); `build_tree` is it
+selector scores a node's children with the node's own token as predecessor, core/draft/selector.py); `build_tree` is it
 with every node at depth d offered position d+1's top-K.
 
-Verification of the tree lives in core/tree_verify.py.
+Verification of the tree lives in core/step/tree_verify.py.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ request, a_d the rate at which the drafter's best token at draft depth d is acce
 and restarts them when a change detector sees the traffic change (below).
 
 Trees. A DFlash drafter proposes every block position in one pass, so the candidates at depth d (its top-k there)
-do not depend on the path above them, and a best-first tree of n nodes and top-k k (core/tree.py) holds the n-1
+do not depend on the path above them, and a best-first tree of n nodes and top-k k (core/step/tree.py) holds the n-1
 most likely rank paths (r_1, ..., r_d), r_i <= k. With q_d(r), the probability that the target's token at depth d
 is the drafter's rank-r candidate there once depth d-1 was reached, a path is accepted with prod_i q_i(r_i) and the
 tree commits E(n, k) = 1 + the sum of its n-1 best paths' probabilities (`tree_tokens`: one best-first expansion

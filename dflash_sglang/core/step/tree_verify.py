@@ -1,6 +1,6 @@
 """Tree verification: greedy and lossless sampling (the reference for the `verify_tree` CUDA op).
 
-Same conventions as the chain in core/accept.py, so a K = 1 tree verifies exactly like the chain:
+Same conventions as the chain in core/step/accept.py, so a K = 1 tree verifies exactly like the chain:
 - `accept_len [bs]` counts accepted non-root nodes; `accept_nodes [bs, D+1]` is the root, then the accepted
   path's node ids, then -1; `out_tokens [bs, D+1]` holds the accepted draft tokens, the bonus token at index
   accept_len, then -1.
@@ -11,7 +11,7 @@ Same conventions as the chain in core/accept.py, so a K = 1 tree verifies exactl
   zeroed) and `removed` is the float32 running sum of the mass zeroed so far, i.e. `coins[c] < r / sum(r)`
   with sum(r) = 1 - removed for a normalised p. Each rejection is exact rejection sampling against a point
   mass, so the emitted token is distributed as p. An accepted child becomes the current node (fresh p);
-  when none is, the bonus is drawn from the residual with `resample_u` (core/accept.py: sample_from).
+  when none is, the bonus is drawn from the residual with `resample_u` (core/step/accept.py: sample_from).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def verify_tree_greedy(tree: DraftTree, target_argmax: Tensor, out_cache_loc: Te
     """Greedy tree verification: follow the child whose token equals the target's choice at the current node.
 
     target_argmax [bs, N] int64 — the target's argmax after each node; out_cache_loc [bs, N] int64 or None —
-    KV slot of each node (from core/block.py build_tree_inputs), to split into commit / free slots.
+    KV slot of each node (from core/step/block.py build_tree_inputs), to split into commit / free slots.
     """
     check_verify_args(tree, target_argmax, "target_argmax", out_cache_loc)
     bs, n = tree.tokens.shape

@@ -94,5 +94,5 @@ class NodeStates:
 def last_row(accept_len: Tensor, path: Tensor | None) -> Tensor:
     """The verify row of each request's last committed token [bs] int64, whose state becomes the live one: row
     accept_len [bs] of a chain; of a tree, the accepted path's node at that depth (path [bs, D+1] int64: the root,
-    then the accepted nodes, then -1; core/tree_verify.py)."""
+    then the accepted nodes, then -1; core/step/tree_verify.py)."""
     return accept_len if path is None else path.gather(1, accept_len[:, None])[:, 0]

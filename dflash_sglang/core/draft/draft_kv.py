@@ -2,7 +2,7 @@
 
 The drafter attends to K/V it wrote earlier (the context rows, written at commit; in SGLang also the block's own rows,
 written to the pool's scratch by the pass). A quantized draft KV cache changes what attention reads, so the format
-belongs to the definition of the drafter, not to the server: `DFlashDrafter.kv_format` (core/drafter.py) makes the
+belongs to the definition of the drafter, not to the server: `DFlashDrafter.kv_format` (core/draft/drafter.py) makes the
 reference drafter read every K/V row through `roundtrip`, exactly what a pool stored in `dtype` returns.
 
 Storage follows SGLang's own quantized KV (`MHATokenToKVPool.set_kv_buffer`): k / k_scale and v / v_scale cast with

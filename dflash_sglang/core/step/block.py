@@ -4,7 +4,7 @@ A draft block is `[last committed token, MASK x (B-1)]` at positions `seq_len ..
 `seq_len` counts the committed tokens whose KV exists, so the bonus token sits at position `seq_len`.
 A draft tree of N nodes is verified with node i at position `seq_len + depth[i]`; its KV goes to the slot
 reserved for the i-th token after the prefix, `req_to_token[req, seq_len + i]`, and the accepted path is
-compacted afterwards (see core/tree.py). The chain is the tree whose node i has depth i.
+compacted afterwards (see core/step/tree.py). The chain is the tree whose node i has depth i.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def build_tree_inputs(
 ) -> BlockInputs:
     """Target verify inputs for a draft tree (node 0 = the bonus token at depth 0).
 
-    tokens [bs, N] int64 — node tokens; depth [bs, N] int — node depths (core/tree.py DraftTree)
+    tokens [bs, N] int64 — node tokens; depth [bs, N] int — node depths (core/step/tree.py DraftTree)
     seq_lens, req_to_token, req_pool_indices as in build_block_inputs
     returns BlockInputs [bs, N]: input_ids = tokens, positions = seq_len + depth,
     out_cache_loc = req_to_token[req, seq_len + node index]

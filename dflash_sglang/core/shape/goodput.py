@@ -6,7 +6,7 @@ a plain decoding step with no drafter pass; or a best-first tree of n nodes over
 at batch size bs the controller predicts the batch's committed tokens per second
 
     G(s, bs) = bs * E(s) / T(s, bs)
-    E(s)     = committed tokens per request (core/acceptance.py: a chain's from acceptance by depth, a tree's from
+    E(s)     = committed tokens per request (core/shape/acceptance.py: a chain's from acceptance by depth, a tree's from
                where the target's tokens fall in the drafter's ranking, calibrated by what trees accepted)
     T(s, bs) = theta . [1, bs, bs * (n - 1), drafts, drafts * bs, tree * bs]    (drafts = 1 if n > 1, tree if k > 1)
 
@@ -66,8 +66,8 @@ class GoodputConfig:
     probe_fraction: float = 0.03  # time share spent on probes of the longest chain while it is not chosen
     accept_halflife: float = 64.0  # decode steps after which an acceptance observation counts half
     rank_halflife: float = 256.0  # ... a rank observation (the tail of the drafter's ranking moves slowly)
-    # The change detector (core/acceptance.py): CUSUMs of each step's acceptance log-likelihood ratio, for the rates
-    # dropping by change_factor and for the rejection rates dropping by it (a rise); past change_threshold (0 =
+    # The change detector (core/shape/acceptance.py): CUSUMs of each step's acceptance log-likelihood ratio, for the
+    # rates dropping by change_factor and for the rejection rates dropping by it (a rise); past change_threshold (0 =
     # never) the estimate restarts from the steps since that CUSUM last left zero.
     change_threshold: float = 8.0
     change_factor: float = 0.5

@@ -6,10 +6,11 @@ only that range. Rather than gathering [bs, B-1, V] logits, each rank reduces it
 log-sum-exp, the ranks exchange those (k + 1 numbers per position), and every rank merges them to exactly the
 full-vocabulary result: the argmax (a chain's drafts), the top-k tokens with their log-probabilities (a tree's
 candidates, normalised by the global log-sum-exp) or with their logits (`merge_top`: a DFlash2 selector's candidates,
-core/selector.py). Ties go to the lowest id, as `argmax` does over the whole vocabulary, for k > 1 too (`ordered_topk`:
-torch's topk leaves which of tied values it keeps unspecified), so the merge over any split equals one process's
-top-k exactly; in bf16 draft logits ties are common. Every function here that returns token ids with their scores
-returns the ids first, (ids, values); `ordered_topk`, torch's topk with a tie rule, keeps torch's (values, indices).
+core/draft/selector.py). Ties go to the lowest id, as `argmax` does over the whole vocabulary, for k > 1 too
+(`ordered_topk`: torch's topk leaves which of tied values it keeps unspecified), so the merge over any split equals one
+process's top-k exactly; in bf16 draft logits ties are common. Every function here that returns token ids with their
+scores returns the ids first, (ids, values); `ordered_topk`, torch's topk with a tie rule, keeps torch's (values,
+indices).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 At block position t = 1..D the candidates are the k best draft logits (the unary scores, after output_multiplier and
 soft-capping; ties to the lowest id), over the whole draft vocabulary or, under tensor parallelism, merged exactly
-over the ranks' vocab shards (core/vocab_parallel.py: the elementwise multiplier and cap commute with the split).
+over the ranks' vocab shards (core/step/vocab_parallel.py: the elementwise multiplier and cap commute with the split).
 Candidate b after predecessor a scores
 
     s_t(b | a) = unary_t(b) + < P[a] * (W h_t), S[b] >
@@ -11,12 +11,12 @@ with h_t the drafter's final-normed state, W = hidden_projection [r, H], P / S t
 [V, r]. A chain walks left to right from the anchor (the bonus token, position 0): greedy takes argmax_b s_t(b | a);
 at temperature T > 0 it draws b from q_t(. | a) = softmax(s_t(. | a) / T) over the k candidates (zero elsewhere). That
 q, conditioned on the predecessor actually drawn, is the proposal the verify's rejection sampling divides by
-(core/accept.py DraftQ). The request's top-k / top-p / min-p do not shape q (neither do the authors'); the verify
+(core/step/accept.py DraftQ). The request's top-k / top-p / min-p do not shape q (neither do the authors'); the verify
 applies them to the target's p, and rejection sampling is exact for any q.
 
-A tree scores each node's children with the node's own token as predecessor (core/tree.py `grow_tree`): the pair term
-makes the scores path dependent. Its nodes are chosen by log q at temperature 1, deterministically, so the tree is a
-set of point-mass drafts and core/tree_verify.py verifies it exactly, greedy or sampled.
+A tree scores each node's children with the node's own token as predecessor (core/step/tree.py `grow_tree`): the pair
+term makes the scores path dependent. Its nodes are chosen by log q at temperature 1, deterministically, so the tree is
+a set of point-mass drafts and core/step/tree_verify.py verifies it exactly, greedy or sampled.
 """
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from .accept import DraftQ, SamplingParams, sample_from
-from .tree import DraftTree, check_tree_args, grow_tree
-from .vocab_parallel import NOT_RANKED, VocabShard, local_top
+from ..step.accept import DraftQ, SamplingParams, sample_from
+from ..step.tree import DraftTree, check_tree_args, grow_tree
+from ..step.vocab_parallel import NOT_RANKED, VocabShard, local_top
 
 if TYPE_CHECKING:
     from .config import DraftConfig

@@ -1,6 +1,6 @@
 """Chain acceptance: greedy (longest matching prefix + bonus) and lossless rejection sampling.
 
-Conventions shared with the tree version (core/tree.py) and the CUDA kernels, so they compare bit-exactly:
+Conventions shared with the tree version (core/step/tree.py) and the CUDA kernels, so they compare bit-exactly:
 - `accept_len [bs]` counts accepted DRAFT tokens (0..B-1); the step commits accept_len + 1 tokens
   (tau counts the bonus token).
 - `out_tokens [bs, B]`: accepted drafts, then the bonus token at index accept_len, then -1.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .tree import max_tree_nodes
+from ..step.tree import max_tree_nodes
 
 # Chosen for Hopper-class GPUs with small (<= 8B) targets, where a verify stays memory-bound up to roughly
 # 256-512 tokens per step; re-derive with scripts/ when the hardware or model changes.

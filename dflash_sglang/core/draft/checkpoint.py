@@ -145,7 +145,7 @@ def load_drafter(
     """Load a z-lab (or speculators) DFlash draft strictly from safetensors.
 
     dtype None keeps the stored dtype of the weights (bf16 for published drafts). A `token_map.safetensors` next
-    to config.json becomes `model.token_map` (reduced draft vocabulary, core/token_map.py); none: full vocabulary.
+    to config.json becomes `model.token_map` (reduced draft vocabulary, core/draft/token_map.py); none: full vocabulary.
     """
     draft_dir = Path(draft_dir)
     cfg = DraftConfig.load(draft_dir)

@@ -20,7 +20,7 @@ class DynamicConv(nn.Module):
 
     def __init__(self, hidden: int, taps: int, group: int) -> None:
         super().__init__()
-        assert hidden % group == 0, "validated in core/config.py"
+        assert hidden % group == 0, "validated in core/draft/config.py"
         self.taps, self.group, self.groups = taps, group, hidden // group
         # identity at tap 0 on both sides: a fresh convolution passes its sublayer through unchanged
         base = torch.zeros(2, taps, hidden)

@@ -4,8 +4,8 @@ One forward pass drafts a whole block `[last committed token, MASK x (B-1)]`: qu
 keys/values are `[context rows | block rows]`, attention is non-causal (every block query sees every
 valid context row and the whole block). The drafter has no embedding table or LM head of its own; callers
 embed with the target's `embed_tokens` and project with the target's `lm_head` (see `logits`). A DFlash2 drafter
-(`cfg.dflash2`) wraps each layer's attention and MLP in a convolution over the block's rows (core/conv.py) and
-chooses its drafts with a candidate selector (core/selector.py, `candidate_selector`).
+(`cfg.dflash2`) wraps each layer's attention and MLP in a convolution over the block's rows (core/draft/conv.py) and
+chooses its drafts with a candidate selector (core/draft/selector.py, `candidate_selector`).
 
 Parameter names equal the z-lab safetensors names exactly, so `load_state_dict(strict=True)` is the check.
 """
@@ -206,10 +206,10 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg)
         self.candidate_selector = CandidateSelector(cfg) if cfg.dflash2 is not None else None
-        # [K] int64 target ids of a reduced draft vocabulary (core/token_map.py), None = full vocabulary. A
+        # [K] int64 target ids of a reduced draft vocabulary (core/draft/token_map.py), None = full vocabulary. A
         # non-persistent buffer: it follows .to(device) but stays out of state_dict (its own file on disk).
         self.register_buffer("token_map", None, persistent=False)
-        # How its K/V are stored before attention reads them (core/draft_kv.py): None keeps them as computed; a
+        # How its K/V are stored before attention reads them (core/draft/draft_kv.py): None keeps them as computed; a
         # quantized format (fp8 draft KV) makes every context and block row read back as its stored value.
         self.kv_format: DraftKVFormat | None = None
         # A sliding context window (`--speculative-draft-window-size W`): a block at positions L.. reads only the
