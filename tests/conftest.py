@@ -4,7 +4,9 @@ Engines and servers they start fork their processes rather than spawn them (that
 Under pytest-xdist (`.ci/run`: two workers on CI's two cores) each worker's own torch runs one thread: with torch's
 default of one thread per core, two busy workers ran four OpenMP threads on two cores, which spin while they wait for
 each other (beside the e2e file's Engines, tests/test_reference.py had used 17 CPU-minutes and was not done; alone it
-takes 4.5 minutes). What the tests start (Engines, servers, scripts) is not affected: they set their own threads."""
+takes 4.5 minutes). The same holds for what a worker starts (servers, scripts, Engines): they inherit
+OMP_NUM_THREADS=1 (the e2e Engines set it themselves; a script given --threads sets its own). A CPU server's script
+test beside a busy core took 91-92 s with torch's two threads and 53-55 s with one (docs/benchmarks.md "CI cost")."""
 import os
 from pathlib import Path
 
@@ -18,3 +20,4 @@ def pytest_configure(config) -> None:
         import torch
 
         torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"  # (every process this worker starts)
