@@ -81,10 +81,14 @@ def test_verify_mask_under_masked_verify_graphs():
 def test_which_plain_steps_run_sglangs_decode_forward(graphs, hybrid, attention_dp, decode):
     from types import SimpleNamespace
 
-    from dflash_sglang.adapter.step.verify import decode_serves_plain_steps
+    from dflash_sglang.adapter.step.verify import PLAIN_STEP_ENV, decode_serves_plain_steps
 
     runner = SimpleNamespace(decode_cuda_graph_runner=graphs)
     assert decode_serves_plain_steps(runner, hybrid, attention_dp) is decode
+    assert decode_serves_plain_steps(runner, hybrid, attention_dp, "decode") is decode
+    assert decode_serves_plain_steps(runner, hybrid, attention_dp, "verify") is False  # (the before/after switch)
+    with pytest.raises(ValueError, match=f"{PLAIN_STEP_ENV}='fast'"):
+        decode_serves_plain_steps(runner, hybrid, attention_dp, "fast")
 
 
 def test_tree_attention_matches_brute_force():

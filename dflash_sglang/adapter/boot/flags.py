@@ -5,9 +5,10 @@ Serving settings are SGLang server flags. Where SGLang has a flag whose meaning 
 rest are `--speculative-dflash-*` flags this plugin adds to SGLang's own parser (`add_plugin_flags`, shown in
 `--help`) and takes as `sgl.Engine(...)` keywords. Environment variables are kept only for what is not a serving
 setting: `DFLASH_SGLANG_IMPL` (ours / builtin), `DFLASH_SGLANG_HOME` (the kernel cache), the simulations
-(adapter/simulate.py) and `DFLASH_DEFER_PLAIN_UPKEEP` (adapter/step/upkeep.py: before/after timings of the plain steps'
-draft K/V upkeep), each listed in docs/serving-flags.md. The variables of earlier releases are refused at start-up
-naming their flag (`refuse_retired_env`).
+(adapter/simulate.py), `DFLASH_DEFER_PLAIN_UPKEEP` (adapter/step/upkeep.py: before/after timings of the plain steps'
+draft K/V upkeep) and `DFLASH_PLAIN_STEP` (adapter/step/verify.py: of their forward), each listed in
+docs/serving-flags.md. The variables of earlier releases are refused at start-up naming their flag
+(`refuse_retired_env`).
 
 How our flags travel: SGLang's ServerArgs has no fields for them, so the values parsed from the command line (or
 popped from the Engine keywords) ride on the record as bookkeeping (`_dflash_flags`) or, while the record is being

@@ -6,6 +6,7 @@ once, as an object (a no-op one where the feature is off).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -32,7 +33,7 @@ from .metrics import GoodputMetrics
 from .penalties import RequestPenalties
 from .shapes import ShapeSchedule
 from .upkeep import DraftCommit, draft_commit
-from .verify import decode_serves_plain_steps, masked_verify_graphs
+from .verify import PLAIN_STEP_ENV, decode_serves_plain_steps, masked_verify_graphs
 
 logger = logging.getLogger("dflash_sglang.adapter.step.worker")  # (the start-up lines keep the worker's logger name)
 _MIN_FREE_FOR_GRAPHS = 1 << 30  # bytes free after the target's setup below which the draft stays eager
@@ -253,8 +254,8 @@ class WorkerStartup(BaseSpecWorker):
 
     def init_cuda_graphs(self) -> None:
         # Called after the target captured its graphs: ours take the target's batch sizes (adapter/draft/graphs.py).
-        self.plain_by_decode = decode_serves_plain_steps(self.model_runner, self.settings.hybrid,
-                                                         isinstance(self.dp, AttentionDP))
+        self.plain_by_decode = decode_serves_plain_steps(
+            self.model_runner, self.settings.hybrid, isinstance(self.dp, AttentionDP), os.environ.get(PLAIN_STEP_ENV))
         sizes = getattr(getattr(self.model_runner, "decode_cuda_graph_runner", None), "capture_bs", None)
         mode = graph_mode(self.device, bool(sizes), self.drafter.attention, self.settings.draft_graphs)
         if mode is None:

@@ -115,12 +115,19 @@ def run_target_verify(
     return out.logits_output, bool(out.can_run_cuda_graph)
 
 
-def decode_serves_plain_steps(runner, hybrid: bool, attention_dp: bool) -> bool:
+PLAIN_STEP_ENV = "DFLASH_PLAIN_STEP"  # "verify": plain steps as a one-row verify (before/after timings only)
+
+
+def decode_serves_plain_steps(runner, hybrid: bool, attention_dp: bool, switch: str | None = None) -> bool:
     """Whether a plain step (one row per request, no drafts) runs as SGLang's own DECODE forward rather than a verify
     of one row: where the target replays no CUDA graphs (SGLang captures the target's graphs for TARGET_VERIFY in a
     speculative server; CPU, --disable-cuda-graph), its state is not recurrent (a hybrid target's state is committed
-    per verify row) and no DP attention group must run the other groups' forward mode."""
-    return getattr(runner, "decode_cuda_graph_runner", None) is None and not hybrid and not attention_dp
+    per verify row) and no DP attention group must run the other groups' forward mode. switch: `PLAIN_STEP_ENV`'s
+    value (`decode`, the default, or `verify`)."""
+    if switch not in (None, "", "decode", "verify"):
+        raise ValueError(f"{PLAIN_STEP_ENV}={switch!r}: expected 'decode' (the default) or 'verify'")
+    return (switch != "verify" and getattr(runner, "decode_cuda_graph_runner", None) is None and not hybrid
+            and not attention_dp)
 
 
 def run_target_decode(target_worker: TpModelWorker, batch: ScheduleBatch, ids: Tensor, slots: Tensor):
