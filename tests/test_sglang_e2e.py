@@ -903,8 +903,9 @@ def runs(pair_dir, qwen3_dir) -> dict[str, dict]:
         # a DFlash2 draft (--speculative-dflash-experimental), no shape flag: the controller over the selector's
         # chains (its walk, sampled where a request samples) and trees; the pass, candidates and walk replayed through
         # the draft graphs' static buffers (adapter/draft/selector_graph.py)
+        # (its plain steps through SGLang's decode forward: DFLASH_PLAIN_STEP=decode, off by default)
         dict(name="dflash2", root=str(pair_dir), spec=True, full=True, draft=dflash2_draft,
-             env={**debug_env(pair_dir), **FIXED_COST},
+             env={**debug_env(pair_dir), **FIXED_COST, "DFLASH_PLAIN_STEP": "decode"},
              engine_kwargs={"speculative_dflash_experimental": True, **STATIC_GRAPHS}),
         dict(name="tree", root=str(pair_dir), spec=True, full=True, block=TREE_NODES, topk=TREE_TOPK,
              env=debug_env(pair_dir), engine_kwargs=dict(STATIC_GRAPHS)),
@@ -1321,13 +1322,15 @@ def test_goodput_controller_varies_the_shape(runs, pair_dir):  # runs: the Engin
            "top-2/4" in log
 
 
-def test_plain_steps_run_sglangs_decode_forward(runs, pair_dir):  # runs: the Engines have run
-    """The controller's plain steps (chains of 1) ran SGLang's own DECODE forward, as plain decoding does, not a verify
-    of one row (CPU: the target replays no graphs; adapter/step/verify.py `run_target_decode`): the goodput Engine's
-    outputs, identical to plain's greedy and distributed as the target's sampled, came through it."""
-    log = (pair_dir / "goodput.log").read_text()
+@pytest.mark.parametrize("name,decode", [("dflash2", True), ("goodput", False)])
+def test_plain_steps_run_sglangs_decode_forward_where_asked(runs, pair_dir, name, decode):  # runs: they have run
+    """DFLASH_PLAIN_STEP=decode (the DFlash2 Engine): the controller's plain steps (chains of 1) ran SGLang's own
+    DECODE forward, as plain decoding does, not a verify of one row (adapter/step/verify.py `run_target_decode`), and
+    its outputs above (greedy identical to plain's, sampled distributed as the target's) came through it; by default
+    (the goodput Engine) a one-row verify, the faster on CPU."""
+    log = (pair_dir / f"{name}.log").read_text()
     assert "DFLASH goodput: batch size" in log and " -> chain 1 (" in log  # the controller ran plain steps
-    assert "a plain step runs SGLang's decode forward (no verify rows)" in log
+    assert ("a plain step runs SGLang's decode forward (no verify rows)" in log) is decode
 
 
 def test_goodput_metrics_beside_sglangs(runs):

@@ -73,7 +73,7 @@ def test_verify_mask_under_masked_verify_graphs():
 
 
 @pytest.mark.parametrize("graphs,hybrid,attention_dp,decode", [
-    (None, False, False, True),  # CPU or --disable-cuda-graph: plain decoding's forward
+    (None, False, False, True),  # CPU or --disable-cuda-graph: plain decoding's forward, where asked
     (object(), False, False, False),  # the target's graphs are captured for TARGET_VERIFY: a one-row verify replays
     (None, True, False, False),  # a hybrid target's recurrent state is committed per verify row
     (None, False, True, False),  # DP attention: every group runs the same forward mode
@@ -84,9 +84,9 @@ def test_which_plain_steps_run_sglangs_decode_forward(graphs, hybrid, attention_
     from dflash_sglang.adapter.step.verify import PLAIN_STEP_ENV, decode_serves_plain_steps
 
     runner = SimpleNamespace(decode_cuda_graph_runner=graphs)
-    assert decode_serves_plain_steps(runner, hybrid, attention_dp) is decode
     assert decode_serves_plain_steps(runner, hybrid, attention_dp, "decode") is decode
-    assert decode_serves_plain_steps(runner, hybrid, attention_dp, "verify") is False  # (the before/after switch)
+    for default in (None, "", "verify"):  # the verify by default (faster on CPU: docs/benchmarks.md)
+        assert decode_serves_plain_steps(runner, hybrid, attention_dp, default) is False
     with pytest.raises(ValueError, match=f"{PLAIN_STEP_ENV}='fast'"):
         decode_serves_plain_steps(runner, hybrid, attention_dp, "fast")
 

@@ -115,18 +115,21 @@ def run_target_verify(
     return out.logits_output, bool(out.can_run_cuda_graph)
 
 
-PLAIN_STEP_ENV = "DFLASH_PLAIN_STEP"  # "verify": plain steps as a one-row verify (before/after timings only)
+PLAIN_STEP_ENV = "DFLASH_PLAIN_STEP"  # "decode": plain steps as SGLang's DECODE forward (an implementation switch)
 
 
 def decode_serves_plain_steps(runner, hybrid: bool, attention_dp: bool, switch: str | None = None) -> bool:
     """Whether a plain step (one row per request, no drafts) runs as SGLang's own DECODE forward rather than a verify
-    of one row: where the target replays no CUDA graphs (SGLang captures the target's graphs for TARGET_VERIFY in a
-    speculative server; CPU, --disable-cuda-graph), its state is not recurrent (a hybrid target's state is committed
-    per verify row) and no DP attention group must run the other groups' forward mode. switch: `PLAIN_STEP_ENV`'s
-    value (`decode`, the default, or `verify`)."""
+    of one row: only when asked (switch: `PLAIN_STEP_ENV`'s value, `verify` by default, or `decode`), and where the
+    target replays no CUDA graphs (SGLang captures the target's graphs for TARGET_VERIFY in a speculative server;
+    CPU, --disable-cuda-graph), its state is not recurrent (a hybrid target's state is committed per verify row) and
+    no DP attention group must run the other groups' forward mode. Why the verify is the default: on CPU its one row
+    runs our attention over the prefix (step/tree.py `TreeMaskAttention`), which the py-spy step profile measured at
+    17.8 ms of target forward per token against 20.8 for SGLang's decode forward (docs/benchmarks.md, "The
+    controller's floor"); on GPU the target's graphs are captured for the verify."""
     if switch not in (None, "", "decode", "verify"):
-        raise ValueError(f"{PLAIN_STEP_ENV}={switch!r}: expected 'decode' (the default) or 'verify'")
-    return (switch != "verify" and getattr(runner, "decode_cuda_graph_runner", None) is None and not hybrid
+        raise ValueError(f"{PLAIN_STEP_ENV}={switch!r}: expected 'verify' (the default) or 'decode'")
+    return (switch == "decode" and getattr(runner, "decode_cuda_graph_runner", None) is None and not hybrid
             and not attention_dp)
 
 
