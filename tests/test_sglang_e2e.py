@@ -735,6 +735,9 @@ def run_zygote() -> None:
     answers = os.fdopen(os.dup(1), "w")  # (stdout is the answers' pipe: whatever else prints goes to the log)
     os.dup2(2, 1)
     import sglang.srt.entrypoints.engine  # noqa: F401 (the import every child shares)
+    from sitecustomize import preload  # (tests/fork_start: the model registry too, and the imports out of gc's way)
+
+    preload()
 
     for line in sys.stdin:
         fork_wave(Path(line.strip()), answers.fileno())
