@@ -1,6 +1,7 @@
 """Tiny random targets and drafters for CPU tests (built from configs; no hub access)."""
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import torch
@@ -39,6 +40,23 @@ MUSE_GLIMMER_DFLASH2 = {
 }
 
 
+# HF's torch path of the Gated DeltaNet rule (what a hybrid tiny target runs on the CPU) pads every multi-token forward
+# to chunks of 64 positions and walks each chunk's rows in a Python loop over [rows, heads, 64, 64] tensors; the tests'
+# forwards are a few tokens long (a prompt, a verify block) on batches of up to 12,000 rows. Chunking is an exact
+# rewriting of the recurrence (chunk size changes only float rounding), so their targets run chunks of 8: the hybrid
+# sampled-distribution tests of tests/test_reference.py took 55 s of their 63 alone with chunks of 64, 15 with 8.
+HYBRID_CHUNK = 8
+
+
+def _short_chunks(module) -> None:
+    """Make `module`'s (an HF hybrid model's) chunked rule run HYBRID_CHUNK-position chunks (idempotent)."""
+    import functools
+
+    rule = module.torch_chunk_gated_delta_rule
+    if not isinstance(rule, functools.partial):
+        module.torch_chunk_gated_delta_rule = functools.partial(rule, chunk_size=HYBRID_CHUNK)
+
+
 def tiny_target(arch: str = "llama", vocab: int = 96, hidden: int = 32, layers: int = 6, seed: int = 0):
     """A tiny random HF target: `arch` one of ARCHS (hybrid ones alternate linear and full attention layers)."""
     import transformers
@@ -70,6 +88,7 @@ def tiny_target(arch: str = "llama", vocab: int = 96, hidden: int = 32, layers: 
             config, cls = transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM
             linear.update(num_experts=0, mlp_only_layers=[])
         model = cls(config(**common, **linear, head_dim=hidden // 4))
+        _short_chunks(importlib.import_module(cls.__module__))
     else:
         raise ValueError(arch)
     # Larger-than-default weights give peaked, tie-free distributions, so greedy comparisons are meaningful.
