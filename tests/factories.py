@@ -1,6 +1,7 @@
 """Tiny random targets and drafters for CPU tests (built from configs; no hub access)."""
 from __future__ import annotations
 
+import functools
 import importlib
 from pathlib import Path
 
@@ -50,8 +51,6 @@ HYBRID_CHUNK = 8
 
 def _short_chunks(module) -> None:
     """Make `module`'s (an HF hybrid model's) chunked rule run HYBRID_CHUNK-position chunks (idempotent)."""
-    import functools
-
     rule = module.torch_chunk_gated_delta_rule
     if not isinstance(rule, functools.partial):
         module.torch_chunk_gated_delta_rule = functools.partial(rule, chunk_size=HYBRID_CHUNK)

@@ -15,7 +15,7 @@ FORK_START = Path(__file__).resolve().parent / "fork_start"
 SHIMS = Path(__file__).resolve().parent / "sglang_shims"
 
 # a child that answers what SGLang's Engine would get: the start method after its set_start_method("spawn"), whether
-# the model registry was imported by then, and how many objects gc leaves alone (frozen)
+# the model registry was imported by then, and whether gc leaves the imports alone (frozen)
 PROBE = """
 import gc, multiprocessing, sys
 import torch

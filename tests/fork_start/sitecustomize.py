@@ -26,20 +26,23 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def preload() -> None:
+def preload() -> bool:
     """What every forked scheduler would otherwise do again: import SGLang's model registry (it imports every model
     module to find the architecture's class, ~4 s of CPU) and collect garbage over every object of the imports (SGLang
     runs `gc.collect()` before sizing its KV pool, ~0.9 s). Done once in the process that forks (an Engine's, a
     server's, the e2e zygote's), whose children inherit the imports, and `gc.freeze()` moves what exists by then out of
     every later collection. A tiny Engine forked after it starts in ~1.1 s instead of ~5.9 (docs/benchmarks.md, "CI
-    cost"); what runs in the scheduler is unchanged (its own import of the registry finds it loaded)."""
-    if _cuda_available():  # (nothing forks there; and a model module may ask the device at import)
-        return
+    cost"); what runs in the scheduler is unchanged (its own import of the registry finds it loaded). Returns whether
+    it did: False, and nothing imported, on a machine with a CUDA device (nothing may fork there, and a model module
+    may ask the device at import)."""
+    if _cuda_available():
+        return False
     import gc
 
     import sglang.srt.models.registry  # noqa: F401
 
     gc.freeze()
+    return True
 
 
 if _SPAWN and _SPAWN != "1" and _SPAWN in sys.argv:  # (said, so that a test can tell that it spawned)
@@ -50,8 +53,7 @@ elif _SPAWN != "1":
     _set_start_method = multiprocessing.set_start_method
 
     def _fork_instead_of_spawn(method, force=False):
-        if method == "spawn" and not _cuda_available():  # (SGLang's Engine, just before it starts its processes)
-            preload()
+        if method == "spawn" and preload():  # (SGLang's Engine, just before it starts its processes)
             method = "fork"
         _set_start_method(method, force=force)
 
